@@ -1,0 +1,491 @@
+//! Reference codecs for the block formats: plain scalar code, written for clarity. The fast
+//! paths live in the `model` crate and are tested against these.
+//!
+//! Layouts follow ggml (all little endian). `QK` is 32 for the legacy formats and 256 for K-quants.
+
+use half::{bf16, f16};
+
+use crate::{Error, GgmlType};
+
+pub const QK: usize = 32;
+pub const QK_K: usize = 256;
+
+#[inline]
+pub fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+#[inline]
+fn put_f16(out: &mut Vec<u8>, v: f32) {
+    out.extend_from_slice(&f16::from_f32(v).to_le_bytes());
+}
+
+/// The 6-bit scale and min of sub-block `j` in a Q4_K / Q5_K `scales[12]` field.
+#[inline]
+pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// The 16 signed scales of a Q3_K block from its packed `scales[12]` field.
+pub fn q3k_scales(packed: &[u8]) -> [i8; 16] {
+    let mut aux = [0u32; 4];
+    for (i, a) in aux.iter_mut().take(3).enumerate() {
+        *a = u32::from_le_bytes([packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]]);
+    }
+    const KMASK1: u32 = 0x0303_0303;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    let tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & KMASK2) | (((tmp >> 4) & KMASK1) << 4);
+    aux[3] = ((aux[1] >> 4) & KMASK2) | (((tmp >> 6) & KMASK1) << 4);
+    aux[0] = (aux[0] & KMASK2) | ((tmp & KMASK1) << 4);
+    aux[1] = (aux[1] & KMASK2) | (((tmp >> 2) & KMASK1) << 4);
+    let mut out = [0i8; 16];
+    for (i, a) in aux.iter().enumerate() {
+        for (k, byte) in a.to_le_bytes().iter().enumerate() {
+            out[4 * i + k] = *byte as i8;
+        }
+    }
+    out
+}
+
+fn check_len(ty: GgmlType, bytes: &[u8], out: &[f32]) -> Result<(), Error> {
+    if out.len() % ty.block_size() != 0 {
+        return Err(Error::BadLength {
+            what: "dequantize output",
+            len: out.len(),
+            multiple: ty.block_size(),
+        });
+    }
+    let need = ty.row_bytes(out.len());
+    if bytes.len() != need {
+        return Err(Error::BadLength {
+            what: "dequantize input bytes",
+            len: bytes.len(),
+            multiple: ty.type_size(),
+        });
+    }
+    Ok(())
+}
+
+/// Decodes `out.len()` values of type `ty` from `bytes`.
+pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Error> {
+    check_len(ty, bytes, out)?;
+    let bs = ty.type_size();
+    let n = ty.block_size();
+    for (blk, y) in bytes.chunks_exact(bs).zip(out.chunks_exact_mut(n)) {
+        dequantize_block(ty, blk, y);
+    }
+    Ok(())
+}
+
+fn dequantize_block(ty: GgmlType, b: &[u8], y: &mut [f32]) {
+    match ty {
+        GgmlType::F32 => y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        GgmlType::F16 => y[0] = f16_at(b, 0),
+        GgmlType::BF16 => y[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+        GgmlType::Q4_0 => {
+            let d = f16_at(b, 0);
+            for j in 0..16 {
+                y[j] = ((b[2 + j] & 0xF) as i32 - 8) as f32 * d;
+                y[j + 16] = ((b[2 + j] >> 4) as i32 - 8) as f32 * d;
+            }
+        }
+        GgmlType::Q4_1 => {
+            let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+            for j in 0..16 {
+                y[j] = (b[4 + j] & 0xF) as f32 * d + m;
+                y[j + 16] = (b[4 + j] >> 4) as f32 * d + m;
+            }
+        }
+        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            let legacy0 = ty == GgmlType::Q5_0;
+            let d = f16_at(b, 0);
+            let (m, qh_at) = if legacy0 { (0.0, 2) } else { (f16_at(b, 2), 4) };
+            let qh = u32::from_le_bytes([b[qh_at], b[qh_at + 1], b[qh_at + 2], b[qh_at + 3]]);
+            let qs = &b[qh_at + 4..];
+            let off = if legacy0 { 16 } else { 0 };
+            for j in 0..16 {
+                let h0 = ((qh >> j) << 4) & 0x10;
+                let h1 = (qh >> (j + 12)) & 0x10;
+                let x0 = ((qs[j] as u32 & 0xF) | h0) as i32 - off;
+                let x1 = ((qs[j] as u32 >> 4) | h1) as i32 - off;
+                y[j] = x0 as f32 * d + m;
+                y[j + 16] = x1 as f32 * d + m;
+            }
+        }
+        GgmlType::Q8_0 => {
+            let d = f16_at(b, 0);
+            for j in 0..32 {
+                y[j] = (b[2 + j] as i8) as f32 * d;
+            }
+        }
+        GgmlType::Q8_1 => {
+            let d = f16_at(b, 0);
+            for j in 0..32 {
+                y[j] = (b[4 + j] as i8) as f32 * d;
+            }
+        }
+        GgmlType::Q2K => dequant_q2k(b, y),
+        GgmlType::Q3K => dequant_q3k(b, y),
+        GgmlType::Q4K => dequant_q4k(b, y),
+        GgmlType::Q5K => dequant_q5k(b, y),
+        GgmlType::Q6K => dequant_q6k(b, y),
+        GgmlType::Q8K => {
+            let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            for j in 0..QK_K {
+                y[j] = (b[4 + j] as i8) as f32 * d;
+            }
+        }
+    }
+}
+
+fn dequant_q2k(b: &[u8], y: &mut [f32]) {
+    let scales = &b[0..16];
+    let qs = &b[16..80];
+    let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+    let mut out = 0;
+    let mut is = 0;
+    for n in 0..2 {
+        let q = &qs[32 * n..];
+        for shift in [0, 2, 4, 6] {
+            for half in 0..2 {
+                let sc = scales[is];
+                is += 1;
+                let (dl, ml) = (d * (sc & 0xF) as f32, dmin * (sc >> 4) as f32);
+                for l in 0..16 {
+                    y[out] = dl * ((q[l + 16 * half] >> shift) & 3) as f32 - ml;
+                    out += 1;
+                }
+            }
+        }
+    }
+}
+
+fn dequant_q3k(b: &[u8], y: &mut [f32]) {
+    let hmask = &b[0..32];
+    let qs = &b[32..96];
+    let scales = q3k_scales(&b[96..108]);
+    let d = f16_at(b, 108);
+    let mut out = 0;
+    let mut is = 0;
+    let mut m = 1u8;
+    for n in 0..2 {
+        let q = &qs[32 * n..];
+        for shift in [0, 2, 4, 6] {
+            for half in 0..2 {
+                let dl = d * (scales[is] as i32 - 32) as f32;
+                is += 1;
+                for l in 0..16 {
+                    let idx = l + 16 * half;
+                    let lo = ((q[idx] >> shift) & 3) as i32;
+                    let hi = if hmask[idx] & m != 0 { 0 } else { 4 };
+                    y[out] = dl * (lo - hi) as f32;
+                    out += 1;
+                }
+            }
+            m <<= 1;
+        }
+    }
+}
+
+fn dequant_q4k(b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let scales = &b[4..16];
+    let qs = &b[16..144];
+    for j in 0..4 {
+        let (sc1, m1) = scale_min_k4(2 * j, scales);
+        let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+        let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
+        let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
+        let q = &qs[32 * j..32 * j + 32];
+        for l in 0..32 {
+            y[64 * j + l] = d1 * (q[l] & 0xF) as f32 - min1;
+            y[64 * j + 32 + l] = d2 * (q[l] >> 4) as f32 - min2;
+        }
+    }
+}
+
+fn dequant_q5k(b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let scales = &b[4..16];
+    let qh = &b[16..48];
+    let qs = &b[48..176];
+    let (mut u1, mut u2) = (1u8, 2u8);
+    for j in 0..4 {
+        let (sc1, m1) = scale_min_k4(2 * j, scales);
+        let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+        let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
+        let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
+        let ql = &qs[32 * j..32 * j + 32];
+        for l in 0..32 {
+            let h1 = if qh[l] & u1 != 0 { 16 } else { 0 };
+            let h2 = if qh[l] & u2 != 0 { 16 } else { 0 };
+            y[64 * j + l] = d1 * ((ql[l] & 0xF) + h1) as f32 - min1;
+            y[64 * j + 32 + l] = d2 * ((ql[l] >> 4) + h2) as f32 - min2;
+        }
+        u1 <<= 2;
+        u2 <<= 2;
+    }
+}
+
+fn dequant_q6k(b: &[u8], y: &mut [f32]) {
+    let ql_all = &b[0..128];
+    let qh_all = &b[128..192];
+    let sc_all = &b[192..208];
+    let d = f16_at(b, 208);
+    for n in 0..2 {
+        let (ql, qh, sc) = (&ql_all[64 * n..], &qh_all[32 * n..], &sc_all[8 * n..]);
+        let y = &mut y[128 * n..];
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+            let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+            y[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+            y[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+            y[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+            y[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+        }
+    }
+}
+
+/// Encodes `src` as `ty` with simple round-to-nearest reference quantizers (good enough for
+/// test models; not llama.cpp's importance-weighted search).
+pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, Error> {
+    if src.len() % ty.block_size() != 0 {
+        return Err(Error::BadLength {
+            what: "quantize input",
+            len: src.len(),
+            multiple: ty.block_size(),
+        });
+    }
+    let mut out = Vec::with_capacity(ty.row_bytes(src.len()));
+    match ty {
+        GgmlType::F32 => src.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        GgmlType::F16 => src.iter().for_each(|&v| put_f16(&mut out, v)),
+        GgmlType::BF16 => src
+            .iter()
+            .for_each(|&v| out.extend_from_slice(&bf16::from_f32(v).to_le_bytes())),
+        GgmlType::Q4_0 | GgmlType::Q5_0 => {
+            let (levels, half) = if ty == GgmlType::Q4_0 { (15, 8.5) } else { (31, 16.5) };
+            for x in src.chunks_exact(QK) {
+                let max = x.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+                let d = max / -(half - 0.5);
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let q: Vec<u8> = x.iter().map(|&v| ((v * id + half) as i32).clamp(0, levels) as u8).collect();
+                put_f16(&mut out, d);
+                pack_low_bits(&mut out, &q, ty == GgmlType::Q5_0);
+            }
+        }
+        GgmlType::Q4_1 | GgmlType::Q5_1 => {
+            let levels = if ty == GgmlType::Q4_1 { 15 } else { 31 };
+            for x in src.chunks_exact(QK) {
+                let min = x.iter().copied().fold(f32::INFINITY, f32::min);
+                let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let d = (max - min) / levels as f32;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let q: Vec<u8> = x
+                    .iter()
+                    .map(|&v| (((v - min) * id + 0.5) as i32).clamp(0, levels) as u8)
+                    .collect();
+                put_f16(&mut out, d);
+                put_f16(&mut out, min);
+                pack_low_bits(&mut out, &q, ty == GgmlType::Q5_1);
+            }
+        }
+        GgmlType::Q8_0 | GgmlType::Q8_1 => {
+            for x in src.chunks_exact(QK) {
+                let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let q: Vec<i8> = x.iter().map(|&v| (v * id).round() as i8).collect();
+                put_f16(&mut out, d);
+                if ty == GgmlType::Q8_1 {
+                    put_f16(&mut out, q.iter().map(|&v| v as i32).sum::<i32>() as f32 * d);
+                }
+                out.extend(q.iter().map(|&v| v as u8));
+            }
+        }
+        GgmlType::Q4K => src.chunks_exact(QK_K).for_each(|x| quantize_q4k(x, &mut out)),
+        GgmlType::Q6K => src.chunks_exact(QK_K).for_each(|x| quantize_q6k(x, &mut out)),
+        GgmlType::Q8K => {
+            for x in src.chunks_exact(QK_K) {
+                let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let q: Vec<i8> = x.iter().map(|&v| (v * id).round().clamp(-127.0, 127.0) as i8).collect();
+                out.extend_from_slice(&d.to_le_bytes());
+                out.extend(q.iter().map(|&v| v as u8));
+                for s in q.chunks_exact(16) {
+                    out.extend_from_slice(&(s.iter().map(|&v| v as i16).sum::<i16>()).to_le_bytes());
+                }
+            }
+        }
+        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q5K => {
+            return Err(Error::UnsupportedCodec {
+                ty: ty.name(),
+                op: "quantized",
+            })
+        }
+    }
+    Ok(out)
+}
+
+/// Packs 32 values as nibbles (value j in the low half of byte j, value j+16 in the high half),
+/// preceded, for 5-bit formats, by the 32 fifth bits as a little-endian u32.
+fn pack_low_bits(out: &mut Vec<u8>, q: &[u8], five_bits: bool) {
+    if five_bits {
+        let mut qh = 0u32;
+        for (j, &v) in q.iter().enumerate() {
+            qh |= (((v >> 4) & 1) as u32) << j;
+        }
+        out.extend_from_slice(&qh.to_le_bytes());
+    }
+    for j in 0..16 {
+        out.push((q[j] & 0xF) | ((q[j + 16] & 0xF) << 4));
+    }
+}
+
+fn quantize_q4k(x: &[f32], out: &mut Vec<u8>) {
+    // Per sub-block of 32: x ~= scale * q - min, q in 0..=15, min >= 0.
+    let mut scales = [0f32; 8];
+    let mut mins = [0f32; 8];
+    for (j, sub) in x.chunks_exact(32).enumerate() {
+        let lo = sub.iter().copied().fold(f32::INFINITY, f32::min).min(0.0);
+        let hi = sub.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        scales[j] = (hi - lo) / 15.0;
+        mins[j] = -lo;
+    }
+    let max_scale = scales.iter().copied().fold(0f32, f32::max);
+    let max_min = mins.iter().copied().fold(0f32, f32::max);
+    let d = max_scale / 63.0;
+    let dmin = max_min / 63.0;
+    let mut ls = [0u8; 8];
+    let mut lm = [0u8; 8];
+    for j in 0..8 {
+        ls[j] = if d > 0.0 { (scales[j] / d).round().min(63.0) as u8 } else { 0 };
+        lm[j] = if dmin > 0.0 { (mins[j] / dmin).round().min(63.0) as u8 } else { 0 };
+    }
+    let mut packed = [0u8; 12];
+    for j in 0..8 {
+        if j < 4 {
+            packed[j] = ls[j];
+            packed[j + 4] = lm[j];
+        } else {
+            packed[j + 4] = (ls[j] & 0xF) | ((lm[j] & 0xF) << 4);
+            packed[j - 4] |= (ls[j] >> 4) << 6;
+            packed[j] |= (lm[j] >> 4) << 6;
+        }
+    }
+    let d16 = f16::from_f32(d).to_f32();
+    let dmin16 = f16::from_f32(dmin).to_f32();
+    let mut q = [0u8; QK_K];
+    for j in 0..8 {
+        let sc = d16 * ls[j] as f32;
+        let m = dmin16 * lm[j] as f32;
+        for l in 0..32 {
+            let v = if sc > 0.0 { ((x[32 * j + l] + m) / sc).round() } else { 0.0 };
+            q[32 * j + l] = v.clamp(0.0, 15.0) as u8;
+        }
+    }
+    put_f16(out, d);
+    put_f16(out, dmin);
+    out.extend_from_slice(&packed);
+    for j in 0..4 {
+        for l in 0..32 {
+            out.push(q[64 * j + l] | (q[64 * j + 32 + l] << 4));
+        }
+    }
+}
+
+fn quantize_q6k(x: &[f32], out: &mut Vec<u8>) {
+    // Sixteen sub-blocks of 16 values, each with an i8 scale; x ~= d * scale * (q - 32).
+    let mut sub_scales = [0f32; 16];
+    for (j, sub) in x.chunks_exact(16).enumerate() {
+        let max = sub.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+        sub_scales[j] = max / -32.0;
+    }
+    let max_scale = sub_scales.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+    let d = max_scale / -128.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut sc = [0i8; 16];
+    for j in 0..16 {
+        sc[j] = (sub_scales[j] * id).round().clamp(-128.0, 127.0) as i8;
+    }
+    let d16 = f16::from_f32(d).to_f32();
+    let mut q = [0u8; QK_K];
+    for j in 0..16 {
+        let s = d16 * sc[j] as f32;
+        for l in 0..16 {
+            let v = if s != 0.0 { (x[16 * j + l] / s).round() } else { 0.0 };
+            q[16 * j + l] = (v.clamp(-32.0, 31.0) as i32 + 32) as u8;
+        }
+    }
+    let mut ql = [0u8; 128];
+    let mut qh = [0u8; 64];
+    for n in 0..2 {
+        for l in 0..32 {
+            let base = 128 * n;
+            let (q1, q2, q3, q4) = (q[base + l], q[base + l + 32], q[base + l + 64], q[base + l + 96]);
+            ql[64 * n + l] = (q1 & 0xF) | ((q3 & 0xF) << 4);
+            ql[64 * n + l + 32] = (q2 & 0xF) | ((q4 & 0xF) << 4);
+            qh[32 * n + l] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6);
+        }
+    }
+    out.extend_from_slice(&ql);
+    out.extend_from_slice(&qh);
+    out.extend(sc.iter().map(|&v| v as u8));
+    put_f16(out, d);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ramp(n: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect()
+    }
+
+    #[test]
+    fn round_trips_stay_within_the_format_step() {
+        let x = ramp(512);
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (ty, tol) in [
+            (GgmlType::F32, 0.0),
+            (GgmlType::F16, 1e-3),
+            (GgmlType::BF16, 1e-2),
+            (GgmlType::Q8_0, amax / 127.0),
+            (GgmlType::Q8_1, amax / 127.0),
+            (GgmlType::Q8K, amax / 127.0),
+            (GgmlType::Q5_0, amax / 15.0),
+            (GgmlType::Q5_1, 2.0 * amax / 31.0),
+            (GgmlType::Q4_0, amax / 7.0),
+            (GgmlType::Q4_1, 2.0 * amax / 15.0),
+            (GgmlType::Q4K, 2.0 * amax / 15.0 * 1.2),
+            (GgmlType::Q6K, amax / 31.0 * 1.2),
+        ] {
+            let bytes = quantize(ty, &x).unwrap();
+            assert_eq!(bytes.len(), ty.row_bytes(x.len()), "{ty}");
+            let mut y = vec![0f32; x.len()];
+            dequantize(ty, &bytes, &mut y).unwrap();
+            let err = x.iter().zip(&y).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(err <= tol + 1e-6, "{ty}: max error {err} > {tol}");
+        }
+    }
+
+    #[test]
+    fn wrong_lengths_are_errors_not_panics() {
+        let mut y = vec![0f32; 32];
+        assert!(dequantize(GgmlType::Q4_0, &[0u8; 17], &mut y).is_err());
+        assert!(quantize(GgmlType::Q4_0, &[0.0; 31]).is_err());
+        assert!(matches!(
+            quantize(GgmlType::Q2K, &[0.0; 256]),
+            Err(Error::UnsupportedCodec { .. })
+        ));
+    }
+}
