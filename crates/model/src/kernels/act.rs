@@ -1,0 +1,91 @@
+//! Activation quantization: each activation row is quantized once per matrix product into the
+//! block format the weight type's dot kernel pairs with (ggml's `vec_dot_type`).
+
+use gguf::quant::{QK, QK_K};
+use gguf::GgmlType;
+use half::f16;
+
+/// The activation encoding a weight type's dot product consumes.
+pub fn act_type(weight: GgmlType) -> GgmlType {
+    match weight {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => GgmlType::Q8_0,
+        GgmlType::Q4_1 | GgmlType::Q5_1 => GgmlType::Q8_1,
+        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => GgmlType::Q8K,
+        _ => GgmlType::F32,
+    }
+}
+
+/// Quantizes one row `x` into `out` (exactly `act.row_bytes(x.len())` bytes).
+pub fn quantize_row(act: GgmlType, x: &[f32], out: &mut [u8]) {
+    match act {
+        GgmlType::Q8_0 => {
+            for (xb, ob) in x.chunks_exact(QK).zip(out.chunks_exact_mut(34)) {
+                let (d, q) = q8_block(xb);
+                ob[0..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+                for (o, v) in ob[2..].iter_mut().zip(q) {
+                    *o = v as u8;
+                }
+            }
+        }
+        GgmlType::Q8_1 => {
+            for (xb, ob) in x.chunks_exact(QK).zip(out.chunks_exact_mut(36)) {
+                let (d, q) = q8_block(xb);
+                let sum: i32 = q.iter().map(|&v| v as i32).sum();
+                ob[0..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+                ob[2..4].copy_from_slice(&f16::from_f32(sum as f32 * d).to_le_bytes());
+                for (o, v) in ob[4..].iter_mut().zip(q) {
+                    *o = v as u8;
+                }
+            }
+        }
+        GgmlType::Q8K => {
+            for (xb, ob) in x.chunks_exact(QK_K).zip(out.chunks_exact_mut(292)) {
+                q8k_block(xb, ob);
+            }
+        }
+        _ => {
+            for (v, o) in x.iter().zip(out.chunks_exact_mut(4)) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+}
+
+fn q8_block(x: &[f32]) -> (f32, [i8; QK]) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut q = [0i8; QK];
+    for (o, &v) in q.iter_mut().zip(x) {
+        *o = (v * id).round() as i8;
+    }
+    (d, q)
+}
+
+fn q8k_block(x: &[f32], out: &mut [u8]) {
+    let mut amax = 0f32;
+    let mut max = 0f32;
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax == 0.0 {
+        out.fill(0);
+        return;
+    }
+    let iscale = -127.0 / max;
+    let mut q = [0i8; QK_K];
+    for (o, &v) in q.iter_mut().zip(x) {
+        *o = ((iscale * v).round() as i32).min(127) as i8;
+    }
+    out[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
+    for (o, v) in out[4..260].iter_mut().zip(q) {
+        *o = v as u8;
+    }
+    for (j, s) in q.chunks_exact(16).enumerate() {
+        let sum: i16 = s.iter().map(|&v| v as i16).sum();
+        out[260 + 2 * j..262 + 2 * j].copy_from_slice(&sum.to_le_bytes());
+    }
+}

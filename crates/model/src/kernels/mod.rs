@@ -1,0 +1,202 @@
+//! Dot-product kernels and their run-time selection.
+//!
+//! A [`Kernels`] value is chosen once (per model load) from the CPU's features and used for
+//! every product, so all rows of every batch go through the same code: a row's result never
+//! depends on which other rows share a call (batch invariance, DESIGN.md invariant 2).
+
+pub mod act;
+pub mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
+
+use gguf::GgmlType;
+
+/// The instruction set a [`Kernels`] value uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// The best instruction set this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+            if avx2
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                return Isa::Avx512Vnni;
+            }
+            if avx2 {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+
+    /// Whether this CPU can run `self`.
+    pub fn is_supported(self) -> bool {
+        match (self, Isa::detect()) {
+            (Isa::Scalar, _) => true,
+            (Isa::Avx2, Isa::Avx2 | Isa::Avx512Vnni) => true,
+            (Isa::Avx512Vnni, Isa::Avx512Vnni) => true,
+            _ => false,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512Vnni => "avx512-vnni",
+        }
+    }
+}
+
+type DotFn = fn(usize, &[u8], &[u8]) -> f32;
+
+/// The dot products for one instruction set.
+#[derive(Clone, Copy)]
+pub struct Kernels {
+    isa: Isa,
+    q4_0: DotFn,
+    q4_1: DotFn,
+    q8_0: DotFn,
+    q4k: DotFn,
+    q6k: DotFn,
+}
+
+impl std::fmt::Debug for Kernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Kernels({})", self.isa.name())
+    }
+}
+
+impl Kernels {
+    /// Kernels for `isa`, or `None` when this CPU lacks it.
+    pub fn new(isa: Isa) -> Option<Kernels> {
+        if !isa.is_supported() {
+            return None;
+        }
+        Some(match isa {
+            Isa::Scalar => Kernels {
+                isa,
+                q4_0: scalar::dot_q4_0_q8_0,
+                q4_1: scalar::dot_q4_1_q8_1,
+                q8_0: scalar::dot_q8_0_q8_0,
+                q4k: scalar::dot_q4k_q8k,
+                q6k: scalar::dot_q6k_q8k,
+            },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => Kernels {
+                isa,
+                // SAFETY (all closures): `Isa::is_supported` confirmed the CPU features above.
+                q4_0: |n, w, a| unsafe { x86::avx2::dot_q4_0_q8_0(n, w, a) },
+                q4_1: |n, w, a| unsafe { x86::avx2::dot_q4_1_q8_1(n, w, a) },
+                q8_0: |n, w, a| unsafe { x86::avx2::dot_q8_0_q8_0(n, w, a) },
+                q4k: |n, w, a| unsafe { x86::avx2::dot_q4k_q8k(n, w, a) },
+                q6k: |n, w, a| unsafe { x86::avx2::dot_q6k_q8k(n, w, a) },
+            },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => Kernels {
+                isa,
+                q4_0: |n, w, a| unsafe { x86::vnni::dot_q4_0_q8_0(n, w, a) },
+                q4_1: |n, w, a| unsafe { x86::vnni::dot_q4_1_q8_1(n, w, a) },
+                q8_0: |n, w, a| unsafe { x86::vnni::dot_q8_0_q8_0(n, w, a) },
+                q4k: |n, w, a| unsafe { x86::vnni::dot_q4k_q8k(n, w, a) },
+                q6k: |n, w, a| unsafe { x86::vnni::dot_q6k_q8k(n, w, a) },
+            },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => return None,
+        })
+    }
+
+    /// The best kernels for this CPU.
+    pub fn detect() -> Kernels {
+        Kernels::new(Isa::detect()).expect("detected isa is supported")
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Dot product of one weight row (`n` values of `ty`) with one activation row quantized as
+    /// [`act::act_type`]`(ty)`. `scratch` is used only by the dequantizing fallback.
+    #[inline]
+    pub fn dot(&self, ty: GgmlType, n: usize, w: &[u8], a: &[u8], scratch: &mut Vec<f32>) -> f32 {
+        match ty {
+            GgmlType::Q4_0 => (self.q4_0)(n, w, a),
+            GgmlType::Q4_1 => (self.q4_1)(n, w, a),
+            GgmlType::Q8_0 => (self.q8_0)(n, w, a),
+            GgmlType::Q4K => (self.q4k)(n, w, a),
+            GgmlType::Q6K => (self.q6k)(n, w, a),
+            GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q5K => {
+                dot_dequant_quantized(ty, n, w, a, scratch)
+            }
+            _ => scalar::dot_dequant_f32(ty, n, w, a, scratch),
+        }
+    }
+}
+
+/// Types without a dedicated kernel but with a quantized activation: decode both sides.
+fn dot_dequant_quantized(ty: GgmlType, n: usize, w: &[u8], a: &[u8], scratch: &mut Vec<f32>) -> f32 {
+    let at = act::act_type(ty);
+    scratch.resize(2 * n, 0.0);
+    let (wf, af) = scratch.split_at_mut(n);
+    gguf::quant::dequantize(ty, &w[..ty.row_bytes(n)], wf).expect("row length checked at load");
+    gguf::quant::dequantize(at, &a[..at.row_bytes(n)], af).expect("activation row length");
+    wf.iter().zip(af.iter()).map(|(x, y)| x * y).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Every SIMD path agrees with the scalar reference within float reassociation error, and
+    /// the reference agrees with the dequantized f32 product.
+    #[test]
+    fn simd_paths_match_the_scalar_reference() {
+        let n = 1024;
+        let x = data(n, 1);
+        let wf = data(n, 2);
+        let scalar = Kernels::new(Isa::Scalar).unwrap();
+        let mut scratch = Vec::new();
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::F16, GgmlType::F32] {
+            let w = gguf::quant::quantize(ty, &wf).unwrap();
+            let at = act::act_type(ty);
+            let mut a = vec![0u8; at.row_bytes(n)];
+            act::quantize_row(at, &x, &mut a);
+            let mut wd = vec![0f32; n];
+            gguf::quant::dequantize(ty, &w, &mut wd).unwrap();
+            let mut ad = vec![0f32; n];
+            gguf::quant::dequantize(at, &a, &mut ad).unwrap();
+            let exact: f64 = wd.iter().zip(&ad).map(|(p, q)| *p as f64 * *q as f64).sum();
+            let magnitude: f64 = wd.iter().zip(&ad).map(|(p, q)| (*p as f64 * *q as f64).abs()).sum();
+            let reference = scalar.dot(ty, n, &w, &a, &mut scratch);
+            // Q8_1 stores its block sums as f16, so allow that rounding on top of reassociation.
+            assert!((reference as f64 - exact).abs() < 2e-4 * (1.0 + magnitude), "{ty}: scalar {reference} vs exact {exact}");
+            for isa in [Isa::Avx2, Isa::Avx512Vnni] {
+                let Some(k) = Kernels::new(isa) else { continue };
+                let got = k.dot(ty, n, &w, &a, &mut scratch);
+                assert!((got - reference).abs() <= 1e-4 * (1.0 + reference.abs()), "{ty} {isa:?}: {got} vs scalar {reference}");
+            }
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! Plain scalar dot products of one weight row with one quantized activation row: the
+//! reference every SIMD path is tested against. Integer sums are exact, so only the order of
+//! the per-block float multiply-adds is fixed here.
+
+use gguf::quant::{f16_at, scale_min_k4, QK_K};
+use gguf::GgmlType;
+
+pub fn dot_q4_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0f32;
+    for (wb, ab) in w.chunks_exact(18).zip(a.chunks_exact(34)).take(n / 32) {
+        let mut isum = 0i32;
+        for j in 0..16 {
+            let lo = (wb[2 + j] & 0xF) as i32 - 8;
+            let hi = (wb[2 + j] >> 4) as i32 - 8;
+            isum += lo * ab[2 + j] as i8 as i32 + hi * ab[18 + j] as i8 as i32;
+        }
+        sum += f16_at(wb, 0) * f16_at(ab, 0) * isum as f32;
+    }
+    sum
+}
+
+pub fn dot_q4_1_q8_1(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0f32;
+    for (wb, ab) in w.chunks_exact(20).zip(a.chunks_exact(36)).take(n / 32) {
+        let mut isum = 0i32;
+        for j in 0..16 {
+            let lo = (wb[4 + j] & 0xF) as i32;
+            let hi = (wb[4 + j] >> 4) as i32;
+            isum += lo * ab[4 + j] as i8 as i32 + hi * ab[20 + j] as i8 as i32;
+        }
+        sum += f16_at(wb, 0) * f16_at(ab, 0) * isum as f32 + f16_at(wb, 2) * f16_at(ab, 2);
+    }
+    sum
+}
+
+pub fn dot_q8_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0f32;
+    for (wb, ab) in w.chunks_exact(34).zip(a.chunks_exact(34)).take(n / 32) {
+        let mut isum = 0i32;
+        for j in 0..32 {
+            isum += wb[2 + j] as i8 as i32 * ab[2 + j] as i8 as i32;
+        }
+        sum += f16_at(wb, 0) * f16_at(ab, 0) * isum as f32;
+    }
+    sum
+}
+
+fn q8k_parts(ab: &[u8]) -> (f32, &[u8], [i16; 16]) {
+    let d = f32::from_le_bytes([ab[0], ab[1], ab[2], ab[3]]);
+    let mut bsums = [0i16; 16];
+    for (j, b) in bsums.iter_mut().enumerate() {
+        *b = i16::from_le_bytes([ab[260 + 2 * j], ab[261 + 2 * j]]);
+    }
+    (d, &ab[4..260], bsums)
+}
+
+pub fn dot_q4k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0f32;
+    for (wb, ab) in w.chunks_exact(144).zip(a.chunks_exact(292)).take(n / QK_K) {
+        let (ad, q8, bsums) = q8k_parts(ab);
+        let scales = &wb[4..16];
+        let qs = &wb[16..144];
+        let mut isum = 0i32;
+        let mut msum = 0i32;
+        for j in 0..4 {
+            let (sc1, m1) = scale_min_k4(2 * j, scales);
+            let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+            let (mut s1, mut s2) = (0i32, 0i32);
+            for l in 0..32 {
+                let q = qs[32 * j + l];
+                s1 += (q & 0xF) as i32 * q8[64 * j + l] as i8 as i32;
+                s2 += (q >> 4) as i32 * q8[64 * j + 32 + l] as i8 as i32;
+            }
+            isum += s1 * sc1 as i32 + s2 * sc2 as i32;
+            msum += m1 as i32 * (bsums[4 * j] as i32 + bsums[4 * j + 1] as i32)
+                + m2 as i32 * (bsums[4 * j + 2] as i32 + bsums[4 * j + 3] as i32);
+        }
+        sum += f16_at(wb, 0) * ad * isum as f32 - f16_at(wb, 2) * ad * msum as f32;
+    }
+    sum
+}
+
+pub fn dot_q6k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0f32;
+    for (wb, ab) in w.chunks_exact(210).zip(a.chunks_exact(292)).take(n / QK_K) {
+        let (ad, q8, _) = q8k_parts(ab);
+        let (ql_all, qh_all, sc_all) = (&wb[0..128], &wb[128..192], &wb[192..208]);
+        let mut isum = 0i32;
+        for half in 0..2 {
+            let (ql, qh, sc) = (&ql_all[64 * half..], &qh_all[32 * half..], &sc_all[8 * half..]);
+            let q8 = &q8[128 * half..];
+            let mut sub = [0i32; 8];
+            for l in 0..32 {
+                let is = l / 16;
+                let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+                let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                sub[is] += q1 * q8[l] as i8 as i32;
+                sub[is + 2] += q2 * q8[l + 32] as i8 as i32;
+                sub[is + 4] += q3 * q8[l + 64] as i8 as i32;
+                sub[is + 6] += q4 * q8[l + 96] as i8 as i32;
+            }
+            for k in 0..8 {
+                isum += sub[k] * sc[k] as i8 as i32;
+            }
+        }
+        sum += f16_at(wb, 208) * ad * isum as f32;
+    }
+    sum
+}
+
+/// Any other weight type: decode the weight row to f32 and take a plain f32 dot with the
+/// activation row (stored as f32). Slow, exact to the format, used for rare types.
+pub fn dot_dequant_f32(ty: GgmlType, n: usize, w: &[u8], a: &[u8], scratch: &mut Vec<f32>) -> f32 {
+    scratch.resize(n, 0.0);
+    gguf::quant::dequantize(ty, &w[..ty.row_bytes(n)], scratch).expect("row length checked at load");
+    let mut sum = 0f32;
+    for (x, ab) in scratch.iter().zip(a.chunks_exact(4)) {
+        sum += x * f32::from_le_bytes([ab[0], ab[1], ab[2], ab[3]]);
+    }
+    sum
+}
+

@@ -1,0 +1,207 @@
+//! x86-64 SIMD dot products. Two families generated from one source by a macro: AVX2
+//! (`maddubs` + `madd`) and AVX-512 VNNI (`vpdpbusd` on 256-bit lanes). Each returns the same
+//! per-block integer sums as the scalar reference; only the float accumulation order differs.
+
+use std::arch::x86_64::*;
+
+macro_rules! int_kernels {
+    ($module:ident, $features:literal, |$u:ident, $s:ident| $dot:expr) => {
+        pub mod $module {
+            use super::*;
+
+            /// Sums of 4 adjacent u8*i8 products into 8 i32 lanes.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn dot_u8i8($u: __m256i, $s: __m256i) -> __m256i {
+                $dot
+            }
+
+            /// 16 bytes of packed nibbles to 32 bytes: low nibbles first, then high nibbles.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn nibbles(p: *const u8) -> __m256i {
+                // SAFETY: the caller guarantees 16 readable bytes at `p`.
+                let packed = unsafe { _mm_loadu_si128(p as *const __m128i) };
+                let mask = _mm_set1_epi8(0x0F);
+                let lo = _mm_and_si128(packed, mask);
+                let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+                _mm256_set_m128i(hi, lo)
+            }
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn f16(b: &[u8], at: usize) -> f32 {
+                gguf::quant::f16_at(b, at)
+            }
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn hsum(v: __m256) -> f32 {
+                let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+                let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+                _mm_cvtss_f32(s)
+            }
+
+            /// # Safety
+            /// The CPU must have the module's features; `w`, `a` hold `n / 32` blocks.
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q4_1_q8_1(n: usize, w: &[u8], a: &[u8]) -> f32 {
+                let nb = n / 32;
+                assert!(w.len() >= nb * 20 && a.len() >= nb * 36);
+                let mut acc = _mm256_setzero_ps();
+                let mut mins = 0f32;
+                for i in 0..nb {
+                    let (wb, ab) = (&w[i * 20..], &a[i * 36..]);
+                    // SAFETY: bounds asserted above.
+                    let (q4, q8) = unsafe { (nibbles(wb.as_ptr().add(4)), _mm256_loadu_si256(ab.as_ptr().add(4) as *const __m256i)) };
+                    let sums = _mm256_cvtepi32_ps(dot_u8i8(q4, q8));
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(wb, 0) * f16(ab, 0)), sums, acc);
+                    mins += f16(wb, 2) * f16(ab, 2);
+                }
+                hsum(acc) + mins
+            }
+
+            /// # Safety
+            /// As for [`dot_q4_1_q8_1`].
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q4_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
+                let nb = n / 32;
+                assert!(w.len() >= nb * 18 && a.len() >= nb * 34);
+                let mut acc = _mm256_setzero_ps();
+                let eight = _mm256_set1_epi8(8);
+                for i in 0..nb {
+                    let (wb, ab) = (&w[i * 18..], &a[i * 34..]);
+                    // SAFETY: bounds asserted above.
+                    let (q4, q8) = unsafe { (nibbles(wb.as_ptr().add(2)), _mm256_loadu_si256(ab.as_ptr().add(2) as *const __m256i)) };
+                    let x = _mm256_sub_epi8(q4, eight);
+                    let sums = _mm256_cvtepi32_ps(dot_u8i8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(q8, x)));
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(wb, 0) * f16(ab, 0)), sums, acc);
+                }
+                hsum(acc)
+            }
+
+            /// # Safety
+            /// As for [`dot_q4_1_q8_1`].
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q8_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
+                let nb = n / 32;
+                assert!(w.len() >= nb * 34 && a.len() >= nb * 34);
+                let mut acc = _mm256_setzero_ps();
+                for i in 0..nb {
+                    let (wb, ab) = (&w[i * 34..], &a[i * 34..]);
+                    // SAFETY: bounds asserted above.
+                    let (x, y) = unsafe {
+                        (
+                            _mm256_loadu_si256(wb.as_ptr().add(2) as *const __m256i),
+                            _mm256_loadu_si256(ab.as_ptr().add(2) as *const __m256i),
+                        )
+                    };
+                    let sums = _mm256_cvtepi32_ps(dot_u8i8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x)));
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(wb, 0) * f16(ab, 0)), sums, acc);
+                }
+                hsum(acc)
+            }
+
+            /// # Safety
+            /// As for [`dot_q4_1_q8_1`], with 256-element blocks.
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q4k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+                let nb = n / 256;
+                assert!(w.len() >= nb * 144 && a.len() >= nb * 292);
+                let mut sum = 0f32;
+                for i in 0..nb {
+                    let (wb, ab) = (&w[i * 144..], &a[i * 292..]);
+                    let ad = f32::from_le_bytes([ab[0], ab[1], ab[2], ab[3]]);
+                    let scales = &wb[4..16];
+                    let mut isum = _mm256_setzero_si256();
+                    let mut msum = 0i32;
+                    for j in 0..4 {
+                        let (sc1, m1) = gguf::quant::scale_min_k4(2 * j, scales);
+                        let (sc2, m2) = gguf::quant::scale_min_k4(2 * j + 1, scales);
+                        // SAFETY: bounds asserted above.
+                        let (q, y1, y2) = unsafe {
+                            (
+                                _mm256_loadu_si256(wb.as_ptr().add(16 + 32 * j) as *const __m256i),
+                                _mm256_loadu_si256(ab.as_ptr().add(4 + 64 * j) as *const __m256i),
+                                _mm256_loadu_si256(ab.as_ptr().add(4 + 64 * j + 32) as *const __m256i),
+                            )
+                        };
+                        let mask = _mm256_set1_epi8(0x0F);
+                        let lo = _mm256_and_si256(q, mask);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                        let s1 = _mm256_mullo_epi32(dot_u8i8(lo, y1), _mm256_set1_epi32(sc1 as i32));
+                        let s2 = _mm256_mullo_epi32(dot_u8i8(hi, y2), _mm256_set1_epi32(sc2 as i32));
+                        isum = _mm256_add_epi32(isum, _mm256_add_epi32(s1, s2));
+                        let b = |k: usize| i16::from_le_bytes([ab[260 + 2 * k], ab[261 + 2 * k]]) as i32;
+                        msum += m1 as i32 * (b(4 * j) + b(4 * j + 1)) + m2 as i32 * (b(4 * j + 2) + b(4 * j + 3));
+                    }
+                    let isum = hsum_i32(isum);
+                    sum += f16(wb, 0) * ad * isum as f32 - f16(wb, 2) * ad * msum as f32;
+                }
+                sum
+            }
+
+            /// # Safety
+            /// As for [`dot_q4_1_q8_1`], with 256-element blocks.
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q6k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+                let nb = n / 256;
+                assert!(w.len() >= nb * 210 && a.len() >= nb * 292);
+                let mut sum = 0f32;
+                let m4 = _mm256_set1_epi8(0x0F);
+                let m2 = _mm256_set1_epi8(0x03);
+                let k32 = _mm256_set1_epi8(32);
+                for i in 0..nb {
+                    let (wb, ab) = (&w[i * 210..], &a[i * 292..]);
+                    let ad = f32::from_le_bytes([ab[0], ab[1], ab[2], ab[3]]);
+                    let sc = &wb[192..208];
+                    let mut isum = _mm256_setzero_si256();
+                    for half in 0..2 {
+                        // SAFETY: bounds asserted above.
+                        let (l0, l1, h) = unsafe {
+                            (
+                                _mm256_loadu_si256(wb.as_ptr().add(64 * half) as *const __m256i),
+                                _mm256_loadu_si256(wb.as_ptr().add(64 * half + 32) as *const __m256i),
+                                _mm256_loadu_si256(wb.as_ptr().add(128 + 32 * half) as *const __m256i),
+                            )
+                        };
+                        let quads = [
+                            _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)),
+                            _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4)),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4)),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4)),
+                        ];
+                        for (k, q) in quads.into_iter().enumerate() {
+                            // SAFETY: bounds asserted above.
+                            let y = unsafe { _mm256_loadu_si256(ab.as_ptr().add(4 + 128 * half + 32 * k) as *const __m256i) };
+                            // (q - 32) * y = q * y - 32 * y; both parts as u8 x i8 sums.
+                            let qy = dot_u8i8(q, y);
+                            let ky = dot_u8i8(k32, y);
+                            let d = _mm256_sub_epi32(qy, ky);
+                            // Lanes 0..4 cover values 0..16 (scale 2k), lanes 4..8 values 16..32 (scale 2k+1).
+                            let s_lo = sc[8 * half + 2 * k] as i8 as i32;
+                            let s_hi = sc[8 * half + 2 * k + 1] as i8 as i32;
+                            let scales = _mm256_setr_epi32(s_lo, s_lo, s_lo, s_lo, s_hi, s_hi, s_hi, s_hi);
+                            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(d, scales));
+                        }
+                    }
+                    sum += f16(wb, 208) * ad * hsum_i32(isum) as f32;
+                }
+                sum
+            }
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn hsum_i32(v: __m256i) -> i32 {
+                let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+                let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+                let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+                _mm_cvtsi128_si32(s)
+            }
+        }
+    };
+}
+
+int_kernels!(avx2, "avx2,fma,f16c", |u, s| _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+int_kernels!(vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", |u, s| _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
