@@ -49,7 +49,9 @@ pub enum Error {
     ShapeOverflow { tensor: String, shape: Vec<u64> },
     #[error("tensor `{tensor}` has a zero dimension in shape {shape:?}")]
     ZeroDim { tensor: String, shape: Vec<u64> },
-    #[error("tensor `{tensor}`: first dimension {ne0} is not a multiple of the {ty} block size {block}")]
+    #[error(
+        "tensor `{tensor}`: first dimension {ne0} is not a multiple of the {ty} block size {block}"
+    )]
     BadBlockMultiple {
         tensor: String,
         ne0: u64,

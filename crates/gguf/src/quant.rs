@@ -26,7 +26,10 @@ pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -34,7 +37,12 @@ pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 pub fn q3k_scales(packed: &[u8]) -> [i8; 16] {
     let mut aux = [0u32; 4];
     for (i, a) in aux.iter_mut().take(3).enumerate() {
-        *a = u32::from_le_bytes([packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]]);
+        *a = u32::from_le_bytes([
+            packed[4 * i],
+            packed[4 * i + 1],
+            packed[4 * i + 2],
+            packed[4 * i + 3],
+        ]);
     }
     const KMASK1: u32 = 0x0303_0303;
     const KMASK2: u32 = 0x0f0f_0f0f;
@@ -266,18 +274,29 @@ pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, Error> {
     }
     let mut out = Vec::with_capacity(ty.row_bytes(src.len()));
     match ty {
-        GgmlType::F32 => src.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        GgmlType::F32 => src
+            .iter()
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
         GgmlType::F16 => src.iter().for_each(|&v| put_f16(&mut out, v)),
         GgmlType::BF16 => src
             .iter()
             .for_each(|&v| out.extend_from_slice(&bf16::from_f32(v).to_le_bytes())),
         GgmlType::Q4_0 | GgmlType::Q5_0 => {
-            let (levels, half) = if ty == GgmlType::Q4_0 { (15, 8.5) } else { (31, 16.5) };
+            let (levels, half) = if ty == GgmlType::Q4_0 {
+                (15, 8.5)
+            } else {
+                (31, 16.5)
+            };
             for x in src.chunks_exact(QK) {
-                let max = x.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+                let max = x
+                    .iter()
+                    .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
                 let d = max / -(half - 0.5);
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                let q: Vec<u8> = x.iter().map(|&v| ((v * id + half) as i32).clamp(0, levels) as u8).collect();
+                let q: Vec<u8> = x
+                    .iter()
+                    .map(|&v| ((v * id + half) as i32).clamp(0, levels) as u8)
+                    .collect();
                 put_f16(&mut out, d);
                 pack_low_bits(&mut out, &q, ty == GgmlType::Q5_0);
             }
@@ -306,23 +325,35 @@ pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, Error> {
                 let q: Vec<i8> = x.iter().map(|&v| (v * id).round() as i8).collect();
                 put_f16(&mut out, d);
                 if ty == GgmlType::Q8_1 {
-                    put_f16(&mut out, q.iter().map(|&v| v as i32).sum::<i32>() as f32 * d);
+                    put_f16(
+                        &mut out,
+                        q.iter().map(|&v| v as i32).sum::<i32>() as f32 * d,
+                    );
                 }
                 out.extend(q.iter().map(|&v| v as u8));
             }
         }
-        GgmlType::Q4K => src.chunks_exact(QK_K).for_each(|x| quantize_q4k(x, &mut out)),
-        GgmlType::Q6K => src.chunks_exact(QK_K).for_each(|x| quantize_q6k(x, &mut out)),
+        GgmlType::Q4K => src
+            .chunks_exact(QK_K)
+            .for_each(|x| quantize_q4k(x, &mut out)),
+        GgmlType::Q6K => src
+            .chunks_exact(QK_K)
+            .for_each(|x| quantize_q6k(x, &mut out)),
         GgmlType::Q8K => {
             for x in src.chunks_exact(QK_K) {
                 let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
                 let d = amax / 127.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                let q: Vec<i8> = x.iter().map(|&v| (v * id).round().clamp(-127.0, 127.0) as i8).collect();
+                let q: Vec<i8> = x
+                    .iter()
+                    .map(|&v| (v * id).round().clamp(-127.0, 127.0) as i8)
+                    .collect();
                 out.extend_from_slice(&d.to_le_bytes());
                 out.extend(q.iter().map(|&v| v as u8));
                 for s in q.chunks_exact(16) {
-                    out.extend_from_slice(&(s.iter().map(|&v| v as i16).sum::<i16>()).to_le_bytes());
+                    out.extend_from_slice(
+                        &(s.iter().map(|&v| v as i16).sum::<i16>()).to_le_bytes(),
+                    );
                 }
             }
         }
@@ -368,8 +399,16 @@ fn quantize_q4k(x: &[f32], out: &mut Vec<u8>) {
     let mut ls = [0u8; 8];
     let mut lm = [0u8; 8];
     for j in 0..8 {
-        ls[j] = if d > 0.0 { (scales[j] / d).round().min(63.0) as u8 } else { 0 };
-        lm[j] = if dmin > 0.0 { (mins[j] / dmin).round().min(63.0) as u8 } else { 0 };
+        ls[j] = if d > 0.0 {
+            (scales[j] / d).round().min(63.0) as u8
+        } else {
+            0
+        };
+        lm[j] = if dmin > 0.0 {
+            (mins[j] / dmin).round().min(63.0) as u8
+        } else {
+            0
+        };
     }
     let mut packed = [0u8; 12];
     for j in 0..8 {
@@ -389,7 +428,11 @@ fn quantize_q4k(x: &[f32], out: &mut Vec<u8>) {
         let sc = d16 * ls[j] as f32;
         let m = dmin16 * lm[j] as f32;
         for l in 0..32 {
-            let v = if sc > 0.0 { ((x[32 * j + l] + m) / sc).round() } else { 0.0 };
+            let v = if sc > 0.0 {
+                ((x[32 * j + l] + m) / sc).round()
+            } else {
+                0.0
+            };
             q[32 * j + l] = v.clamp(0.0, 15.0) as u8;
         }
     }
@@ -407,10 +450,14 @@ fn quantize_q6k(x: &[f32], out: &mut Vec<u8>) {
     // Sixteen sub-blocks of 16 values, each with an i8 scale; x ~= d * scale * (q - 32).
     let mut sub_scales = [0f32; 16];
     for (j, sub) in x.chunks_exact(16).enumerate() {
-        let max = sub.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+        let max = sub
+            .iter()
+            .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
         sub_scales[j] = max / -32.0;
     }
-    let max_scale = sub_scales.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+    let max_scale = sub_scales
+        .iter()
+        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
     let d = max_scale / -128.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     let mut sc = [0i8; 16];
@@ -422,7 +469,11 @@ fn quantize_q6k(x: &[f32], out: &mut Vec<u8>) {
     for j in 0..16 {
         let s = d16 * sc[j] as f32;
         for l in 0..16 {
-            let v = if s != 0.0 { (x[16 * j + l] / s).round() } else { 0.0 };
+            let v = if s != 0.0 {
+                (x[16 * j + l] / s).round()
+            } else {
+                0.0
+            };
             q[16 * j + l] = (v.clamp(-32.0, 31.0) as i32 + 32) as u8;
         }
     }
@@ -431,7 +482,12 @@ fn quantize_q6k(x: &[f32], out: &mut Vec<u8>) {
     for n in 0..2 {
         for l in 0..32 {
             let base = 128 * n;
-            let (q1, q2, q3, q4) = (q[base + l], q[base + l + 32], q[base + l + 64], q[base + l + 96]);
+            let (q1, q2, q3, q4) = (
+                q[base + l],
+                q[base + l + 32],
+                q[base + l + 64],
+                q[base + l + 96],
+            );
             ql[64 * n + l] = (q1 & 0xF) | ((q3 & 0xF) << 4);
             ql[64 * n + l + 32] = (q2 & 0xF) | ((q4 & 0xF) << 4);
             qh[32 * n + l] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6);
@@ -448,7 +504,9 @@ mod tests {
     use super::*;
 
     fn ramp(n: usize) -> Vec<f32> {
-        (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect()
+        (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect()
     }
 
     #[test]
@@ -473,7 +531,10 @@ mod tests {
             assert_eq!(bytes.len(), ty.row_bytes(x.len()), "{ty}");
             let mut y = vec![0f32; x.len()];
             dequantize(ty, &bytes, &mut y).unwrap();
-            let err = x.iter().zip(&y).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            let err = x
+                .iter()
+                .zip(&y)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
             assert!(err <= tol + 1e-6, "{ty}: max error {err} > {tol}");
         }
     }

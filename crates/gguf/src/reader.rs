@@ -82,8 +82,15 @@ impl<'a> Cursor<'a> {
     }
 
     /// Checks that `count` items of at least `min_each` bytes can still be present.
-    fn check_count(&self, count: u64, min_each: u64, field: &dyn Fn() -> String) -> Result<(), Error> {
-        let fits = count.checked_mul(min_each).is_some_and(|b| b <= self.remaining());
+    fn check_count(
+        &self,
+        count: u64,
+        min_each: u64,
+        field: &dyn Fn() -> String,
+    ) -> Result<(), Error> {
+        let fits = count
+            .checked_mul(min_each)
+            .is_some_and(|b| b <= self.remaining());
         if fits {
             Ok(())
         } else {
@@ -102,7 +109,12 @@ impl<'a> Cursor<'a> {
         String::from_utf8(bytes.to_vec()).map_err(|_| Error::InvalidUtf8 { field: field() })
     }
 
-    fn value(&mut self, ty: ValueType, depth: usize, field: &dyn Fn() -> String) -> Result<Value, Error> {
+    fn value(
+        &mut self,
+        ty: ValueType,
+        depth: usize,
+        field: &dyn Fn() -> String,
+    ) -> Result<Value, Error> {
         Ok(match ty {
             ValueType::U8 => Value::U8(self.array::<1>(field)?[0]),
             ValueType::I8 => Value::I8(self.array::<1>(field)?[0] as i8),
@@ -205,7 +217,10 @@ pub fn parse(bytes: &[u8]) -> Result<Header, Error> {
         let ty = GgmlType::from_id(type_id, &name)?;
         let offset = c.u64(&|| format!("tensor `{name}` (offset)"))?;
         if shape.contains(&0) {
-            return Err(Error::ZeroDim { tensor: name, shape });
+            return Err(Error::ZeroDim {
+                tensor: name,
+                shape,
+            });
         }
         let n_elements = shape
             .iter()
@@ -292,7 +307,8 @@ impl Header {
     }
 
     fn require(&self, key: &str) -> Result<&Value, Error> {
-        self.get(key).ok_or_else(|| Error::MissingKey { key: key.into() })
+        self.get(key)
+            .ok_or_else(|| Error::MissingKey { key: key.into() })
     }
 
     fn wrong(key: &str, expected: &'static str, v: &Value) -> Error {
@@ -306,7 +322,8 @@ impl Header {
     /// A required non-negative integer of any width.
     pub fn u64(&self, key: &str) -> Result<u64, Error> {
         let v = self.require(key)?;
-        v.as_u64().ok_or_else(|| Self::wrong(key, "unsigned integer", v))
+        v.as_u64()
+            .ok_or_else(|| Self::wrong(key, "unsigned integer", v))
     }
 
     /// A required float (f32, f64 or an integer).
@@ -326,7 +343,11 @@ impl Header {
     }
 
     /// An optional value: `Ok(None)` when absent, an error when present with the wrong type.
-    pub fn opt<T>(&self, key: &str, f: impl Fn(&Self, &str) -> Result<T, Error>) -> Result<Option<T>, Error> {
+    pub fn opt<T>(
+        &self,
+        key: &str,
+        f: impl Fn(&Self, &str) -> Result<T, Error>,
+    ) -> Result<Option<T>, Error> {
         match self.get(key) {
             None => Ok(None),
             Some(_) => f(self, key).map(Some),

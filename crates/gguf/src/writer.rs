@@ -126,7 +126,10 @@ impl Value {
     pub fn strings<S: AsRef<str>>(items: impl IntoIterator<Item = S>) -> Value {
         Value::Array(
             ValueType::String,
-            items.into_iter().map(|s| Value::String(s.as_ref().to_string())).collect(),
+            items
+                .into_iter()
+                .map(|s| Value::String(s.as_ref().to_string()))
+                .collect(),
         )
     }
 }

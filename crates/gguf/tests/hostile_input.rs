@@ -8,10 +8,23 @@ fn sample(version: u32) -> Vec<u8> {
     w.metadata("general.architecture", Value::String("llama".into()))
         .metadata("llama.block_count", Value::U32(2))
         .metadata("tokenizer.ggml.tokens", Value::strings(["a", "b", "c"]))
-        .metadata("some.floats", Value::Array(ValueType::F32, vec![Value::F32(1.5), Value::F32(-2.0)]));
+        .metadata(
+            "some.floats",
+            Value::Array(ValueType::F32, vec![Value::F32(1.5), Value::F32(-2.0)]),
+        );
     let x: Vec<f32> = (0..64).map(|i| i as f32 / 7.0).collect();
-    w.tensor("t.q8", &[32, 2], GgmlType::Q8_0, quant::quantize(GgmlType::Q8_0, &x).unwrap());
-    w.tensor("t.f32", &[4], GgmlType::F32, quant::quantize(GgmlType::F32, &x[..4]).unwrap());
+    w.tensor(
+        "t.q8",
+        &[32, 2],
+        GgmlType::Q8_0,
+        quant::quantize(GgmlType::Q8_0, &x).unwrap(),
+    );
+    w.tensor(
+        "t.f32",
+        &[4],
+        GgmlType::F32,
+        quant::quantize(GgmlType::F32, &x[..4]).unwrap(),
+    );
     w.to_bytes()
 }
 
@@ -25,11 +38,17 @@ fn writer_output_parses_back_for_v2_and_v3() {
         assert_eq!(h.u64("llama.block_count").unwrap(), 2);
         assert_eq!(h.array("tokenizer.ggml.tokens").unwrap().len(), 3);
         let t = h.tensor("t.q8").unwrap();
-        assert_eq!((t.shape.clone(), t.ty, t.n_bytes), (vec![32, 2], GgmlType::Q8_0, 68));
+        assert_eq!(
+            (t.shape.clone(), t.ty, t.n_bytes),
+            (vec![32, 2], GgmlType::Q8_0, 68)
+        );
         assert_eq!(h.data_offset % 32, 0);
         let f = gguf::GgufFile::from_bytes(bytes).unwrap();
         let (_, data) = f.tensor("t.f32").unwrap();
-        assert_eq!(f32::from_le_bytes(data[4..8].try_into().unwrap()), 1.0 / 7.0);
+        assert_eq!(
+            f32::from_le_bytes(data[4..8].try_into().unwrap()),
+            1.0 / 7.0
+        );
     }
 }
 
@@ -38,7 +57,11 @@ fn every_truncation_is_a_clean_error() {
     let bytes = sample(3);
     for len in 0..bytes.len() {
         match parse(&bytes[..len]) {
-            Err(Error::Truncated { .. } | Error::TensorOutOfBounds { .. } | Error::CountTooLarge { .. }) => {}
+            Err(
+                Error::Truncated { .. }
+                | Error::TensorOutOfBounds { .. }
+                | Error::CountTooLarge { .. },
+            ) => {}
             other => panic!("truncated to {len} bytes: unexpected {other:?}"),
         }
     }
@@ -85,7 +108,10 @@ fn oversized_array_length_is_refused() {
     bytes[at..at + 8].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
     let err = parse(&bytes).unwrap_err();
     assert!(matches!(err, Error::CountTooLarge { .. }), "{err}");
-    assert!(err.to_string().contains("metadata `a` (array length)"), "{err}");
+    assert!(
+        err.to_string().contains("metadata `a` (array length)"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -97,7 +123,10 @@ fn bad_magic_version_and_type_are_named() {
     let mut bytes = sample(3);
     bytes[4..8].copy_from_slice(&1u32.to_le_bytes());
     let err = parse(&bytes).unwrap_err();
-    assert_eq!(err.to_string(), "unsupported GGUF version 1 (supported: 2 and 3)");
+    assert_eq!(
+        err.to_string(),
+        "unsupported GGUF version 1 (supported: 2 and 3)"
+    );
 
     let mut w = Writer::new(3);
     w.tensor("weird", &[32], GgmlType::F32, vec![0; 128]);
@@ -122,5 +151,11 @@ fn tensor_data_outside_the_file_is_refused() {
     let mut bytes = w.to_bytes();
     bytes[at - 8..at].copy_from_slice(&u64::MAX.to_le_bytes());
     let err = parse(&bytes).unwrap_err();
-    assert!(matches!(err, Error::TensorOutOfBounds { .. } | Error::ShapeOverflow { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::TensorOutOfBounds { .. } | Error::ShapeOverflow { .. }
+        ),
+        "{err}"
+    );
 }

@@ -2,8 +2,23 @@
 //! layer range, kernels, and a batched forward pass.
 //!
 //! The key design decision: weights are immutable and shared; per-session KV state is passed
-//! *into* [`forward`](Model::forward), never stored beside the weights. A batch is a list of
-//! rows from any number of sessions, and every kernel fixes its reduction order per output
-//! element, so a row's result is bitwise independent of what else is in the batch.
+//! *into* [`Model::forward`], never stored beside the weights. A batch is a list of rows from
+//! any number of sessions, and every kernel fixes its reduction order per output element, so a
+//! row's result is bitwise independent of what else is in the batch or how a prompt is chunked.
 
+mod config;
+mod error;
+mod forward;
 pub mod kernels;
+mod kv;
+pub mod matmul;
+pub mod pool;
+pub mod sampling;
+mod weights;
+
+pub use config::LlamaConfig;
+pub use error::Error;
+pub use forward::{Batch, Model, ModelOptions, Output, Row};
+pub use kernels::{Isa, Kernels};
+pub use kv::KvCache;
+pub use weights::LayerRange;

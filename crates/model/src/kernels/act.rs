@@ -10,7 +10,9 @@ pub fn act_type(weight: GgmlType) -> GgmlType {
     match weight {
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => GgmlType::Q8_0,
         GgmlType::Q4_1 | GgmlType::Q5_1 => GgmlType::Q8_1,
-        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => GgmlType::Q8K,
+        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
+            GgmlType::Q8K
+        }
         _ => GgmlType::F32,
     }
 }

@@ -24,7 +24,9 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+            let avx2 = is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
             if avx2
                 && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512vl")
@@ -144,7 +146,13 @@ impl Kernels {
 }
 
 /// Types without a dedicated kernel but with a quantized activation: decode both sides.
-fn dot_dequant_quantized(ty: GgmlType, n: usize, w: &[u8], a: &[u8], scratch: &mut Vec<f32>) -> f32 {
+fn dot_dequant_quantized(
+    ty: GgmlType,
+    n: usize,
+    w: &[u8],
+    a: &[u8],
+    scratch: &mut Vec<f32>,
+) -> f32 {
     let at = act::act_type(ty);
     scratch.resize(2 * n, 0.0);
     let (wf, af) = scratch.split_at_mut(n);
@@ -178,7 +186,17 @@ mod tests {
         let wf = data(n, 2);
         let scalar = Kernels::new(Isa::Scalar).unwrap();
         let mut scratch = Vec::new();
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::F16, GgmlType::F32] {
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::F16,
+            GgmlType::F32,
+        ] {
             let w = gguf::quant::quantize(ty, &wf).unwrap();
             let at = act::act_type(ty);
             let mut a = vec![0u8; at.row_bytes(n)];
@@ -188,14 +206,24 @@ mod tests {
             let mut ad = vec![0f32; n];
             gguf::quant::dequantize(at, &a, &mut ad).unwrap();
             let exact: f64 = wd.iter().zip(&ad).map(|(p, q)| *p as f64 * *q as f64).sum();
-            let magnitude: f64 = wd.iter().zip(&ad).map(|(p, q)| (*p as f64 * *q as f64).abs()).sum();
+            let magnitude: f64 = wd
+                .iter()
+                .zip(&ad)
+                .map(|(p, q)| (*p as f64 * *q as f64).abs())
+                .sum();
             let reference = scalar.dot(ty, n, &w, &a, &mut scratch);
             // Q8_1 stores its block sums as f16, so allow that rounding on top of reassociation.
-            assert!((reference as f64 - exact).abs() < 2e-4 * (1.0 + magnitude), "{ty}: scalar {reference} vs exact {exact}");
+            assert!(
+                (reference as f64 - exact).abs() < 2e-4 * (1.0 + magnitude),
+                "{ty}: scalar {reference} vs exact {exact}"
+            );
             for isa in [Isa::Avx2, Isa::Avx512Vnni] {
                 let Some(k) = Kernels::new(isa) else { continue };
                 let got = k.dot(ty, n, &w, &a, &mut scratch);
-                assert!((got - reference).abs() <= 1e-4 * (1.0 + reference.abs()), "{ty} {isa:?}: {got} vs scalar {reference}");
+                assert!(
+                    (got - reference).abs() <= 1e-4 * (1.0 + reference.abs()),
+                    "{ty} {isa:?}: {got} vs scalar {reference}"
+                );
             }
         }
     }

@@ -87,7 +87,11 @@ pub fn dot_q6k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
         let (ql_all, qh_all, sc_all) = (&wb[0..128], &wb[128..192], &wb[192..208]);
         let mut isum = 0i32;
         for half in 0..2 {
-            let (ql, qh, sc) = (&ql_all[64 * half..], &qh_all[32 * half..], &sc_all[8 * half..]);
+            let (ql, qh, sc) = (
+                &ql_all[64 * half..],
+                &qh_all[32 * half..],
+                &sc_all[8 * half..],
+            );
             let q8 = &q8[128 * half..];
             let mut sub = [0i32; 8];
             for l in 0..32 {
@@ -114,11 +118,11 @@ pub fn dot_q6k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
 /// activation row (stored as f32). Slow, exact to the format, used for rare types.
 pub fn dot_dequant_f32(ty: GgmlType, n: usize, w: &[u8], a: &[u8], scratch: &mut Vec<f32>) -> f32 {
     scratch.resize(n, 0.0);
-    gguf::quant::dequantize(ty, &w[..ty.row_bytes(n)], scratch).expect("row length checked at load");
+    gguf::quant::dequantize(ty, &w[..ty.row_bytes(n)], scratch)
+        .expect("row length checked at load");
     let mut sum = 0f32;
     for (x, ab) in scratch.iter().zip(a.chunks_exact(4)) {
         sum += x * f32::from_le_bytes([ab[0], ab[1], ab[2], ab[3]]);
     }
     sum
 }
-

@@ -31,7 +31,9 @@ macro_rules! int_kernels {
             #[inline]
             #[target_feature(enable = $features)]
             fn f16(b: &[u8], at: usize) -> f32 {
-                gguf::quant::f16_at(b, at)
+                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                    u16::from_le_bytes([b[at], b[at + 1]]) as i32,
+                )))
             }
 
             #[inline]
@@ -54,7 +56,12 @@ macro_rules! int_kernels {
                 for i in 0..nb {
                     let (wb, ab) = (&w[i * 20..], &a[i * 36..]);
                     // SAFETY: bounds asserted above.
-                    let (q4, q8) = unsafe { (nibbles(wb.as_ptr().add(4)), _mm256_loadu_si256(ab.as_ptr().add(4) as *const __m256i)) };
+                    let (q4, q8) = unsafe {
+                        (
+                            nibbles(wb.as_ptr().add(4)),
+                            _mm256_loadu_si256(ab.as_ptr().add(4) as *const __m256i),
+                        )
+                    };
                     let sums = _mm256_cvtepi32_ps(dot_u8i8(q4, q8));
                     acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(wb, 0) * f16(ab, 0)), sums, acc);
                     mins += f16(wb, 2) * f16(ab, 2);
@@ -73,9 +80,17 @@ macro_rules! int_kernels {
                 for i in 0..nb {
                     let (wb, ab) = (&w[i * 18..], &a[i * 34..]);
                     // SAFETY: bounds asserted above.
-                    let (q4, q8) = unsafe { (nibbles(wb.as_ptr().add(2)), _mm256_loadu_si256(ab.as_ptr().add(2) as *const __m256i)) };
+                    let (q4, q8) = unsafe {
+                        (
+                            nibbles(wb.as_ptr().add(2)),
+                            _mm256_loadu_si256(ab.as_ptr().add(2) as *const __m256i),
+                        )
+                    };
                     let x = _mm256_sub_epi8(q4, eight);
-                    let sums = _mm256_cvtepi32_ps(dot_u8i8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(q8, x)));
+                    let sums = _mm256_cvtepi32_ps(dot_u8i8(
+                        _mm256_sign_epi8(x, x),
+                        _mm256_sign_epi8(q8, x),
+                    ));
                     acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(wb, 0) * f16(ab, 0)), sums, acc);
                 }
                 hsum(acc)
@@ -97,7 +112,10 @@ macro_rules! int_kernels {
                             _mm256_loadu_si256(ab.as_ptr().add(2) as *const __m256i),
                         )
                     };
-                    let sums = _mm256_cvtepi32_ps(dot_u8i8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x)));
+                    let sums = _mm256_cvtepi32_ps(dot_u8i8(
+                        _mm256_sign_epi8(x, x),
+                        _mm256_sign_epi8(y, x),
+                    ));
                     acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(wb, 0) * f16(ab, 0)), sums, acc);
                 }
                 hsum(acc)
@@ -124,17 +142,24 @@ macro_rules! int_kernels {
                             (
                                 _mm256_loadu_si256(wb.as_ptr().add(16 + 32 * j) as *const __m256i),
                                 _mm256_loadu_si256(ab.as_ptr().add(4 + 64 * j) as *const __m256i),
-                                _mm256_loadu_si256(ab.as_ptr().add(4 + 64 * j + 32) as *const __m256i),
+                                _mm256_loadu_si256(
+                                    ab.as_ptr().add(4 + 64 * j + 32) as *const __m256i
+                                ),
                             )
                         };
                         let mask = _mm256_set1_epi8(0x0F);
                         let lo = _mm256_and_si256(q, mask);
                         let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-                        let s1 = _mm256_mullo_epi32(dot_u8i8(lo, y1), _mm256_set1_epi32(sc1 as i32));
-                        let s2 = _mm256_mullo_epi32(dot_u8i8(hi, y2), _mm256_set1_epi32(sc2 as i32));
+                        let s1 =
+                            _mm256_mullo_epi32(dot_u8i8(lo, y1), _mm256_set1_epi32(sc1 as i32));
+                        let s2 =
+                            _mm256_mullo_epi32(dot_u8i8(hi, y2), _mm256_set1_epi32(sc2 as i32));
                         isum = _mm256_add_epi32(isum, _mm256_add_epi32(s1, s2));
-                        let b = |k: usize| i16::from_le_bytes([ab[260 + 2 * k], ab[261 + 2 * k]]) as i32;
-                        msum += m1 as i32 * (b(4 * j) + b(4 * j + 1)) + m2 as i32 * (b(4 * j + 2) + b(4 * j + 3));
+                        let b = |k: usize| {
+                            i16::from_le_bytes([ab[260 + 2 * k], ab[261 + 2 * k]]) as i32
+                        };
+                        msum += m1 as i32 * (b(4 * j) + b(4 * j + 1))
+                            + m2 as i32 * (b(4 * j + 2) + b(4 * j + 3));
                     }
                     let isum = hsum_i32(isum);
                     sum += f16(wb, 0) * ad * isum as f32 - f16(wb, 2) * ad * msum as f32;
@@ -162,19 +187,39 @@ macro_rules! int_kernels {
                         let (l0, l1, h) = unsafe {
                             (
                                 _mm256_loadu_si256(wb.as_ptr().add(64 * half) as *const __m256i),
-                                _mm256_loadu_si256(wb.as_ptr().add(64 * half + 32) as *const __m256i),
-                                _mm256_loadu_si256(wb.as_ptr().add(128 + 32 * half) as *const __m256i),
+                                _mm256_loadu_si256(
+                                    wb.as_ptr().add(64 * half + 32) as *const __m256i
+                                ),
+                                _mm256_loadu_si256(
+                                    wb.as_ptr().add(128 + 32 * half) as *const __m256i
+                                ),
                             )
                         };
                         let quads = [
-                            _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)),
-                            _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4)),
-                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4)),
-                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4)),
+                            _mm256_or_si256(
+                                _mm256_and_si256(l0, m4),
+                                _mm256_slli_epi16(_mm256_and_si256(h, m2), 4),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(l1, m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4),
+                            ),
                         ];
                         for (k, q) in quads.into_iter().enumerate() {
                             // SAFETY: bounds asserted above.
-                            let y = unsafe { _mm256_loadu_si256(ab.as_ptr().add(4 + 128 * half + 32 * k) as *const __m256i) };
+                            let y = unsafe {
+                                _mm256_loadu_si256(
+                                    ab.as_ptr().add(4 + 128 * half + 32 * k) as *const __m256i
+                                )
+                            };
                             // (q - 32) * y = q * y - 32 * y; both parts as u8 x i8 sums.
                             let qy = dot_u8i8(q, y);
                             let ky = dot_u8i8(k32, y);
@@ -182,7 +227,8 @@ macro_rules! int_kernels {
                             // Lanes 0..4 cover values 0..16 (scale 2k), lanes 4..8 values 16..32 (scale 2k+1).
                             let s_lo = sc[8 * half + 2 * k] as i8 as i32;
                             let s_hi = sc[8 * half + 2 * k + 1] as i8 as i32;
-                            let scales = _mm256_setr_epi32(s_lo, s_lo, s_lo, s_lo, s_hi, s_hi, s_hi, s_hi);
+                            let scales =
+                                _mm256_setr_epi32(s_lo, s_lo, s_lo, s_lo, s_hi, s_hi, s_hi, s_hi);
                             isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(d, scales));
                         }
                     }
@@ -203,5 +249,10 @@ macro_rules! int_kernels {
     };
 }
 
-int_kernels!(avx2, "avx2,fma,f16c", |u, s| _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-int_kernels!(vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", |u, s| _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
+int_kernels!(avx2, "avx2,fma,f16c", |u, s| _mm256_madd_epi16(
+    _mm256_maddubs_epi16(u, s),
+    _mm256_set1_epi16(1)
+));
+int_kernels!(vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", |u, s| {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+});

@@ -1,0 +1,484 @@
+//! The batched forward pass over a layer range.
+
+use gguf::GgufFile;
+use half::f16;
+
+use crate::config::LlamaConfig;
+use crate::kernels::{Isa, Kernels};
+use crate::kv::KvCache;
+use crate::matmul::{matmul, Product};
+use crate::pool::{SharedMut, ThreadPool};
+use crate::weights::{LayerRange, Weights};
+use crate::Error;
+
+/// How to run a model: threads and (optionally) a forced instruction set.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelOptions {
+    pub n_threads: usize,
+    /// `None` picks the best the CPU has.
+    pub isa: Option<Isa>,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            n_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            isa: None,
+        }
+    }
+}
+
+/// One row of a batch: a token (or, past the first range, an incoming hidden state) of one
+/// session at one position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Row {
+    /// Index of the session's cache in the `caches` slice passed to [`Model::forward`].
+    pub seq: usize,
+    pub pos: usize,
+    /// Used only by a range that starts at layer 0.
+    pub token: u32,
+    /// Whether the last range should return logits for this row.
+    pub want_logits: bool,
+}
+
+/// A batch: rows from any sessions, and for ranges past layer 0 their hidden states
+/// (`rows.len() * n_embd` values, in row order).
+#[derive(Debug, Clone, Copy)]
+pub struct Batch<'a> {
+    pub rows: &'a [Row],
+    pub hidden: Option<&'a [f32]>,
+}
+
+/// What a range produces.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    /// A range that does not end at the last layer: hidden states for every row.
+    Hidden(Vec<f32>),
+    /// The last range: logits (`n_vocab` each) for the rows that asked, in row order.
+    Logits(Vec<f32>),
+}
+
+/// The weights of one layer range, ready to run.
+pub struct Model {
+    config: LlamaConfig,
+    range: LayerRange,
+    weights: Weights,
+    kernels: Kernels,
+    pool: ThreadPool,
+}
+
+impl Model {
+    /// Loads `range` (the whole model when `None`) from `file`.
+    pub fn load(
+        file: &GgufFile,
+        range: Option<LayerRange>,
+        opts: ModelOptions,
+    ) -> Result<Model, Error> {
+        let config = LlamaConfig::from_header(file.header())?;
+        let range = match range {
+            Some(r) => LayerRange::new(r.start, r.end, config.n_layers)?,
+            None => LayerRange::new(0, config.n_layers, config.n_layers)?,
+        };
+        let weights = Weights::load(file, &config, range)?;
+        let isa = opts.isa.unwrap_or_else(Isa::detect);
+        let kernels = Kernels::new(isa).ok_or(Error::BadConfig {
+            field: "isa",
+            value: isa.name().to_string(),
+            why: "this CPU does not support it",
+        })?;
+        Ok(Model {
+            config,
+            range,
+            weights,
+            kernels,
+            pool: ThreadPool::new(opts.n_threads),
+        })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    pub fn range(&self) -> LayerRange {
+        self.range
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.kernels.isa()
+    }
+
+    pub fn n_threads(&self) -> usize {
+        self.pool.n_threads()
+    }
+
+    /// Bytes of weights this range holds.
+    pub fn weight_bytes(&self) -> usize {
+        self.weights.n_bytes()
+    }
+
+    pub fn is_first(&self) -> bool {
+        self.range.start == 0
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.range.end == self.config.n_layers
+    }
+
+    /// A new, empty cache for one session on this range.
+    pub fn new_cache(&self, n_ctx: usize) -> KvCache {
+        KvCache::new(self.range, self.config.kv_dim(), n_ctx)
+    }
+
+    /// Runs `batch` through this range, appending each row's K and V to its session's cache.
+    /// Every session's rows must continue its cache: positions `len, len + 1, ...` in order.
+    pub fn forward(&self, batch: Batch<'_>, caches: &mut [&mut KvCache]) -> Result<Output, Error> {
+        let c = &self.config;
+        let rows = batch.rows;
+        let n = rows.len();
+        let d = c.n_embd;
+        self.validate(batch, caches)?;
+
+        let mut x = match batch.hidden {
+            Some(h) => h.to_vec(),
+            None => {
+                let embd = self
+                    .weights
+                    .embd
+                    .as_ref()
+                    .expect("validated: first range has the embedding");
+                let mut x = vec![0f32; n * d];
+                for (row, out) in rows.iter().zip(x.chunks_exact_mut(d)) {
+                    embd.dequantize_row(row.token as usize, out);
+                }
+                x
+            }
+        };
+        for row in rows {
+            let cache = &mut caches[row.seq];
+            if cache.len() < row.pos + 1 {
+                cache.grow_to(row.pos + 1);
+            }
+        }
+        let rope = RopeTable::new(c, rows);
+        let kv = c.kv_dim();
+        let mut h = vec![0f32; n * d];
+        let (mut q, mut k, mut v) = (vec![0f32; n * d], vec![0f32; n * kv], vec![0f32; n * kv]);
+        let mut attn = vec![0f32; n * d];
+        let mut o = vec![0f32; n * d];
+        let (mut g, mut u) = (vec![0f32; n * c.n_ff], vec![0f32; n * c.n_ff]);
+        for (li, lw) in self.weights.layers.iter().enumerate() {
+            rms_norm(&x, &lw.attn_norm, c.rms_eps, &mut h);
+            matmul(
+                &self.kernels,
+                &self.pool,
+                &h,
+                &mut [
+                    Product {
+                        w: &lw.wq,
+                        out: &mut q,
+                    },
+                    Product {
+                        w: &lw.wk,
+                        out: &mut k,
+                    },
+                    Product {
+                        w: &lw.wv,
+                        out: &mut v,
+                    },
+                ],
+            );
+            rope.apply(&mut q, c.n_head, c.head_dim);
+            rope.apply(&mut k, c.n_head_kv, c.head_dim);
+            for (i, row) in rows.iter().enumerate() {
+                let (kc, vc) = caches[row.seq].layer_mut(li);
+                let at = row.pos * kv;
+                for j in 0..kv {
+                    kc[at + j] = f16::from_f32(k[i * kv + j]);
+                    vc[at + j] = f16::from_f32(v[i * kv + j]);
+                }
+            }
+            self.attention(li, rows, caches, &q, &mut attn);
+            matmul(
+                &self.kernels,
+                &self.pool,
+                &attn,
+                &mut [Product {
+                    w: &lw.wo,
+                    out: &mut o,
+                }],
+            );
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+
+            rms_norm(&x, &lw.ffn_norm, c.rms_eps, &mut h);
+            matmul(
+                &self.kernels,
+                &self.pool,
+                &h,
+                &mut [
+                    Product {
+                        w: &lw.w_gate,
+                        out: &mut g,
+                    },
+                    Product {
+                        w: &lw.w_up,
+                        out: &mut u,
+                    },
+                ],
+            );
+            g.iter_mut()
+                .zip(&u)
+                .for_each(|(a, b)| *a = *a / (1.0 + (-*a).exp()) * b);
+            matmul(
+                &self.kernels,
+                &self.pool,
+                &g,
+                &mut [Product {
+                    w: &lw.w_down,
+                    out: &mut o,
+                }],
+            );
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        }
+
+        if !self.is_last() {
+            return Ok(Output::Hidden(x));
+        }
+        let picked: Vec<usize> = (0..n).filter(|&i| rows[i].want_logits).collect();
+        let mut sel = Vec::with_capacity(picked.len() * d);
+        for &i in &picked {
+            sel.extend_from_slice(&x[i * d..(i + 1) * d]);
+        }
+        let mut normed = vec![0f32; sel.len()];
+        let norm = self
+            .weights
+            .output_norm
+            .as_ref()
+            .expect("last range has the output norm");
+        rms_norm(&sel, norm, c.rms_eps, &mut normed);
+        let head = self
+            .weights
+            .output
+            .as_ref()
+            .expect("last range has the output head");
+        let mut logits = vec![0f32; picked.len() * c.n_vocab];
+        matmul(
+            &self.kernels,
+            &self.pool,
+            &normed,
+            &mut [Product {
+                w: head,
+                out: &mut logits,
+            }],
+        );
+        Ok(Output::Logits(logits))
+    }
+
+    fn validate(&self, batch: Batch<'_>, caches: &[&mut KvCache]) -> Result<(), Error> {
+        let c = &self.config;
+        for cache in caches.iter() {
+            if cache.range() != self.range {
+                return Err(Error::CacheMismatch {
+                    cache_start: cache.range().start,
+                    cache_end: cache.range().end,
+                    start: self.range.start,
+                    end: self.range.end,
+                });
+            }
+        }
+        match (batch.hidden, self.is_first()) {
+            (None, false) => {
+                return Err(Error::BadInput {
+                    what: format!("range {} needs hidden states, got none", self.range),
+                })
+            }
+            (Some(_), true) => {
+                return Err(Error::BadInput {
+                    what: format!(
+                        "range {} starts at layer 0 and takes tokens, not hidden states",
+                        self.range
+                    ),
+                })
+            }
+            (Some(h), false) if h.len() != batch.rows.len() * c.n_embd => {
+                return Err(Error::BadInput {
+                    what: format!(
+                        "{} hidden values for {} rows of width {}",
+                        h.len(),
+                        batch.rows.len(),
+                        c.n_embd
+                    ),
+                })
+            }
+            _ => {}
+        }
+        let mut next: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        for (row_idx, row) in batch.rows.iter().enumerate() {
+            let Some(expected) = next.get_mut(row.seq) else {
+                return Err(Error::NoSuchCache {
+                    row_idx,
+                    seq: row.seq,
+                    n_caches: caches.len(),
+                });
+            };
+            if row.pos != *expected {
+                return Err(Error::PositionGap {
+                    row_idx,
+                    seq: row.seq,
+                    pos: row.pos,
+                    expected: *expected,
+                });
+            }
+            let n_ctx = caches[row.seq].n_ctx();
+            if row.pos >= n_ctx {
+                return Err(Error::ContextFull {
+                    seq: row.seq,
+                    pos: row.pos,
+                    n_ctx,
+                });
+            }
+            *expected += 1;
+            if self.is_first() && row.token as usize >= c.n_vocab {
+                return Err(Error::TokenOutOfRange {
+                    token: row.token,
+                    n_vocab: c.n_vocab,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Causal attention of every row over its own session's cache.
+    fn attention(
+        &self,
+        li: usize,
+        rows: &[Row],
+        caches: &[&mut KvCache],
+        q: &[f32],
+        out: &mut [f32],
+    ) {
+        let c = &self.config;
+        let (hd, kv) = (c.head_dim, c.kv_dim());
+        let group = c.n_head / c.n_head_kv;
+        let scale = 1.0 / (hd as f32).sqrt();
+        // Decode each session's K and V to f32 once per layer; conversion is exact.
+        let mut seqs: Vec<usize> = rows.iter().map(|r| r.seq).collect();
+        seqs.sort_unstable();
+        seqs.dedup();
+        let decoded: Vec<(usize, Vec<f32>, Vec<f32>)> = seqs
+            .iter()
+            .map(|&s| {
+                let (kc, vc) = caches[s].layer(li);
+                let len = caches[s].len() * kv;
+                let conv =
+                    |src: &[f16]| src[..len].iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+                (s, conv(kc), conv(vc))
+            })
+            .collect();
+        let out_ptr = SharedMut::new(out);
+        self.pool.run(rows.len() * c.n_head, &|task| {
+            let (i, head) = (task / c.n_head, task % c.n_head);
+            let row = rows[i];
+            let (_, kf, vf) = &decoded[seqs.binary_search(&row.seq).expect("seq decoded")];
+            let kvh = head / group;
+            // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity.
+            let qh: Vec<f32> = q[i * c.n_embd + head * hd..][..hd]
+                .iter()
+                .map(|&x| f16::from_f32(x).to_f32())
+                .collect();
+            let n_pos = row.pos + 1;
+            let mut scores = Vec::with_capacity(n_pos);
+            let mut max = f32::NEG_INFINITY;
+            for t in 0..n_pos {
+                let s = dot_f32(&qh, &kf[t * kv + kvh * hd..][..hd]) * scale;
+                max = max.max(s);
+                scores.push(s);
+            }
+            let mut sum = 0f64;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s as f64;
+            }
+            let inv = (1.0 / sum) as f32;
+            // SAFETY: each (row, head) task writes its own head_dim slice of `out`.
+            let o = unsafe { out_ptr.slice(i * c.n_embd + head * hd, hd) };
+            o.fill(0.0);
+            for (t, s) in scores.iter().enumerate() {
+                let p = f16::from_f32(*s * inv).to_f32();
+                let vt = &vf[t * kv + kvh * hd..][..hd];
+                o.iter_mut().zip(vt).for_each(|(a, b)| *a += p * b);
+            }
+        });
+    }
+}
+
+/// A dot product with a fixed reduction order (eight interleaved partial sums).
+#[inline]
+fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for ch in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[ch * 8 + l] * b[ch * 8 + l];
+        }
+    }
+    let mut tail = 0f32;
+    for i in chunks * 8..a.len() {
+        tail += a[i] * b[i];
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// RMS norm of each row, times `weight` (as llama.cpp: sum of squares in f64).
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let sum: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
+        let mean = (sum / d as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = (v * scale) * w;
+        }
+    }
+}
+
+/// cos/sin of every rotated pair for each row's position (llama's "normal" RoPE, adjacent
+/// pairs, angles built by repeated multiplication as in ggml).
+struct RopeTable {
+    rope_dim: usize,
+    cos_sin: Vec<(f32, f32)>,
+}
+
+impl RopeTable {
+    fn new(c: &LlamaConfig, rows: &[Row]) -> Self {
+        let pairs = c.rope_dim / 2;
+        let theta_scale = c.rope_base.powf(-2.0 / c.rope_dim as f32);
+        let mut cos_sin = Vec::with_capacity(rows.len() * pairs);
+        for row in rows {
+            let mut theta = row.pos as f32;
+            for _ in 0..pairs {
+                let t = c.rope_freq_scale * theta;
+                cos_sin.push((t.cos(), t.sin()));
+                theta *= theta_scale;
+            }
+        }
+        RopeTable {
+            rope_dim: c.rope_dim,
+            cos_sin,
+        }
+    }
+
+    fn apply(&self, x: &mut [f32], n_heads: usize, head_dim: usize) {
+        let pairs = self.rope_dim / 2;
+        let width = n_heads * head_dim;
+        for (i, row) in x.chunks_exact_mut(width).enumerate() {
+            let cs = &self.cos_sin[i * pairs..(i + 1) * pairs];
+            for head in row.chunks_exact_mut(head_dim) {
+                for (p, &(cos, sin)) in cs.iter().enumerate() {
+                    let (x0, x1) = (head[2 * p], head[2 * p + 1]);
+                    head[2 * p] = x0 * cos - x1 * sin;
+                    head[2 * p + 1] = x0 * sin + x1 * cos;
+                }
+            }
+        }
+    }
+}

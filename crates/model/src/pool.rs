@@ -1,0 +1,250 @@
+//! A small fork-join thread pool for kernels.
+//!
+//! Workers sleep on a condition variable when idle (shards share hosts, so an idle pool must not
+//! burn CPU), after a short spin so back-to-back kernel calls in one forward pass do not pay a
+//! futex wake-up each. The calling thread takes part in every job. Tasks are handed out through
+//! an atomic counter; which thread runs a task never affects its result.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long an idle worker spins before it sleeps.
+const SPIN: Duration = Duration::from_micros(200);
+
+type Task = dyn Fn(usize) + Sync;
+
+#[derive(Clone, Copy)]
+struct JobRef {
+    /// Erased borrow of the caller's closure; valid while `run` is blocked (see `run`).
+    task: *const Task,
+    n_tasks: usize,
+}
+
+// SAFETY: the pointee is `Sync` and outlives every use (the caller waits for all workers).
+unsafe impl Send for JobRef {}
+
+struct Shared {
+    generation: AtomicU64,
+    job: Mutex<Option<JobRef>>,
+    wake: Condvar,
+    next_task: AtomicUsize,
+    n_busy: AtomicUsize,
+    panicked: AtomicBool,
+    shutdown: AtomicBool,
+}
+
+/// A pool of `n_threads - 1` workers plus the calling thread.
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    /// Serializes callers: one job at a time.
+    gate: Mutex<()>,
+}
+
+impl std::fmt::Debug for ThreadPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ThreadPool({} threads)", self.n_threads())
+    }
+}
+
+impl ThreadPool {
+    pub fn new(n_threads: usize) -> ThreadPool {
+        let shared = Arc::new(Shared {
+            generation: AtomicU64::new(0),
+            job: Mutex::new(None),
+            wake: Condvar::new(),
+            next_task: AtomicUsize::new(0),
+            n_busy: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            shutdown: AtomicBool::new(false),
+        });
+        let workers = (1..n_threads.max(1))
+            .map(|i| {
+                let shared = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name(format!("strata-kernel-{i}"))
+                    .spawn(move || worker(&shared))
+                    .expect("spawn kernel thread")
+            })
+            .collect();
+        ThreadPool {
+            shared,
+            workers,
+            gate: Mutex::new(()),
+        }
+    }
+
+    pub fn n_threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// Runs `task(i)` for every `i < n_tasks` across the pool and returns when all are done.
+    pub fn run(&self, n_tasks: usize, task: &(dyn Fn(usize) + Sync)) {
+        if self.workers.is_empty() || n_tasks <= 1 {
+            (0..n_tasks).for_each(task);
+            return;
+        }
+        let _gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &*self.shared;
+        // SAFETY: the lifetime is erased only for the duration of this call: we do not return
+        // until `n_busy` is back to zero, i.e. until no worker can still touch `task`.
+        let task_static: *const Task = unsafe {
+            std::mem::transmute::<
+                *const (dyn Fn(usize) + Sync + '_),
+                *const (dyn Fn(usize) + Sync + 'static),
+            >(task)
+        };
+        s.next_task.store(0, Ordering::Relaxed);
+        s.n_busy.store(self.workers.len(), Ordering::Relaxed);
+        {
+            let mut job = s.job.lock().unwrap_or_else(|e| e.into_inner());
+            *job = Some(JobRef {
+                task: task_static,
+                n_tasks,
+            });
+            s.generation.fetch_add(1, Ordering::Release);
+        }
+        s.wake.notify_all();
+        let mine = catch_unwind(AssertUnwindSafe(|| drain(s, task, n_tasks)));
+        let mut spins = 0u32;
+        while s.n_busy.load(Ordering::Acquire) != 0 {
+            spins += 1;
+            if spins < 1 << 14 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        *s.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        if let Err(p) = mine {
+            std::panic::resume_unwind(p);
+        }
+        if s.panicked.swap(false, Ordering::Relaxed) {
+            panic!("a kernel task panicked on a pool thread");
+        }
+    }
+}
+
+fn drain(s: &Shared, task: &(dyn Fn(usize) + Sync + '_), n_tasks: usize) {
+    loop {
+        let i = s.next_task.fetch_add(1, Ordering::Relaxed);
+        if i >= n_tasks {
+            return;
+        }
+        task(i);
+    }
+}
+
+fn worker(s: &Shared) {
+    let mut seen = 0u64;
+    loop {
+        // Spin briefly for the next job, then sleep.
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while s.generation.load(Ordering::Acquire) == seen {
+            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins % 256 == 0 && start.elapsed() >= SPIN {
+                break;
+            }
+        }
+        let job = {
+            let mut job = s.job.lock().unwrap_or_else(|e| e.into_inner());
+            while s.generation.load(Ordering::Acquire) == seen
+                && !s.shutdown.load(Ordering::Relaxed)
+            {
+                job = s.wake.wait(job).unwrap_or_else(|e| e.into_inner());
+            }
+            if s.shutdown.load(Ordering::Relaxed) {
+                return;
+            }
+            seen = s.generation.load(Ordering::Acquire);
+            *job
+        };
+        if let Some(job) = job {
+            // SAFETY: see `ThreadPool::run`: the closure outlives this use.
+            let task = unsafe { &*job.task };
+            if catch_unwind(AssertUnwindSafe(|| drain(s, task, job.n_tasks))).is_err() {
+                s.panicked.store(true, Ordering::Relaxed);
+            }
+        }
+        s.n_busy.fetch_sub(1, Ordering::Release);
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        {
+            let _job = self.shared.job.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.shutdown.store(true, Ordering::Relaxed);
+        }
+        self.shared.wake.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// A raw pointer to a caller's output buffer that pool tasks write disjoint parts of.
+#[derive(Clone, Copy)]
+pub struct SharedMut<T>(*mut T);
+
+// SAFETY: tasks only write disjoint index sets (each user documents its partition).
+unsafe impl<T: Send> Sync for SharedMut<T> {}
+unsafe impl<T: Send> Send for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
+    pub fn new(slice: &mut [T]) -> Self {
+        SharedMut(slice.as_mut_ptr())
+    }
+
+    /// # Safety
+    /// `idx` must be in bounds of the original slice, and no other task may touch it.
+    #[inline]
+    pub unsafe fn write(&self, idx: usize, value: T) {
+        // SAFETY: per the contract above.
+        unsafe { self.0.add(idx).write(value) }
+    }
+
+    /// # Safety
+    /// `[start, start + len)` must be in bounds and touched by no other task.
+    #[inline]
+    pub unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
+        // SAFETY: per the contract above.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_task_runs_exactly_once() {
+        let pool = ThreadPool::new(3);
+        for n in [0, 1, 2, 7, 100] {
+            let counts: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, &|i| {
+                counts[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    #[test]
+    fn a_panicking_task_reaches_the_caller_and_the_pool_survives() {
+        let pool = ThreadPool::new(2);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(8, &|i| assert!(i != 5, "boom"))
+        }));
+        assert!(r.is_err());
+        let sum = AtomicUsize::new(0);
+        pool.run(4, &|i| {
+            sum.fetch_add(i, Ordering::Relaxed);
+        });
+        assert_eq!(sum.load(Ordering::Relaxed), 6);
+    }
+}

@@ -1,0 +1,301 @@
+//! Token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeded.
+//!
+//! The chain runs in llama.cpp's usual order: penalties, top-k, top-p, min-p, temperature,
+//! then a draw. The generator is a seeded xoshiro256**, so the same seed gives the same tokens.
+
+/// Sampling parameters of one session.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// 0 (or less) means greedy: plain argmax of the raw logits.
+    pub temperature: f32,
+    /// 0 disables.
+    pub top_k: usize,
+    /// 1.0 disables.
+    pub top_p: f32,
+    /// 0.0 disables.
+    pub min_p: f32,
+    /// 1.0 disables.
+    pub repeat_penalty: f32,
+    /// How many recent tokens the penalty looks at.
+    pub repeat_last_n: usize,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+        }
+    }
+}
+
+/// A session's sampler: parameters plus its random state.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Xoshiro,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        Sampler {
+            params,
+            rng: Xoshiro::seeded(params.seed),
+        }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from `logits`, given the tokens seen so far (prompt and output).
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let p = self.params;
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        if p.repeat_penalty != 1.0 && p.repeat_last_n > 0 {
+            let start = history.len().saturating_sub(p.repeat_last_n);
+            let mut seen = std::collections::HashSet::new();
+            for &t in &history[start..] {
+                if seen.insert(t) {
+                    if let Some(c) = cand.get_mut(t as usize) {
+                        c.1 = if c.1 > 0.0 {
+                            c.1 / p.repeat_penalty
+                        } else {
+                            c.1 * p.repeat_penalty
+                        };
+                    }
+                }
+            }
+        }
+        if p.temperature <= 0.0 {
+            return argmax(&cand);
+        }
+        // Sort best first; ties broken by id so the order is fully determined.
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if p.top_k > 0 && p.top_k < cand.len() {
+            cand.truncate(p.top_k);
+        }
+        let probs = softmax(&cand);
+        let mut keep = cand.len();
+        if p.top_p < 1.0 {
+            let mut cum = 0.0;
+            for (i, pr) in probs.iter().enumerate() {
+                cum += pr;
+                if cum >= p.top_p as f64 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            let floor = probs[0] * p.min_p as f64;
+            keep = keep.min(probs.iter().take_while(|&&pr| pr >= floor).count().max(1));
+        }
+        cand.truncate(keep);
+        for c in cand.iter_mut() {
+            c.1 /= p.temperature;
+        }
+        let probs = softmax(&cand);
+        let r = self.rng.next_f64();
+        let mut cum = 0.0;
+        for (c, pr) in cand.iter().zip(&probs) {
+            cum += pr;
+            if r < cum {
+                return c.0;
+            }
+        }
+        cand.last().map_or(0, |c| c.0)
+    }
+}
+
+fn argmax(cand: &[(u32, f32)]) -> u32 {
+    let mut best = 0;
+    for (i, c) in cand.iter().enumerate() {
+        if c.1 > cand[best].1 {
+            best = i;
+        }
+    }
+    cand[best].0
+}
+
+fn softmax(cand: &[(u32, f32)]) -> Vec<f64> {
+    let max = cand.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.1)) as f64;
+    let e: Vec<f64> = cand.iter().map(|c| (c.1 as f64 - max).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    e.into_iter().map(|x| x / sum).collect()
+}
+
+/// The `k` highest logits, best first (ties by lower id).
+pub fn top_k(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let k = k.min(idx.len());
+    let cmp = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    if k < idx.len() && k > 0 {
+        idx.select_nth_unstable_by(k - 1, cmp);
+    }
+    idx.truncate(k);
+    idx.sort_by(cmp);
+    idx.into_iter().map(|i| (i, logits[i as usize])).collect()
+}
+
+/// Log-probability of each of `ids` under the softmax of `logits`.
+pub fn log_probs(logits: &[f32], ids: &[u32]) -> Vec<f32> {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l)) as f64;
+    let lse = logits
+        .iter()
+        .map(|&l| (l as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+        + max;
+    ids.iter()
+        .map(|&i| (logits[i as usize] as f64 - lse) as f32)
+        .collect()
+}
+
+#[derive(Debug, Clone)]
+struct Xoshiro([u64; 4]);
+
+impl Xoshiro {
+    fn seeded(seed: u64) -> Self {
+        let mut s = seed;
+        let mut next = || {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        Xoshiro([next(), next(), next(), next()])
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        let s = &mut self.0;
+        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+
+    fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        (0..100).map(|i| ((i * 7919) % 101) as f32 / 10.0).collect()
+    }
+
+    #[test]
+    fn greedy_is_argmax() {
+        let l = logits();
+        let best = top_k(&l, 1)[0].0;
+        assert_eq!(
+            Sampler::new(SamplingParams::default()).sample(&l, &[]),
+            best
+        );
+    }
+
+    #[test]
+    fn same_seed_same_tokens_and_different_seed_differs() {
+        let l = vec![1.0f32; 1000];
+        let p = SamplingParams {
+            temperature: 1.0,
+            seed: 42,
+            ..Default::default()
+        };
+        let draw = |p: SamplingParams| {
+            let mut s = Sampler::new(p);
+            (0..20).map(|_| s.sample(&l, &[])).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(p), draw(p));
+        assert_ne!(draw(p), draw(SamplingParams { seed: 43, ..p }));
+    }
+
+    #[test]
+    fn top_k_one_and_tiny_top_p_and_high_min_p_are_greedy() {
+        let l = logits();
+        let best = top_k(&l, 1)[0].0;
+        for p in [
+            SamplingParams {
+                top_k: 1,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: 1e-6,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_p: 0.999,
+                ..Default::default()
+            },
+        ] {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 5.0,
+                seed: 7,
+                ..p
+            });
+            for _ in 0..20 {
+                assert_eq!(s.sample(&l, &[]), best);
+            }
+        }
+    }
+
+    #[test]
+    fn top_k_restricts_draws_to_the_k_best() {
+        let l = logits();
+        let allowed: Vec<u32> = top_k(&l, 3).into_iter().map(|c| c.0).collect();
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 10.0,
+            top_k: 3,
+            seed: 1,
+            ..Default::default()
+        });
+        for _ in 0..200 {
+            assert!(allowed.contains(&s.sample(&l, &[])));
+        }
+    }
+
+    #[test]
+    fn repetition_penalty_moves_greedy_off_a_repeated_token() {
+        let mut l = vec![0.0f32; 10];
+        l[3] = 2.0;
+        l[5] = 1.5;
+        let p = SamplingParams {
+            repeat_penalty: 2.0,
+            ..Default::default()
+        };
+        assert_eq!(Sampler::new(p).sample(&l, &[3]), 5);
+        assert_eq!(Sampler::new(p).sample(&l, &[]), 3);
+    }
+
+    #[test]
+    fn log_probs_sum_to_one() {
+        let l = logits();
+        let ids: Vec<u32> = (0..100).collect();
+        let total: f64 = log_probs(&l, &ids).iter().map(|&x| (x as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5);
+    }
+}
