@@ -1,1 +1,238 @@
-//! placeholder
+//! Dev-only helpers: tiny random-weight llama models written as real GGUF files, and the way
+//! tests find the real model and llama.cpp's reference outputs.
+//!
+//! Tiny models exercise the same loader, kernels and forward pass as the real one, in every
+//! weight type the kernels support, so the unit suite needs no download.
+
+use std::path::{Path, PathBuf};
+
+use gguf::{quant, GgmlType, Value, ValueType, Writer};
+
+/// The shape and encoding of a tiny model.
+#[derive(Debug, Clone, Copy)]
+pub struct TinySpec {
+    pub n_layers: usize,
+    pub n_embd: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub n_ff: usize,
+    /// Encoding of the layer matrices.
+    pub weight_type: GgmlType,
+    /// Encoding of the token embedding (and of the head when tied).
+    pub embd_type: GgmlType,
+    /// Whether the output head reuses the token embedding (as SmolLM2 does).
+    pub tied_head: bool,
+    pub seed: u64,
+}
+
+impl Default for TinySpec {
+    fn default() -> Self {
+        TinySpec {
+            n_layers: 4,
+            n_embd: 256,
+            n_head: 4,
+            n_head_kv: 2,
+            n_ff: 512,
+            weight_type: GgmlType::Q4_1,
+            embd_type: GgmlType::Q8_0,
+            tied_head: true,
+            seed: 1,
+        }
+    }
+}
+
+/// Merges of the tiny vocabulary (byte-level text, as GPT-2 writes them).
+const MERGES: [&str; 12] = [
+    "Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "Ġ w", "o r", "Ġw or",
+];
+const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// The tiny vocabulary: specials, the 256 byte characters, then one token per merge.
+pub fn tiny_vocab() -> Vec<String> {
+    let mut v: Vec<String> = SPECIALS.iter().map(|s| s.to_string()).collect();
+    let mut next = 256u32;
+    for b in 0..=255u8 {
+        let printable =
+            (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let c = if printable {
+            char::from(b)
+        } else {
+            let c = char::from_u32(next).unwrap();
+            next += 1;
+            c
+        };
+        v.push(c.to_string());
+    }
+    for m in MERGES {
+        v.push(m.replace(' ', ""));
+    }
+    v
+}
+
+/// A small deterministic generator (splitmix64) for weights.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+
+    fn fill(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
+    }
+}
+
+/// Writes a tiny llama model as GGUF bytes.
+pub fn tiny_model_bytes(spec: &TinySpec) -> Vec<u8> {
+    let vocab = tiny_vocab();
+    let n_vocab = vocab.len();
+    let mut rng = Rng(spec.seed);
+    let mut w = Writer::new(3);
+    let u32v = |v: usize| Value::U32(v as u32);
+    w.metadata("general.architecture", Value::String("llama".into()))
+        .metadata("general.name", Value::String("strata-tiny".into()))
+        .metadata("llama.block_count", u32v(spec.n_layers))
+        .metadata("llama.context_length", u32v(512))
+        .metadata("llama.embedding_length", u32v(spec.n_embd))
+        .metadata("llama.feed_forward_length", u32v(spec.n_ff))
+        .metadata("llama.attention.head_count", u32v(spec.n_head))
+        .metadata("llama.attention.head_count_kv", u32v(spec.n_head_kv))
+        .metadata("llama.rope.freq_base", Value::F32(10000.0))
+        .metadata("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
+        .metadata("llama.vocab_size", u32v(n_vocab))
+        .metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
+        .metadata("tokenizer.ggml.pre", Value::String("smollm".into()))
+        .metadata("tokenizer.ggml.tokens", Value::strings(&vocab))
+        .metadata(
+            "tokenizer.ggml.token_type",
+            Value::Array(
+                ValueType::I32,
+                (0..n_vocab)
+                    .map(|i| Value::I32(if i < SPECIALS.len() { 3 } else { 1 }))
+                    .collect(),
+            ),
+        )
+        .metadata("tokenizer.ggml.merges", Value::strings(MERGES))
+        .metadata("tokenizer.ggml.bos_token_id", u32v(1))
+        .metadata("tokenizer.ggml.eos_token_id", u32v(2))
+        .metadata("tokenizer.ggml.add_bos_token", Value::Bool(false))
+        .metadata("tokenizer.chat_template", Value::String(CHATML.into()));
+
+    let matrix =
+        |w: &mut Writer, name: &str, n_cols: usize, n_rows: usize, ty: GgmlType, rng: &mut Rng| {
+            let scale = 1.0 / (n_cols as f32).sqrt();
+            let data = rng.fill(n_cols * n_rows, scale * 1.7);
+            w.tensor(
+                name,
+                &[n_cols as u64, n_rows as u64],
+                ty,
+                quant::quantize(ty, &data).expect("quantize"),
+            );
+        };
+    let norm = |w: &mut Writer, name: &str, n: usize, rng: &mut Rng| {
+        let data: Vec<f32> = (0..n).map(|_| 1.0 + 0.1 * rng.next()).collect();
+        w.tensor(
+            name,
+            &[n as u64],
+            GgmlType::F32,
+            quant::quantize(GgmlType::F32, &data).unwrap(),
+        );
+    };
+    let (d, kv, ff, ty) = (
+        spec.n_embd,
+        spec.n_embd / spec.n_head * spec.n_head_kv,
+        spec.n_ff,
+        spec.weight_type,
+    );
+    let embd = rng.fill(d * n_vocab, 1.0);
+    w.tensor(
+        "token_embd.weight",
+        &[d as u64, n_vocab as u64],
+        spec.embd_type,
+        quant::quantize(spec.embd_type, &embd).expect("quantize"),
+    );
+    for i in 0..spec.n_layers {
+        let n = |s: &str| format!("blk.{i}.{s}.weight");
+        norm(&mut w, &n("attn_norm"), d, &mut rng);
+        matrix(&mut w, &n("attn_q"), d, d, ty, &mut rng);
+        matrix(&mut w, &n("attn_k"), d, kv, ty, &mut rng);
+        matrix(&mut w, &n("attn_v"), d, kv, ty, &mut rng);
+        matrix(&mut w, &n("attn_output"), d, d, ty, &mut rng);
+        norm(&mut w, &n("ffn_norm"), d, &mut rng);
+        matrix(&mut w, &n("ffn_gate"), d, ff, ty, &mut rng);
+        matrix(&mut w, &n("ffn_up"), d, ff, ty, &mut rng);
+        matrix(&mut w, &n("ffn_down"), ff, d, ty, &mut rng);
+    }
+    norm(&mut w, "output_norm.weight", d, &mut rng);
+    if !spec.tied_head {
+        matrix(
+            &mut w,
+            "output.weight",
+            d,
+            n_vocab,
+            spec.embd_type,
+            &mut rng,
+        );
+    }
+    w.to_bytes()
+}
+
+/// Writes a tiny model to a fresh file under the system temp dir and returns its path.
+pub fn write_tiny_model(spec: &TinySpec, name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("strata-testkit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("create temp dir");
+    let path = dir.join(format!("{name}.gguf"));
+    std::fs::write(&path, tiny_model_bytes(spec)).expect("write tiny model");
+    path
+}
+
+/// The repository root (testkit lives at `crates/testkit`).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .expect("repo root")
+}
+
+/// The real model: `STRATA_MODEL` if set, else whatever `scripts/fetch-model.sh` prints (it is
+/// cached and checksummed, so this is fast after the first time). Panics with the reason when
+/// the model cannot be had: the real-model suite must not silently skip.
+pub fn real_model() -> PathBuf {
+    if let Some(p) = std::env::var_os("STRATA_MODEL") {
+        return PathBuf::from(p);
+    }
+    let script = repo_root().join("scripts/fetch-model.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+    assert!(
+        out.status.success(),
+        "{} failed: {}",
+        script.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
+}
+
+/// llama.cpp's reference outputs (`../shared/reference` beside the repository, or
+/// `STRATA_REFERENCE_DIR`).
+pub fn reference_dir() -> PathBuf {
+    match std::env::var_os("STRATA_REFERENCE_DIR") {
+        Some(p) => PathBuf::from(p),
+        None => repo_root().join("../shared/reference"),
+    }
+}
+
+/// Reads a reference file as text.
+pub fn reference_text(name: &str) -> String {
+    let p = reference_dir().join(name);
+    std::fs::read_to_string(&p)
+        .unwrap_or_else(|e| panic!("cannot read reference {}: {e}", p.display()))
+}
