@@ -70,6 +70,29 @@ impl GgufFile {
         &self.bytes()[start..start + info.n_bytes as usize]
     }
 
+    /// Copies a tensor's bytes out of the file and drops the copied pages from this process's
+    /// resident set, so a loader's memory is its copies, not the mapping as well.
+    pub fn copy_tensor(&self, info: &TensorInfo) -> Vec<u8> {
+        let out = self.data(info).to_vec();
+        if let Backing::Mmap(m) = &self.backing {
+            let page = 4096u64;
+            let start = (self.header.data_offset + info.offset).div_ceil(page) * page;
+            let end = (self.header.data_offset + info.offset + info.n_bytes) / page * page;
+            if end > start {
+                // SAFETY: a read-only shared file mapping; DONTNEED only drops clean pages, which
+                // are read back from the file if touched again.
+                let _ = unsafe {
+                    m.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        start as usize,
+                        (end - start) as usize,
+                    )
+                };
+            }
+        }
+        out
+    }
+
     /// Looks a tensor up by name.
     pub fn tensor(&self, name: &str) -> Result<(&TensorInfo, &[u8]), Error> {
         let info = self

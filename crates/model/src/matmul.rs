@@ -5,6 +5,8 @@
 //! is one call of the same dot kernel on the same two rows, whatever the batch size, tile or
 //! thread: that is what makes results bitwise batch invariant.
 
+use std::sync::Arc;
+
 use gguf::GgmlType;
 
 use crate::kernels::{act, Kernels};
@@ -13,12 +15,14 @@ use crate::pool::{SharedMut, ThreadPool};
 /// Weight rows per pool task.
 const TILE: usize = 16;
 
-/// An immutable weight matrix of `n_rows` rows of `n_cols` values, encoded as `ty`.
+/// An immutable weight matrix of `n_rows` rows of `n_cols` values, encoded as `ty`. The bytes
+/// are shared, so a tied output head costs no second copy of the embedding.
+#[derive(Clone)]
 pub struct QMatrix {
     pub ty: GgmlType,
     pub n_rows: usize,
     pub n_cols: usize,
-    pub data: Vec<u8>,
+    pub data: Arc<[u8]>,
 }
 
 impl QMatrix {

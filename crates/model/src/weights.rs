@@ -63,7 +63,7 @@ pub struct Weights {
 }
 
 fn matrix(f: &GgufFile, name: &str, n_cols: usize, n_rows: usize) -> Result<QMatrix, Error> {
-    let (info, data) = f.tensor(name)?;
+    let (info, _) = f.tensor(name)?;
     let expected = vec![n_cols as u64, n_rows as u64];
     if info.shape != expected {
         return Err(Error::BadShape {
@@ -76,7 +76,7 @@ fn matrix(f: &GgufFile, name: &str, n_cols: usize, n_rows: usize) -> Result<QMat
         ty: info.ty,
         n_rows,
         n_cols,
-        data: data.to_vec(),
+        data: f.copy_tensor(info).into(),
     })
 }
 
@@ -139,9 +139,13 @@ impl Weights {
         })
     }
 
-    /// Bytes of weights held (what this range costs in memory).
+    /// Bytes of weights held (what this range costs in memory; shared bytes count once).
     pub fn n_bytes(&self) -> usize {
         let m = |q: &QMatrix| q.data.len();
+        let shared_head = match (&self.embd, &self.output) {
+            (Some(e), Some(o)) if std::sync::Arc::ptr_eq(&e.data, &o.data) => o.data.len(),
+            _ => 0,
+        };
         let v = |x: &Vec<f32>| x.len() * 4;
         let layers: usize = self
             .layers
@@ -158,9 +162,7 @@ impl Weights {
                     + m(&l.w_down)
             })
             .sum();
-        layers
-            + self.embd.as_ref().map_or(0, m)
-            + self.output.as_ref().map_or(0, m)
+        layers + self.embd.as_ref().map_or(0, m) + self.output.as_ref().map_or(0, m) - shared_head
             + self.output_norm.as_ref().map_or(0, v)
     }
 }

@@ -1,1 +1,264 @@
-fn main() {}
+//! The `strata` binary: every command line surface of the project. Flags are parsed here and
+//! only here, then turned into typed options for the library crates.
+
+mod bench;
+mod local;
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::{Args, Parser, Subcommand};
+use model::sampling::SamplingParams;
+use model::{Isa, ModelOptions};
+use serde_json::json;
+
+use crate::local::{GenerateRequest, Local};
+
+#[derive(Parser)]
+#[command(
+    name = "strata",
+    version,
+    about = "Distributed inference for GGUF language models"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt in one process.
+    Generate(GenerateArgs),
+    /// One prefill of the given ids; prints the top-k logits at every position as JSON.
+    Logits(LogitsArgs),
+    /// Print the token ids of a text as JSON.
+    Tokenize(TokenizeArgs),
+    /// Measure prefill and decode speed (reported like llama-bench).
+    Bench(bench::BenchArgs),
+}
+
+/// Options shared by every command that runs the model.
+#[derive(Args, Clone)]
+pub(crate) struct RunArgs {
+    /// Path of the GGUF model.
+    #[arg(long, env = "STRATA_MODEL")]
+    model: PathBuf,
+    /// Kernel threads (default: all cores).
+    #[arg(long, env = "STRATA_THREADS")]
+    threads: Option<usize>,
+    /// Force an instruction set: scalar, avx2 or avx512-vnni (default: the best available).
+    #[arg(long)]
+    isa: Option<String>,
+}
+
+impl RunArgs {
+    fn options(&self) -> Result<ModelOptions> {
+        let isa = match self.isa.as_deref() {
+            None => None,
+            Some("scalar") => Some(Isa::Scalar),
+            Some("avx2") => Some(Isa::Avx2),
+            Some("avx512-vnni") => Some(Isa::Avx512Vnni),
+            Some(other) => bail!("unknown --isa `{other}` (expected scalar, avx2 or avx512-vnni)"),
+        };
+        let mut opts = ModelOptions {
+            isa,
+            ..ModelOptions::default()
+        };
+        if let Some(t) = self.threads {
+            if t == 0 {
+                bail!("`--threads` must be at least 1");
+            }
+            opts.n_threads = t;
+        }
+        Ok(opts)
+    }
+
+    pub(crate) fn load(&self) -> Result<Local> {
+        Local::load(&self.model, self.options()?)
+    }
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Prompt text (special tokens such as <|im_start|> are parsed).
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids.
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when this text is generated (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Treat the prompt as a user message and apply the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    json: bool,
+    /// Context length (positions) of the session.
+    #[arg(long, default_value_t = 4096)]
+    ctx: usize,
+    /// Prompt tokens per forward call.
+    #[arg(long, default_value_t = 512)]
+    batch_size: usize,
+}
+
+#[derive(Args)]
+struct LogitsArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    #[arg(long, value_delimiter = ',', required = true)]
+    ids: Vec<u32>,
+    #[arg(long, default_value_t = 5)]
+    top_k: usize,
+}
+
+#[derive(Args)]
+struct TokenizeArgs {
+    #[arg(long, env = "STRATA_MODEL")]
+    model: PathBuf,
+    /// Parse special-token text (such as <|im_end|>) into special tokens.
+    #[arg(long)]
+    special: bool,
+    text: String,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => generate(a),
+        Command::Logits(a) => logits(a),
+        Command::Tokenize(a) => tokenize(a),
+        Command::Bench(a) => bench::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("strata: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn top_json(top: &[(u32, f32)]) -> serde_json::Value {
+    top.iter()
+        .map(|&(id, logit)| json!({ "id": id, "logit": logit }))
+        .collect()
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let local = a.run.load()?;
+    let prompt_ids = match (&a.prompt, &a.prompt_ids) {
+        (_, Some(ids)) => ids.clone(),
+        (Some(p), None) if a.chat => local.encode_chat(&[text::ChatMessage {
+            role: "user".into(),
+            content: p.clone(),
+        }])?,
+        (Some(p), None) => local.encode_prompt(p),
+        (None, None) => bail!("give --prompt or --prompt-ids"),
+    };
+    let req = GenerateRequest {
+        prompt_ids: prompt_ids.clone(),
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            repeat_penalty: a.repeat_penalty,
+            seed: a.seed,
+            ..SamplingParams::default()
+        },
+        stop: a.stop.clone(),
+        n_top: if a.json { 5 } else { 0 },
+        batch_size: a.batch_size,
+        n_ctx: a.ctx,
+    };
+    let stdout = std::io::stdout();
+    let out = local.generate(&req, |piece| {
+        if !a.json {
+            let mut lock = stdout.lock();
+            let _ = lock.write_all(piece.as_bytes());
+            let _ = lock.flush();
+        }
+    })?;
+    let per_s = |n: usize, d: std::time::Duration| {
+        if d.is_zero() {
+            0.0
+        } else {
+            n as f64 / d.as_secs_f64()
+        }
+    };
+    if a.json {
+        let n_gen = out.generated_ids.len();
+        let v = json!({
+            "prompt_ids": prompt_ids,
+            "generated_ids": out.generated_ids,
+            "text": out.text,
+            "stop_reason": out.stop_reason.as_str(),
+            "top5": out.top.iter().map(|t| top_json(t)).collect::<Vec<_>>(),
+            "timings": {
+                "prompt_tokens": prompt_ids.len(),
+                "prompt_ms": out.prompt_time.as_secs_f64() * 1e3,
+                "prompt_tokens_per_s": per_s(prompt_ids.len(), out.prompt_time),
+                "generated_tokens": n_gen,
+                "decode_ms": out.decode_time.as_secs_f64() * 1e3,
+                "decode_tokens_per_s": per_s(n_gen.saturating_sub(1), out.decode_time),
+                "ttft_ms": out.ttft.as_secs_f64() * 1e3,
+            },
+            "threads": local.model.n_threads(),
+            "isa": local.model.isa().name(),
+        });
+        println!("{v}");
+    } else {
+        println!();
+        eprintln!(
+            "[{} prompt tokens at {:.1} t/s, {} generated at {:.1} t/s, stop: {}]",
+            prompt_ids.len(),
+            per_s(prompt_ids.len(), out.prompt_time),
+            out.generated_ids.len(),
+            per_s(out.generated_ids.len().saturating_sub(1), out.decode_time),
+            out.stop_reason.as_str()
+        );
+    }
+    Ok(())
+}
+
+fn logits(a: LogitsArgs) -> Result<()> {
+    let local = a.run.load()?;
+    let mut cache = local.model.new_cache(a.ids.len());
+    let logits = local.prefill(&mut cache, &a.ids, a.ids.len(), true)?;
+    let n_vocab = local.model.config().n_vocab;
+    let positions: Vec<serde_json::Value> = logits
+        .chunks_exact(n_vocab)
+        .map(|l| top_json(&model::sampling::top_k(l, a.top_k)))
+        .collect();
+    println!("{}", json!({ "ids": a.ids, "top_k": positions }));
+    Ok(())
+}
+
+fn tokenize(a: TokenizeArgs) -> Result<()> {
+    let file = gguf::GgufFile::open(&a.model)?;
+    let tok = text::Tokenizer::from_header(file.header())?;
+    println!("{}", json!(tok.encode(&a.text, true, a.special)));
+    Ok(())
+}

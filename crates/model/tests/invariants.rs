@@ -1,0 +1,396 @@
+//! DESIGN.md invariants 1 and 2 on tiny models in every kernel weight type: a split run equals
+//! the unsplit one, and a session's logits do not depend on its batch or on prompt chunking.
+//! All comparisons are bitwise.
+
+use gguf::{GgmlType, GgufFile};
+use model::{Batch, KvCache, LayerRange, Model, ModelOptions, Output, Row};
+use testkit::TinySpec;
+
+fn specs() -> Vec<TinySpec> {
+    let mut v = Vec::new();
+    for (weight_type, embd_type, tied_head) in [
+        (GgmlType::Q4_1, GgmlType::Q8_0, true),
+        (GgmlType::Q4_0, GgmlType::Q8_0, false),
+        (GgmlType::Q8_0, GgmlType::F16, false),
+        (GgmlType::Q4K, GgmlType::Q6K, false),
+        (GgmlType::Q6K, GgmlType::Q4K, true),
+        (GgmlType::F16, GgmlType::F32, false),
+        (GgmlType::Q5_0, GgmlType::Q5_1, false),
+        (GgmlType::F32, GgmlType::BF16, true),
+    ] {
+        v.push(TinySpec {
+            weight_type,
+            embd_type,
+            tied_head,
+            ..TinySpec::default()
+        });
+    }
+    v
+}
+
+fn load(spec: &TinySpec, range: Option<LayerRange>, n_threads: usize) -> Model {
+    let f = GgufFile::from_bytes(testkit::tiny_model_bytes(spec)).unwrap();
+    Model::load(
+        &f,
+        range,
+        ModelOptions {
+            n_threads,
+            isa: None,
+        },
+    )
+    .unwrap()
+}
+
+fn prompt(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| 3 + (seed * 31 + i * 17) % 250)
+        .collect()
+}
+
+fn logits(out: Output) -> Vec<f32> {
+    match out {
+        Output::Logits(l) => l,
+        Output::Hidden(_) => panic!("expected logits"),
+    }
+}
+
+/// Logits at every position of `ids`, fed in chunks of `chunk`, for one session alone.
+fn run_alone(m: &Model, ids: &[u32], chunk: usize) -> Vec<f32> {
+    let mut cache = m.new_cache(256);
+    let mut all = Vec::new();
+    for (ci, part) in ids.chunks(chunk).enumerate() {
+        let rows: Vec<Row> = part
+            .iter()
+            .enumerate()
+            .map(|(i, &token)| Row {
+                seq: 0,
+                pos: ci * chunk + i,
+                token,
+                want_logits: true,
+            })
+            .collect();
+        all.extend(logits(
+            m.forward(
+                Batch {
+                    rows: &rows,
+                    hidden: None,
+                },
+                &mut [&mut cache],
+            )
+            .unwrap(),
+        ));
+    }
+    all
+}
+
+#[test]
+fn split_ranges_give_bitwise_the_unsplit_logits() {
+    for spec in specs() {
+        let whole = load(&spec, None, 2);
+        let ids = prompt(1, 9);
+        let reference = run_alone(&whole, &ids, ids.len());
+        for k in 1..spec.n_layers {
+            let a = load(&spec, Some(LayerRange { start: 0, end: k }), 2);
+            let b = load(
+                &spec,
+                Some(LayerRange {
+                    start: k,
+                    end: spec.n_layers,
+                }),
+                2,
+            );
+            let (mut ca, mut cb) = (a.new_cache(64), b.new_cache(64));
+            let rows: Vec<Row> = ids
+                .iter()
+                .enumerate()
+                .map(|(pos, &token)| Row {
+                    seq: 0,
+                    pos,
+                    token,
+                    want_logits: true,
+                })
+                .collect();
+            let Output::Hidden(h) = a
+                .forward(
+                    Batch {
+                        rows: &rows,
+                        hidden: None,
+                    },
+                    &mut [&mut ca],
+                )
+                .unwrap()
+            else {
+                panic!("first range returns hidden states")
+            };
+            let got = logits(
+                b.forward(
+                    Batch {
+                        rows: &rows,
+                        hidden: Some(&h),
+                    },
+                    &mut [&mut cb],
+                )
+                .unwrap(),
+            );
+            assert!(
+                got == reference,
+                "{:?}: split at {k} differs",
+                spec.weight_type
+            );
+        }
+    }
+}
+
+#[test]
+fn a_sessions_logits_do_not_depend_on_its_batch_companions() {
+    for spec in specs() {
+        let m = load(&spec, None, 2);
+        let target = prompt(7, 6);
+        let alone = run_alone(&m, &target, target.len());
+        for n_others in [1usize, 3, 7] {
+            let others: Vec<Vec<u32>> = (0..n_others)
+                .map(|i| prompt(100 + i as u32, 3 + i))
+                .collect();
+            let mut caches: Vec<KvCache> = (0..=n_others).map(|_| m.new_cache(64)).collect();
+            // Interleave the target's rows with the others' so its rows sit at varied offsets.
+            let mut rows = Vec::new();
+            for (s, ids) in others.iter().enumerate() {
+                for (pos, &token) in ids.iter().enumerate() {
+                    rows.push(Row {
+                        seq: s + 1,
+                        pos,
+                        token,
+                        want_logits: true,
+                    });
+                }
+                if s == 0 {
+                    for (pos, &token) in target.iter().enumerate() {
+                        rows.push(Row {
+                            seq: 0,
+                            pos,
+                            token,
+                            want_logits: true,
+                        });
+                    }
+                }
+            }
+            let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+            let all = logits(
+                m.forward(
+                    Batch {
+                        rows: &rows,
+                        hidden: None,
+                    },
+                    &mut refs,
+                )
+                .unwrap(),
+            );
+            let n_vocab = m.config().n_vocab;
+            let mine: Vec<f32> = rows
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.seq == 0)
+                .flat_map(|(i, _)| all[i * n_vocab..(i + 1) * n_vocab].to_vec())
+                .collect();
+            assert!(
+                mine == alone,
+                "{:?}: differs with {n_others} companions",
+                spec.weight_type
+            );
+        }
+    }
+}
+
+#[test]
+fn chunked_prefill_gives_bitwise_the_one_shot_logits() {
+    for spec in specs() {
+        let m = load(&spec, None, 2);
+        let ids = prompt(3, 11);
+        let once = run_alone(&m, &ids, ids.len());
+        for chunk in [1, 2, 4, 5] {
+            assert!(
+                run_alone(&m, &ids, chunk) == once,
+                "{:?}: chunk {chunk} differs",
+                spec.weight_type
+            );
+        }
+    }
+}
+
+#[test]
+fn thread_count_does_not_change_results() {
+    let spec = TinySpec::default();
+    let ids = prompt(5, 7);
+    let one = run_alone(&load(&spec, None, 1), &ids, 7);
+    let three = run_alone(&load(&spec, None, 3), &ids, 7);
+    assert!(one == three);
+}
+
+#[test]
+fn truncating_the_cache_then_re_appending_matches_never_appending() {
+    let m = load(&TinySpec::default(), None, 2);
+    let ids = prompt(9, 8);
+    let reference = run_alone(&m, &ids, 8);
+    let mut cache = m.new_cache(64);
+    let detour: Vec<Row> = [ids[..5].to_vec(), vec![200, 201, 202]]
+        .concat()
+        .iter()
+        .enumerate()
+        .map(|(pos, &token)| Row {
+            seq: 0,
+            pos,
+            token,
+            want_logits: false,
+        })
+        .collect();
+    let _ = m
+        .forward(
+            Batch {
+                rows: &detour,
+                hidden: None,
+            },
+            &mut [&mut cache],
+        )
+        .unwrap();
+    cache.truncate(5);
+    let rest: Vec<Row> = ids[5..]
+        .iter()
+        .enumerate()
+        .map(|(i, &token)| Row {
+            seq: 0,
+            pos: 5 + i,
+            token,
+            want_logits: true,
+        })
+        .collect();
+    let got = logits(
+        m.forward(
+            Batch {
+                rows: &rest,
+                hidden: None,
+            },
+            &mut [&mut cache],
+        )
+        .unwrap(),
+    );
+    let n_vocab = m.config().n_vocab;
+    assert!(got == reference[5 * n_vocab..]);
+}
+
+#[test]
+fn malformed_batches_are_typed_errors() {
+    let m = load(&TinySpec::default(), None, 1);
+    let mut cache = m.new_cache(4);
+    let gap = [Row {
+        seq: 0,
+        pos: 1,
+        token: 5,
+        want_logits: true,
+    }];
+    let err = m
+        .forward(
+            Batch {
+                rows: &gap,
+                hidden: None,
+            },
+            &mut [&mut cache],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, model::Error::PositionGap { expected: 0, .. }),
+        "{err}"
+    );
+    let bad_token = [Row {
+        seq: 0,
+        pos: 0,
+        token: 99_999,
+        want_logits: true,
+    }];
+    let err = m
+        .forward(
+            Batch {
+                rows: &bad_token,
+                hidden: None,
+            },
+            &mut [&mut cache],
+        )
+        .unwrap_err();
+    assert!(matches!(err, model::Error::TokenOutOfRange { .. }), "{err}");
+    let no_cache = [Row {
+        seq: 3,
+        pos: 0,
+        token: 5,
+        want_logits: true,
+    }];
+    let err = m
+        .forward(
+            Batch {
+                rows: &no_cache,
+                hidden: None,
+            },
+            &mut [&mut cache],
+        )
+        .unwrap_err();
+    assert!(matches!(err, model::Error::NoSuchCache { .. }), "{err}");
+    let rows: Vec<Row> = (0..5)
+        .map(|pos| Row {
+            seq: 0,
+            pos,
+            token: 5,
+            want_logits: true,
+        })
+        .collect();
+    let err = m
+        .forward(
+            Batch {
+                rows: &rows,
+                hidden: None,
+            },
+            &mut [&mut cache],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, model::Error::ContextFull { n_ctx: 4, .. }),
+        "{err}"
+    );
+    assert_eq!(cache.len(), 0, "a refused batch leaves the cache untouched");
+}
+
+#[test]
+fn memory_follows_the_range() {
+    let spec = TinySpec {
+        tied_head: false,
+        ..TinySpec::default()
+    };
+    let f = GgufFile::from_bytes(testkit::tiny_model_bytes(&spec)).unwrap();
+    let sum = |pred: &dyn Fn(&str) -> bool| -> usize {
+        f.header()
+            .tensors()
+            .iter()
+            .filter(|t| pred(&t.name))
+            .map(|t| t.n_bytes as usize)
+            .sum()
+    };
+    let in_layers = |name: &str, a: usize, b: usize| {
+        name.strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok())
+            .is_some_and(|i| (a..b).contains(&i))
+    };
+    let first = Model::load(
+        &f,
+        Some(LayerRange { start: 0, end: 2 }),
+        ModelOptions::default(),
+    )
+    .unwrap();
+    let want = sum(&|n| in_layers(n, 0, 2) || n == "token_embd.weight");
+    assert_eq!(first.weight_bytes(), want);
+    let last = Model::load(
+        &f,
+        Some(LayerRange { start: 2, end: 4 }),
+        ModelOptions::default(),
+    )
+    .unwrap();
+    let want = sum(&|n| in_layers(n, 2, 4) || n == "output.weight" || n == "output_norm.weight");
+    assert_eq!(last.weight_bytes(), want);
+}

@@ -1,0 +1,186 @@
+//! `strata bench`: prefill (ppN) and decode (tgN) speed of one process, reported the way
+//! llama-bench reports them so the two can be put side by side.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use clap::Args;
+use model::{Batch, Output, Row};
+use serde_json::json;
+
+use crate::local::Local;
+use crate::RunArgs;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Prompt lengths to measure (ppN), comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    prompt_tokens: Vec<usize>,
+    /// Generated tokens to measure (tgN); 0 skips decode.
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    /// Runs of each test (after one warm-up run).
+    #[arg(long, default_value_t = 3)]
+    repetitions: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+struct TestResult {
+    name: String,
+    n_tokens: usize,
+    rates: Vec<f64>,
+}
+
+impl TestResult {
+    fn mean(&self) -> f64 {
+        self.rates.iter().sum::<f64>() / self.rates.len().max(1) as f64
+    }
+
+    fn stddev(&self) -> f64 {
+        let m = self.mean();
+        let n = self.rates.len();
+        if n < 2 {
+            return 0.0;
+        }
+        (self.rates.iter().map(|r| (r - m).powi(2)).sum::<f64>() / (n - 1) as f64).sqrt()
+    }
+}
+
+/// Deterministic token ids that avoid the control tokens at the start of the vocabulary.
+fn bench_tokens(n: usize, n_vocab: usize) -> Vec<u32> {
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (100 + s % (n_vocab as u64 - 100)) as u32
+        })
+        .collect()
+}
+
+fn time_prefill(local: &Local, tokens: &[u32]) -> Result<f64> {
+    let mut cache = local.model.new_cache(tokens.len());
+    let t = Instant::now();
+    local.prefill(&mut cache, tokens, tokens.len(), false)?;
+    Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
+}
+
+fn time_decode(local: &Local, tokens: &[u32]) -> Result<f64> {
+    let mut cache = local.model.new_cache(tokens.len());
+    let t = Instant::now();
+    for (pos, &token) in tokens.iter().enumerate() {
+        let rows = [Row {
+            seq: 0,
+            pos,
+            token,
+            want_logits: true,
+        }];
+        let out = local.model.forward(
+            Batch {
+                rows: &rows,
+                hidden: None,
+            },
+            &mut [&mut cache],
+        )?;
+        debug_assert!(matches!(out, Output::Logits(_)));
+    }
+    Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
+}
+
+/// Peak and current resident memory of this process, in bytes (Linux `/proc/self/status`).
+pub fn rss_bytes() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(0, |kib| kib * 1024)
+    };
+    (field("VmHWM:"), field("VmRSS:"))
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    let local = a.run.load()?;
+    let n_vocab = local.model.config().n_vocab;
+    let mut results = Vec::new();
+    let reps = a.repetitions.max(1);
+    for &n in &a.prompt_tokens {
+        let tokens = bench_tokens(n, n_vocab);
+        time_prefill(&local, &tokens)?;
+        let rates = (0..reps)
+            .map(|_| time_prefill(&local, &tokens))
+            .collect::<Result<Vec<_>>>()?;
+        results.push(TestResult {
+            name: format!("pp{n}"),
+            n_tokens: n,
+            rates,
+        });
+    }
+    if a.gen_tokens > 0 {
+        let tokens = bench_tokens(a.gen_tokens, n_vocab);
+        time_decode(&local, &tokens)?;
+        let rates = (0..reps)
+            .map(|_| time_decode(&local, &tokens))
+            .collect::<Result<Vec<_>>>()?;
+        results.push(TestResult {
+            name: format!("tg{}", a.gen_tokens),
+            n_tokens: a.gen_tokens,
+            rates,
+        });
+    }
+    let (peak_rss, rss) = rss_bytes();
+    let threads = local.model.n_threads();
+    let isa = local.model.isa().name();
+    let model_name = a
+        .run
+        .model
+        .file_name()
+        .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+    if a.json {
+        let tests: Vec<_> = results
+            .iter()
+            .map(|r| {
+                json!({
+                    "test": r.name,
+                    "n_tokens": r.n_tokens,
+                    "avg_ts": r.mean(),
+                    "stddev_ts": r.stddev(),
+                    "samples_ts": r.rates,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({
+                "model": model_name,
+                "model_bytes": local.file_bytes,
+                "weight_bytes": local.model.weight_bytes(),
+                "threads": threads,
+                "isa": isa,
+                "peak_rss_bytes": peak_rss,
+                "rss_bytes": rss,
+                "tests": tests,
+            })
+        );
+    } else {
+        println!("| model | size | backend | threads | test | t/s |");
+        println!("| --- | ---: | --- | ---: | ---: | ---: |");
+        for r in &results {
+            println!(
+                "| {model_name} | {:.2} MiB | cpu ({isa}) | {threads} | {} | {:.2} ± {:.2} |",
+                local.file_bytes as f64 / (1 << 20) as f64,
+                r.name,
+                r.mean(),
+                r.stddev()
+            );
+        }
+        println!("\npeak RSS {:.1} MiB", peak_rss as f64 / (1 << 20) as f64);
+    }
+    Ok(())
+}
