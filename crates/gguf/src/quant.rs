@@ -61,7 +61,7 @@ pub fn q3k_scales(packed: &[u8]) -> [i8; 16] {
 }
 
 fn check_len(ty: GgmlType, bytes: &[u8], out: &[f32]) -> Result<(), Error> {
-    if out.len() % ty.block_size() != 0 {
+    if !out.len().is_multiple_of(ty.block_size()) {
         return Err(Error::BadLength {
             what: "dequantize output",
             len: out.len(),
@@ -265,7 +265,7 @@ fn dequant_q6k(b: &[u8], y: &mut [f32]) {
 /// Encodes `src` as `ty` with simple round-to-nearest reference quantizers (good enough for
 /// test models; not llama.cpp's importance-weighted search).
 pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, Error> {
-    if src.len() % ty.block_size() != 0 {
+    if !src.len().is_multiple_of(ty.block_size()) {
         return Err(Error::BadLength {
             what: "quantize input",
             len: src.len(),

@@ -267,7 +267,7 @@ pub fn parse(bytes: &[u8]) -> Result<Header, Error> {
     let data_offset = (c.pos as u64).div_ceil(alignment) * alignment;
     let data_len = (bytes.len() as u64).saturating_sub(data_offset);
     for t in &tensors {
-        let end = t.offset.checked_add(t.n_bytes).unwrap_or(u64::MAX);
+        let end = t.offset.saturating_add(t.n_bytes);
         if end > data_len {
             return Err(Error::TensorOutOfBounds {
                 tensor: t.name.clone(),

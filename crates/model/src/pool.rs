@@ -147,7 +147,7 @@ fn worker(s: &Shared) {
         while s.generation.load(Ordering::Acquire) == seen {
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
-            if spins % 256 == 0 && start.elapsed() >= SPIN {
+            if spins.is_multiple_of(256) && start.elapsed() >= SPIN {
                 break;
             }
         }
@@ -212,6 +212,7 @@ impl<T> SharedMut<T> {
     /// # Safety
     /// `[start, start + len)` must be in bounds and touched by no other task.
     #[inline]
+    #[allow(clippy::mut_from_ref)] // reason: the pointer is shared by design; callers own disjoint parts
     pub unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
         // SAFETY: per the contract above.
         unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }

@@ -119,15 +119,13 @@ impl Weights {
             .then(|| matrix(f, "token_embd.weight", c.n_embd, c.n_vocab))
             .transpose()?;
         let (output_norm, output) = if last {
-            let head_name = if f.header().tensor("output.weight").is_some() {
-                "output.weight"
-            } else {
-                "token_embd.weight"
+            let head = match (f.header().tensor("output.weight"), &embd) {
+                (Some(_), _) => matrix(f, "output.weight", c.n_embd, c.n_vocab)?,
+                // A tied head: share the embedding's bytes when this range holds it.
+                (None, Some(e)) => e.clone(),
+                (None, None) => matrix(f, "token_embd.weight", c.n_embd, c.n_vocab)?,
             };
-            (
-                Some(vector(f, "output_norm.weight", c.n_embd)?),
-                Some(matrix(f, head_name, c.n_embd, c.n_vocab)?),
-            )
+            (Some(vector(f, "output_norm.weight", c.n_embd)?), Some(head))
         } else {
             (None, None)
         };

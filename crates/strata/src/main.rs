@@ -3,6 +3,7 @@
 
 mod bench;
 mod local;
+mod model_cmd;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -36,6 +37,9 @@ enum Command {
     Tokenize(TokenizeArgs),
     /// Measure prefill and decode speed (reported like llama-bench).
     Bench(bench::BenchArgs),
+    /// Inspect a model file and what loading it costs.
+    #[command(subcommand)]
+    Model(model_cmd::ModelCommand),
 }
 
 /// Options shared by every command that runs the model.
@@ -152,6 +156,7 @@ fn main() {
         Command::Logits(a) => logits(a),
         Command::Tokenize(a) => tokenize(a),
         Command::Bench(a) => bench::run(a),
+        Command::Model(c) => model_cmd::run(c),
     };
     if let Err(e) = result {
         eprintln!("strata: {e:#}");
@@ -231,6 +236,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         println!("{v}");
     } else {
         println!();
+        std::io::stdout().flush()?;
         eprintln!(
             "[{} prompt tokens at {:.1} t/s, {} generated at {:.1} t/s, stop: {}]",
             prompt_ids.len(),

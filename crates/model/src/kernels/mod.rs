@@ -43,12 +43,12 @@ impl Isa {
 
     /// Whether this CPU can run `self`.
     pub fn is_supported(self) -> bool {
-        match (self, Isa::detect()) {
-            (Isa::Scalar, _) => true,
-            (Isa::Avx2, Isa::Avx2 | Isa::Avx512Vnni) => true,
-            (Isa::Avx512Vnni, Isa::Avx512Vnni) => true,
-            _ => false,
-        }
+        matches!(
+            (self, Isa::detect()),
+            (Isa::Scalar, _)
+                | (Isa::Avx2, Isa::Avx2 | Isa::Avx512Vnni)
+                | (Isa::Avx512Vnni, Isa::Avx512Vnni)
+        )
     }
 
     pub fn name(self) -> &'static str {

@@ -1,0 +1,234 @@
+//! The command line surfaces, run as a user runs them: the real binary, real files.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+use testkit::TinySpec;
+
+fn strata(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .output()
+        .expect("run strata")
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "strata failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("json output")
+}
+
+fn tiny() -> String {
+    testkit::write_tiny_model(&TinySpec::default(), "cli")
+        .display()
+        .to_string()
+}
+
+fn real() -> String {
+    testkit::real_model().display().to_string()
+}
+
+#[test]
+fn generate_json_reports_ids_text_top5_and_timings() {
+    let m = tiny();
+    let out = json_of(&strata(&[
+        "generate",
+        "--model",
+        &m,
+        "--prompt",
+        "the world",
+        "--max-tokens",
+        "6",
+        "--json",
+    ]));
+    assert_eq!(out["generated_ids"].as_array().unwrap().len(), 6);
+    assert_eq!(out["top5"].as_array().unwrap().len(), 6);
+    assert_eq!(out["top5"][0].as_array().unwrap().len(), 5);
+    assert!(out["timings"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(out["prompt_ids"].as_array().unwrap().len() >= 2);
+    // Greedy: the first generated id is the top-1 of step 0.
+    assert_eq!(out["generated_ids"][0], out["top5"][0][0]["id"]);
+}
+
+#[test]
+fn same_seed_gives_same_tokens_and_another_seed_differs() {
+    let m = tiny();
+    let run = |seed: &str| {
+        json_of(&strata(&[
+            "generate",
+            "--model",
+            &m,
+            "--prompt-ids",
+            "40,50,60",
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "50",
+            "--seed",
+            seed,
+            "--json",
+        ]))["generated_ids"]
+            .clone()
+    };
+    assert_eq!(run("5"), run("5"));
+    assert_ne!(run("5"), run("6"));
+}
+
+#[test]
+fn tokenize_matches_the_reference_with_and_without_special_parsing() {
+    let m = real();
+    let plain = json_of(&strata(&[
+        "tokenize",
+        "--model",
+        &m,
+        "Hello world <|im_end|>",
+    ]));
+    let special = json_of(&strata(&[
+        "tokenize",
+        "--model",
+        &m,
+        "--special",
+        "Hello world <|im_end|>",
+    ]));
+    let reference: Value =
+        serde_json::from_str(&testkit::reference_text("tokenizer_public.json")).unwrap();
+    let e = reference["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["special_tokens_differ"].as_bool().unwrap())
+        .unwrap()
+        .clone();
+    let plain_ref = json_of(&strata(&[
+        "tokenize",
+        "--model",
+        &m,
+        e["text"].as_str().unwrap(),
+    ]));
+    let special_ref = json_of(&strata(&[
+        "tokenize",
+        "--model",
+        &m,
+        "--special",
+        e["text"].as_str().unwrap(),
+    ]));
+    assert_eq!(plain_ref, e["ids"]);
+    assert_eq!(special_ref, e["ids_parse_special"]);
+    assert_ne!(plain, special);
+    assert_eq!(special.as_array().unwrap().last().unwrap(), 2);
+}
+
+#[test]
+fn chat_generation_on_the_real_model_answers_and_stops_at_end_of_turn() {
+    let m = real();
+    let out = json_of(&strata(&[
+        "generate",
+        "--model",
+        &m,
+        "--chat",
+        "--prompt",
+        "What is 2+2?",
+        "--max-tokens",
+        "40",
+        "--json",
+    ]));
+    assert_eq!(out["stop_reason"], "eos");
+    assert!(
+        out["text"].as_str().unwrap().contains('4'),
+        "{}",
+        out["text"]
+    );
+    assert_eq!(out["generated_ids"].as_array().unwrap().last().unwrap(), 2);
+}
+
+#[test]
+fn logits_prints_top_k_for_every_position() {
+    let m = real();
+    let out = json_of(&strata(&[
+        "logits",
+        "--model",
+        &m,
+        "--ids",
+        "504,3575,282,4649,314",
+        "--top-k",
+        "3",
+    ]));
+    let positions = out["top_k"].as_array().unwrap();
+    assert_eq!(positions.len(), 5);
+    assert_eq!(
+        positions[4][0]["id"], 7042,
+        "' Paris' follows 'The capital of France is'"
+    );
+}
+
+#[test]
+fn resident_weight_memory_follows_the_layer_range() {
+    let m = real();
+    for layers in ["0..15", "15..30", "0..30"] {
+        let out = json_of(&strata(&[
+            "model", "info", "--model", &m, "--layers", layers, "--json",
+        ]));
+        let own = out["range_tensor_bytes"].as_f64().unwrap();
+        let held = out["weight_bytes"].as_f64().unwrap();
+        let rss_growth = out["rss_after_load_bytes"].as_f64().unwrap()
+            - out["rss_before_load_bytes"].as_f64().unwrap();
+        assert_eq!(
+            held, own,
+            "{layers}: held bytes differ from the range's tensors"
+        );
+        let ratio = rss_growth / own;
+        eprintln!(
+            "{layers}: tensors {:.1} MiB, rss growth {:.1} MiB ({ratio:.3})",
+            own / 1048576.0,
+            rss_growth / 1048576.0
+        );
+        assert!(
+            (0.9..=1.1).contains(&ratio),
+            "{layers}: rss grew {rss_growth} for {own} bytes of tensors"
+        );
+    }
+}
+
+#[test]
+fn a_corrupt_model_file_is_a_clear_error_not_a_panic() {
+    let dir = std::env::temp_dir().join(format!("strata-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bytes = testkit::tiny_model_bytes(&TinySpec::default());
+    let cases: [(&str, Vec<u8>, &str); 3] = [
+        (
+            "truncated",
+            bytes[..bytes.len() / 2].to_vec(),
+            "outside the data section",
+        ),
+        (
+            "magic",
+            [b"GGUX".as_slice(), &bytes[4..]].concat(),
+            "not a GGUF file",
+        ),
+        ("empty", Vec::new(), "truncated file"),
+    ];
+    for (name, data, expect) in cases {
+        let p = dir.join(format!("{name}.gguf"));
+        std::fs::write(&p, data).unwrap();
+        let out = strata(&[
+            "generate",
+            "--model",
+            p.to_str().unwrap(),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "2",
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {err}");
+        assert!(err.contains(expect), "{name}: {err}");
+        assert!(!err.contains("panicked"), "{name}: {err}");
+    }
+    let out = strata(&["generate", "--model", "/nonexistent.gguf", "--prompt", "hi"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent.gguf"));
+    assert!(Path::new(&tiny()).exists());
+}
