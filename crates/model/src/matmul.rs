@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use gguf::GgmlType;
 
-use crate::kernels::{act, Kernels};
+use crate::kernels::{act, Kernels, ROWS};
 use crate::pool::{SharedMut, ThreadPool};
 
 /// Weight rows per pool task.
@@ -122,9 +122,26 @@ pub fn matmul(kernels: &Kernels, pool: &ThreadPool, x: &[f32], products: &mut [P
         let mut scratch = Vec::new();
         for r in r0..r1 {
             let wr = w.row(r);
-            for t in 0..n_tokens {
+            // Four activation rows per call while they last; the multi-row kernel is bitwise
+            // equal to single calls, so the grouping never changes a result.
+            let mut t = 0;
+            while t + ROWS <= n_tokens {
+                let a = [
+                    acts.row(t),
+                    acts.row(t + 1),
+                    acts.row(t + 2),
+                    acts.row(t + 3),
+                ];
+                let v = kernels.dot4(w.ty, n_cols, wr, a, &mut scratch);
+                for (k, v) in v.into_iter().enumerate() {
+                    // SAFETY: rows [r0, r1) of this product belong to this task alone.
+                    unsafe { out.write((t + k) * w.n_rows + r, v) };
+                }
+                t += ROWS;
+            }
+            for t in t..n_tokens {
                 let v = kernels.dot(w.ty, n_cols, wr, acts.row(t), &mut scratch);
-                // SAFETY: rows [r0, r1) of this product belong to this task alone.
+                // SAFETY: as above.
                 unsafe { out.write(t * w.n_rows + r, v) };
             }
         }

@@ -61,6 +61,16 @@ impl Isa {
 }
 
 type DotFn = fn(usize, &[u8], &[u8]) -> f32;
+type Dot4Fn = fn(usize, &[u8], [&[u8]; 4]) -> [f32; 4];
+
+/// How many activation rows the multi-row kernels take at once.
+pub const ROWS: usize = 4;
+
+/// The multi-row form of a single-row kernel, for types without a dedicated one: plain calls,
+/// so results are trivially identical.
+fn rows_of(dot: DotFn, n: usize, w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    a.map(|a| dot(n, w, a))
+}
 
 /// The dot products for one instruction set.
 #[derive(Clone, Copy)]
@@ -71,6 +81,9 @@ pub struct Kernels {
     q8_0: DotFn,
     q4k: DotFn,
     q6k: DotFn,
+    q4_0_x4: Dot4Fn,
+    q4_1_x4: Dot4Fn,
+    q8_0_x4: Dot4Fn,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -93,23 +106,32 @@ impl Kernels {
                 q8_0: scalar::dot_q8_0_q8_0,
                 q4k: scalar::dot_q4k_q8k,
                 q6k: scalar::dot_q6k_q8k,
+                q4_0_x4: |n, w, a| rows_of(scalar::dot_q4_0_q8_0, n, w, a),
+                q4_1_x4: |n, w, a| rows_of(scalar::dot_q4_1_q8_1, n, w, a),
+                q8_0_x4: |n, w, a| rows_of(scalar::dot_q8_0_q8_0, n, w, a),
             },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => Kernels {
                 isa,
                 // SAFETY (all closures): `Isa::is_supported` confirmed the CPU features above.
-                q4_0: |n, w, a| unsafe { x86::avx2::dot_q4_0_q8_0(n, w, a) },
-                q4_1: |n, w, a| unsafe { x86::avx2::dot_q4_1_q8_1(n, w, a) },
-                q8_0: |n, w, a| unsafe { x86::avx2::dot_q8_0_q8_0(n, w, a) },
+                q4_0: |n, w, a| unsafe { x86::avx2::dot_q4_0_q8_0::<1>(n, w, [a])[0] },
+                q4_1: |n, w, a| unsafe { x86::avx2::dot_q4_1_q8_1::<1>(n, w, [a])[0] },
+                q8_0: |n, w, a| unsafe { x86::avx2::dot_q8_0_q8_0::<1>(n, w, [a])[0] },
+                q4_0_x4: |n, w, a| unsafe { x86::avx2::dot_q4_0_q8_0::<4>(n, w, a) },
+                q4_1_x4: |n, w, a| unsafe { x86::avx2::dot_q4_1_q8_1::<4>(n, w, a) },
+                q8_0_x4: |n, w, a| unsafe { x86::avx2::dot_q8_0_q8_0::<4>(n, w, a) },
                 q4k: |n, w, a| unsafe { x86::avx2::dot_q4k_q8k(n, w, a) },
                 q6k: |n, w, a| unsafe { x86::avx2::dot_q6k_q8k(n, w, a) },
             },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni => Kernels {
                 isa,
-                q4_0: |n, w, a| unsafe { x86::vnni::dot_q4_0_q8_0(n, w, a) },
-                q4_1: |n, w, a| unsafe { x86::vnni::dot_q4_1_q8_1(n, w, a) },
-                q8_0: |n, w, a| unsafe { x86::vnni::dot_q8_0_q8_0(n, w, a) },
+                q4_0: |n, w, a| unsafe { x86::vnni::dot_q4_0_q8_0::<1>(n, w, [a])[0] },
+                q4_1: |n, w, a| unsafe { x86::vnni::dot_q4_1_q8_1::<1>(n, w, [a])[0] },
+                q8_0: |n, w, a| unsafe { x86::vnni::dot_q8_0_q8_0::<1>(n, w, [a])[0] },
+                q4_0_x4: |n, w, a| unsafe { x86::vnni::dot_q4_0_q8_0::<4>(n, w, a) },
+                q4_1_x4: |n, w, a| unsafe { x86::vnni::dot_q4_1_q8_1::<4>(n, w, a) },
+                q8_0_x4: |n, w, a| unsafe { x86::vnni::dot_q8_0_q8_0::<4>(n, w, a) },
                 q4k: |n, w, a| unsafe { x86::vnni::dot_q4k_q8k(n, w, a) },
                 q6k: |n, w, a| unsafe { x86::vnni::dot_q6k_q8k(n, w, a) },
             },
@@ -141,6 +163,27 @@ impl Kernels {
                 dot_dequant_quantized(ty, n, w, a, scratch)
             }
             _ => scalar::dot_dequant_f32(ty, n, w, a, scratch),
+        }
+    }
+}
+
+impl Kernels {
+    /// One weight row against [`ROWS`] activation rows; bitwise equal to [`ROWS`] calls of
+    /// [`Kernels::dot`].
+    #[inline]
+    pub fn dot4(
+        &self,
+        ty: GgmlType,
+        n: usize,
+        w: &[u8],
+        a: [&[u8]; 4],
+        scratch: &mut Vec<f32>,
+    ) -> [f32; 4] {
+        match ty {
+            GgmlType::Q4_0 => (self.q4_0_x4)(n, w, a),
+            GgmlType::Q4_1 => (self.q4_1_x4)(n, w, a),
+            GgmlType::Q8_0 => (self.q8_0_x4)(n, w, a),
+            _ => a.map(|a| self.dot(ty, n, w, a, scratch)),
         }
     }
 }
@@ -224,6 +267,43 @@ mod tests {
                     (got - reference).abs() <= 1e-4 * (1.0 + reference.abs()),
                     "{ty} {isa:?}: {got} vs scalar {reference}"
                 );
+            }
+        }
+    }
+
+    /// The multi-row kernels give bitwise the single-row results, for every row position.
+    #[test]
+    fn multi_row_kernels_equal_single_row_calls_bitwise() {
+        let mut scratch = Vec::new();
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+            GgmlType::Q4K,
+        ] {
+            let n = if ty == GgmlType::Q4K { 512 } else { 576 };
+            let w = gguf::quant::quantize(ty, &data(n, 9)).unwrap();
+            let at = act::act_type(ty);
+            let acts: Vec<Vec<u8>> = (0..4)
+                .map(|r| {
+                    let mut a = vec![0u8; at.row_bytes(n)];
+                    act::quantize_row(at, &data(n, 20 + r), &mut a);
+                    a
+                })
+                .collect();
+            for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni] {
+                let Some(k) = Kernels::new(isa) else { continue };
+                let four = k.dot4(
+                    ty,
+                    n,
+                    &w,
+                    [&acts[0], &acts[1], &acts[2], &acts[3]],
+                    &mut scratch,
+                );
+                for (r, a) in acts.iter().enumerate() {
+                    let one = k.dot(ty, n, &w, a, &mut scratch);
+                    assert_eq!(four[r].to_bits(), one.to_bits(), "{ty} {isa:?} row {r}");
+                }
             }
         }
     }

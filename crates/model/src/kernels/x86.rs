@@ -45,84 +45,112 @@ macro_rules! int_kernels {
                 _mm_cvtss_f32(s)
             }
 
+            /// One weight row against `R` activation rows. Each row's arithmetic is exactly the
+            /// single-row sequence, so `R` never changes a result (batch invariance); the weight
+            /// block is unpacked once for all `R` rows.
+            ///
             /// # Safety
-            /// The CPU must have the module's features; `w`, `a` hold `n / 32` blocks.
+            /// The CPU must have the module's features; `w` and every `a[r]` hold `n / 32` blocks.
             #[target_feature(enable = $features)]
-            pub unsafe fn dot_q4_1_q8_1(n: usize, w: &[u8], a: &[u8]) -> f32 {
+            pub unsafe fn dot_q4_1_q8_1<const R: usize>(
+                n: usize,
+                w: &[u8],
+                a: [&[u8]; R],
+            ) -> [f32; R] {
                 let nb = n / 32;
-                assert!(w.len() >= nb * 20 && a.len() >= nb * 36);
-                let mut acc = _mm256_setzero_ps();
-                let mut mins = 0f32;
+                assert!(w.len() >= nb * 20 && a.iter().all(|a| a.len() >= nb * 36));
+                let mut acc = [_mm256_setzero_ps(); R];
+                let mut mins = [0f32; R];
                 for i in 0..nb {
-                    let (wb, ab) = (&w[i * 20..], &a[i * 36..]);
+                    let wb = &w[i * 20..];
                     // SAFETY: bounds asserted above.
-                    let (q4, q8) = unsafe {
-                        (
-                            nibbles(wb.as_ptr().add(4)),
-                            _mm256_loadu_si256(ab.as_ptr().add(4) as *const __m256i),
-                        )
-                    };
-                    let sums = _mm256_cvtepi32_ps(dot_u8i8(q4, q8));
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(wb, 0) * f16(ab, 0)), sums, acc);
-                    mins += f16(wb, 2) * f16(ab, 2);
+                    let q4 = unsafe { nibbles(wb.as_ptr().add(4)) };
+                    let (wd, wm) = (f16(wb, 0), f16(wb, 2));
+                    for r in 0..R {
+                        let ab = &a[r][i * 36..];
+                        // SAFETY: bounds asserted above.
+                        let q8 =
+                            unsafe { _mm256_loadu_si256(ab.as_ptr().add(4) as *const __m256i) };
+                        let sums = _mm256_cvtepi32_ps(dot_u8i8(q4, q8));
+                        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * f16(ab, 0)), sums, acc[r]);
+                        mins[r] += wm * f16(ab, 2);
+                    }
                 }
-                hsum(acc) + mins
+                let mut out = [0f32; R];
+                for r in 0..R {
+                    out[r] = hsum(acc[r]) + mins[r];
+                }
+                out
             }
 
             /// # Safety
             /// As for [`dot_q4_1_q8_1`].
             #[target_feature(enable = $features)]
-            pub unsafe fn dot_q4_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
+            pub unsafe fn dot_q4_0_q8_0<const R: usize>(
+                n: usize,
+                w: &[u8],
+                a: [&[u8]; R],
+            ) -> [f32; R] {
                 let nb = n / 32;
-                assert!(w.len() >= nb * 18 && a.len() >= nb * 34);
-                let mut acc = _mm256_setzero_ps();
+                assert!(w.len() >= nb * 18 && a.iter().all(|a| a.len() >= nb * 34));
+                let mut acc = [_mm256_setzero_ps(); R];
                 let eight = _mm256_set1_epi8(8);
                 for i in 0..nb {
-                    let (wb, ab) = (&w[i * 18..], &a[i * 34..]);
+                    let wb = &w[i * 18..];
                     // SAFETY: bounds asserted above.
-                    let (q4, q8) = unsafe {
-                        (
-                            nibbles(wb.as_ptr().add(2)),
-                            _mm256_loadu_si256(ab.as_ptr().add(2) as *const __m256i),
-                        )
-                    };
-                    let x = _mm256_sub_epi8(q4, eight);
-                    let sums = _mm256_cvtepi32_ps(dot_u8i8(
-                        _mm256_sign_epi8(x, x),
-                        _mm256_sign_epi8(q8, x),
-                    ));
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(wb, 0) * f16(ab, 0)), sums, acc);
+                    let x = _mm256_sub_epi8(unsafe { nibbles(wb.as_ptr().add(2)) }, eight);
+                    let ax = _mm256_sign_epi8(x, x);
+                    let wd = f16(wb, 0);
+                    for r in 0..R {
+                        let ab = &a[r][i * 34..];
+                        // SAFETY: bounds asserted above.
+                        let q8 =
+                            unsafe { _mm256_loadu_si256(ab.as_ptr().add(2) as *const __m256i) };
+                        let sums = _mm256_cvtepi32_ps(dot_u8i8(ax, _mm256_sign_epi8(q8, x)));
+                        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * f16(ab, 0)), sums, acc[r]);
+                    }
                 }
-                hsum(acc)
+                let mut out = [0f32; R];
+                for r in 0..R {
+                    out[r] = hsum(acc[r]);
+                }
+                out
             }
 
             /// # Safety
             /// As for [`dot_q4_1_q8_1`].
             #[target_feature(enable = $features)]
-            pub unsafe fn dot_q8_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
+            pub unsafe fn dot_q8_0_q8_0<const R: usize>(
+                n: usize,
+                w: &[u8],
+                a: [&[u8]; R],
+            ) -> [f32; R] {
                 let nb = n / 32;
-                assert!(w.len() >= nb * 34 && a.len() >= nb * 34);
-                let mut acc = _mm256_setzero_ps();
+                assert!(w.len() >= nb * 34 && a.iter().all(|a| a.len() >= nb * 34));
+                let mut acc = [_mm256_setzero_ps(); R];
                 for i in 0..nb {
-                    let (wb, ab) = (&w[i * 34..], &a[i * 34..]);
+                    let wb = &w[i * 34..];
                     // SAFETY: bounds asserted above.
-                    let (x, y) = unsafe {
-                        (
-                            _mm256_loadu_si256(wb.as_ptr().add(2) as *const __m256i),
-                            _mm256_loadu_si256(ab.as_ptr().add(2) as *const __m256i),
-                        )
-                    };
-                    let sums = _mm256_cvtepi32_ps(dot_u8i8(
-                        _mm256_sign_epi8(x, x),
-                        _mm256_sign_epi8(y, x),
-                    ));
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(wb, 0) * f16(ab, 0)), sums, acc);
+                    let x = unsafe { _mm256_loadu_si256(wb.as_ptr().add(2) as *const __m256i) };
+                    let ax = _mm256_sign_epi8(x, x);
+                    let wd = f16(wb, 0);
+                    for r in 0..R {
+                        let ab = &a[r][i * 34..];
+                        // SAFETY: bounds asserted above.
+                        let y = unsafe { _mm256_loadu_si256(ab.as_ptr().add(2) as *const __m256i) };
+                        let sums = _mm256_cvtepi32_ps(dot_u8i8(ax, _mm256_sign_epi8(y, x)));
+                        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * f16(ab, 0)), sums, acc[r]);
+                    }
                 }
-                hsum(acc)
+                let mut out = [0f32; R];
+                for r in 0..R {
+                    out[r] = hsum(acc[r]);
+                }
+                out
             }
 
             /// # Safety
-            /// As for [`dot_q4_1_q8_1`], with 256-element blocks.
+            /// The CPU must have the module's features; `w`, `a` hold `n / 256` blocks.
             #[target_feature(enable = $features)]
             pub unsafe fn dot_q4k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
                 let nb = n / 256;
@@ -168,7 +196,7 @@ macro_rules! int_kernels {
             }
 
             /// # Safety
-            /// As for [`dot_q4_1_q8_1`], with 256-element blocks.
+            /// The CPU must have the module's features; `w`, `a` hold `n / 256` blocks.
             #[target_feature(enable = $features)]
             pub unsafe fn dot_q6k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
                 let nb = n / 256;
