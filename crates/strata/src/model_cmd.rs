@@ -45,8 +45,9 @@ fn in_range(name: &str, r: LayerRange) -> bool {
 pub fn run(cmd: ModelCommand) -> Result<()> {
     let ModelCommand::Info(a) = cmd;
     let path: PathBuf = a.run.model.clone();
-    let (_, rss_before) = rss_bytes();
     let file = gguf::GgufFile::open(&path)?;
+    // Measured after the header is parsed, so the growth below is the weights alone.
+    let (_, rss_before) = rss_bytes();
     let config = model::LlamaConfig::from_header(file.header())?;
     let range = match &a.layers {
         Some(s) => {
