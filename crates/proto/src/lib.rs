@@ -1,0 +1,75 @@
+//! The wire protocol between tracker and shards (protocol version [`PROTOCOL_VERSION`]).
+//!
+//! The key design decision: one long-lived bidirectional `Route` stream per hop. The tracker
+//! opens it to the first shard with a `RouteSetup` naming the rest of the route; each shard
+//! opens the next hop itself and relays replies back up the chain, so a step's activations
+//! cross each seam exactly once and many steps can be in flight along the route. Wire types are
+//! converted to domain types at the edges (shard and tracker), never used inside policy code.
+
+#![allow(clippy::all, missing_docs)] // reason: generated code
+
+/// Generated protobuf messages and the tonic client and server.
+pub mod v1 {
+    tonic::include_proto!("strata.v1");
+}
+
+pub use v1::*;
+
+/// Bumped on any incompatible change of the messages.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The metadata key every connection carries the cluster token in.
+pub const TOKEN_HEADER: &str = "x-strata-cluster-token";
+
+/// Largest message either side accepts (a 2048-token prefill of a 4096-wide model in f32 is 32 MiB).
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Encodes activations for the seam.
+pub fn encode_activations(x: &[f32], dtype: SeamDtype) -> Vec<u8> {
+    match dtype {
+        SeamDtype::SeamF32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        SeamDtype::SeamF16 => x.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect(),
+    }
+}
+
+/// Decodes activations from the seam; `None` when the byte count does not fit the dtype.
+pub fn decode_activations(bytes: &[u8], dtype: SeamDtype) -> Option<Vec<f32>> {
+    match dtype {
+        SeamDtype::SeamF32 => (bytes.len() % 4 == 0).then(|| {
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect()
+        }),
+        SeamDtype::SeamF16 => (bytes.len() % 2 == 0).then(|| {
+            bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect()
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f32_seam_round_trips_exactly() {
+        let x = [0.0f32, -1.5, 3.25e-7, 65504.0, f32::MIN_POSITIVE];
+        let b = encode_activations(&x, SeamDtype::SeamF32);
+        assert_eq!(decode_activations(&b, SeamDtype::SeamF32).unwrap(), x);
+    }
+
+    #[test]
+    fn f16_seam_halves_bytes_and_keeps_three_digits() {
+        let x: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.0371).collect();
+        let b = encode_activations(&x, SeamDtype::SeamF16);
+        assert_eq!(b.len(), 2 * x.len());
+        let y = decode_activations(&b, SeamDtype::SeamF16).unwrap();
+        for (a, b) in x.iter().zip(&y) {
+            assert!((a - b).abs() <= a.abs() * 1e-3 + 1e-4, "{a} vs {b}");
+        }
+        assert!(decode_activations(&[1, 2, 3], SeamDtype::SeamF16).is_none());
+    }
+}
