@@ -15,6 +15,9 @@ pub mod v1 {
 
 pub use v1::*;
 
+mod transport;
+pub use transport::{connect, Auth, GrpcShard, ReplyStream, ShardTransport, TokenCheck};
+
 /// Bumped on any incompatible change of the messages.
 pub const PROTOCOL_VERSION: u32 = 1;
 
@@ -28,7 +31,10 @@ pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 pub fn encode_activations(x: &[f32], dtype: SeamDtype) -> Vec<u8> {
     match dtype {
         SeamDtype::SeamF32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        SeamDtype::SeamF16 => x.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect(),
+        SeamDtype::SeamF16 => x
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
     }
 }
 

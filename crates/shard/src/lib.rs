@@ -1,1 +1,65 @@
-//! placeholder
+//! The shard: one process serving one contiguous layer range of one model.
+//!
+//! The key design decision: all model state has one owner, a compute thread ([`core`]) that
+//! holds the weights and every session's KV cache and runs steps one at a time; gRPC handlers
+//! and the route relay talk to it by message. A shard never invents work: it executes the
+//! fragments the tracker planned, refuses (typed) what it cannot hold, and forwards the
+//! activations of what it accepted to the next shard of the route.
+
+mod core;
+mod route;
+mod service;
+
+use std::path::PathBuf;
+
+pub use crate::core::{Counters, ShardCore};
+pub use route::run_route;
+pub use service::{serve, LocalShard, ShardService};
+
+/// Everything a shard needs to start, validated by the binary.
+#[derive(Debug, Clone)]
+pub struct ShardConfig {
+    pub model_path: PathBuf,
+    /// `None` serves every layer.
+    pub layers: Option<(usize, usize)>,
+    pub n_threads: usize,
+    /// Most positions one session may hold.
+    pub n_ctx: usize,
+    /// Bytes of KV cache all sessions together may hold.
+    pub kv_budget_bytes: usize,
+    pub max_sessions: usize,
+    /// The address this shard is known by (for errors, metrics and hop timings).
+    pub label: String,
+    /// Shared secret every connection must present.
+    pub cluster_token: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Model(#[from] model::Error),
+    #[error(transparent)]
+    Gguf(#[from] gguf::Error),
+    #[error("reading {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Resident memory of this process in bytes (Linux `/proc/self/status`; 0 elsewhere): (peak, now).
+pub fn rss_bytes() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(0, |kib| kib * 1024)
+    };
+    (field("VmHWM:"), field("VmRSS:"))
+}

@@ -1,0 +1,175 @@
+//! The transport seen by callers: [`ShardTransport`], implemented over gRPC by [`GrpcShard`]
+//! and in memory by the shard crate's embedded shard, so the code above it is one path.
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use futures::Stream;
+use tokio::sync::mpsc;
+use tonic::metadata::MetadataValue;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Status};
+
+use crate::v1::shard_client::ShardClient;
+use crate::v1::{
+    DescribeRequest, RouteMsg, RouteReply, ShardInfo, ShardStats, StatsRequest, VocabReply,
+    VocabRequest,
+};
+use crate::{MAX_MESSAGE_BYTES, TOKEN_HEADER};
+
+/// Replies of a route stream.
+pub type ReplyStream = Pin<Box<dyn Stream<Item = Result<RouteReply, Status>> + Send>>;
+
+/// What a tracker (or an upstream shard) needs from a shard.
+#[tonic::async_trait]
+pub trait ShardTransport: Send + Sync {
+    /// Where the shard is ("host:port", or "embedded").
+    fn address(&self) -> &str;
+    async fn describe(&self, timeout: Duration) -> Result<ShardInfo, Status>;
+    async fn vocab(&self) -> Result<VocabReply, Status>;
+    async fn stats(&self, timeout: Duration) -> Result<ShardStats, Status>;
+    /// Opens a route stream: messages sent on `outbound` (a `RouteSetup` first) reach the shard;
+    /// its replies come back on the returned stream.
+    async fn route(&self, outbound: mpsc::Receiver<RouteMsg>) -> Result<ReplyStream, Status>;
+}
+
+/// Adds the cluster token to every outgoing request.
+#[derive(Clone)]
+pub struct Auth {
+    token: MetadataValue<tonic::metadata::Ascii>,
+}
+
+impl Auth {
+    pub fn new(token: &str) -> Result<Self, Status> {
+        let token = token
+            .parse()
+            .map_err(|_| Status::invalid_argument("the cluster token must be printable ASCII"))?;
+        Ok(Auth { token })
+    }
+}
+
+impl tonic::service::Interceptor for Auth {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        req.metadata_mut().insert(TOKEN_HEADER, self.token.clone());
+        Ok(req)
+    }
+}
+
+/// Refuses every incoming request that does not carry the cluster token.
+#[derive(Clone)]
+pub struct TokenCheck {
+    token: String,
+}
+
+impl TokenCheck {
+    pub fn new(token: &str) -> Self {
+        TokenCheck {
+            token: token.to_string(),
+        }
+    }
+}
+
+impl tonic::service::Interceptor for TokenCheck {
+    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        let presented = req
+            .metadata()
+            .get(TOKEN_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        // Constant-time comparison: the token is a secret.
+        let a = presented.as_bytes();
+        let b = self.token.as_bytes();
+        let mut diff = a.len() ^ b.len();
+        for (i, &x) in b.iter().enumerate() {
+            diff |= (x ^ a.get(i).copied().unwrap_or(0)) as usize;
+        }
+        if diff == 0 {
+            Ok(req)
+        } else {
+            Err(Status::unauthenticated("missing or wrong cluster token"))
+        }
+    }
+}
+
+/// A shard reached over gRPC.
+#[derive(Clone)]
+pub struct GrpcShard {
+    address: String,
+    client: ShardClient<InterceptedService<Channel, Auth>>,
+}
+
+/// Connects lazily to `address` ("host:port"); keepalive pings detect a frozen peer.
+pub fn connect(address: &str, token: &str) -> Result<GrpcShard, Status> {
+    let endpoint = Endpoint::from_shared(format!("http://{address}"))
+        .map_err(|e| Status::invalid_argument(format!("bad shard address `{address}`: {e}")))?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_millis(500))
+        .keep_alive_timeout(Duration::from_millis(1500))
+        .keep_alive_while_idle(true);
+    let channel = endpoint.connect_lazy();
+    let client = ShardClient::with_interceptor(channel, Auth::new(token)?)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    Ok(GrpcShard {
+        address: address.to_string(),
+        client,
+    })
+}
+
+fn with_timeout<T>(msg: T, timeout: Duration) -> Request<T> {
+    let mut r = Request::new(msg);
+    r.set_timeout(timeout);
+    r
+}
+
+#[tonic::async_trait]
+impl ShardTransport for GrpcShard {
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    async fn describe(&self, timeout: Duration) -> Result<ShardInfo, Status> {
+        let mut client = self.client.clone();
+        let fut = client.describe(with_timeout(DescribeRequest {}, timeout));
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(r) => r.map(|r| r.into_inner()),
+            Err(_) => Err(Status::deadline_exceeded(format!(
+                "{} did not answer within {timeout:?}",
+                self.address
+            ))),
+        }
+    }
+
+    async fn vocab(&self) -> Result<VocabReply, Status> {
+        let mut client = self.client.clone();
+        let fut = client.vocab(with_timeout(VocabRequest {}, Duration::from_secs(10)));
+        fut.await.map(|r| r.into_inner())
+    }
+
+    async fn stats(&self, timeout: Duration) -> Result<ShardStats, Status> {
+        let mut client = self.client.clone();
+        let fut = client.stats(with_timeout(StatsRequest {}, timeout));
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(r) => r.map(|r| r.into_inner()),
+            Err(_) => Err(Status::deadline_exceeded(format!(
+                "{} did not answer within {timeout:?}",
+                self.address
+            ))),
+        }
+    }
+
+    async fn route(&self, outbound: mpsc::Receiver<RouteMsg>) -> Result<ReplyStream, Status> {
+        let stream = tokio_stream::wrappers::ReceiverStream::new(outbound);
+        let mut client = self.client.clone();
+        let open = client.route(Request::new(stream));
+        let replies = tokio::time::timeout(Duration::from_secs(5), open)
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(format!("{} did not open the route stream", self.address))
+            })??
+            .into_inner();
+        Ok(Box::pin(replies))
+    }
+}

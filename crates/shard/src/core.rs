@@ -1,0 +1,558 @@
+//! The compute owner: weights, sessions and their KV caches, one step at a time.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use gguf::{GgufFile, Value, Writer};
+use model::sampling::{log_probs, top_k, Sampler, SamplingParams};
+use model::{Batch, KvCache, LayerRange, Model, ModelOptions, Output, Row};
+use proto::v1::{
+    Budgets, CacheRecipe, Fragment, SessionError, SessionOutput, ShardInfo, ShardStats, TopLogprob,
+};
+use sha2::{Digest, Sha256};
+use tokio::sync::oneshot;
+
+use crate::{Error, ShardConfig};
+
+/// Counters shared with the stats RPC (written by the compute thread only).
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub prefill_tokens: AtomicU64,
+    pub decode_tokens: AtomicU64,
+    pub steps: AtomicU64,
+    pub sessions: AtomicU64,
+    pub kv_bytes_in_use: AtomicU64,
+    pub seam_bytes_out: AtomicU64,
+    pub compute_micros: AtomicU64,
+    pub rejected_fragments: AtomicU64,
+}
+
+/// One step as the compute thread sees it.
+pub struct StepJob {
+    pub stream_id: u64,
+    pub epoch: u64,
+    pub fragments: Vec<Fragment>,
+    pub release: Vec<u64>,
+    /// Incoming hidden states (rows of every fragment, in order) for a shard past layer 0.
+    pub hidden: Option<Vec<f32>>,
+}
+
+/// What a step produced.
+#[derive(Debug, Default)]
+pub struct StepOutcome {
+    /// The fragments that were executed (forwarded downstream), in order.
+    pub accepted: Vec<Fragment>,
+    /// Hidden states of the accepted rows (when this is not the last shard).
+    pub hidden: Vec<f32>,
+    /// Sampled tokens (when this is the last shard).
+    pub outputs: Vec<SessionOutput>,
+    /// Typed refusals of single fragments.
+    pub errors: Vec<SessionError>,
+    pub compute_micros: u64,
+}
+
+enum Job {
+    Step(StepJob, oneshot::Sender<StepOutcome>),
+    ReleaseStream(u64),
+}
+
+struct Session {
+    epoch: u64,
+    stream_id: u64,
+    kv: KvCache,
+    tokens: Vec<u32>,
+    sampler: Option<Sampler>,
+    n_top: u32,
+}
+
+/// The shard's loaded model and the handle to its compute thread.
+pub struct ShardCore {
+    pub config: ShardConfig,
+    pub info: ShardInfo,
+    pub vocab_gguf: Vec<u8>,
+    pub counters: Arc<Counters>,
+    jobs: std::sync::mpsc::Sender<Job>,
+    next_stream: AtomicU64,
+}
+
+impl std::fmt::Debug for ShardCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ShardCore({} layers {}..{})",
+            self.config.label, self.info.layer_start, self.info.layer_end
+        )
+    }
+}
+
+fn sha256_file(path: &std::path::Path) -> Result<String, Error> {
+    let mut f = std::fs::File::open(path).map_err(|source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let mut h = Sha256::new();
+    std::io::copy(&mut f, &mut h).map_err(|source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// A GGUF holding only the metadata a tokenizer and chat template need (no tensors).
+fn vocab_file(f: &GgufFile) -> Vec<u8> {
+    let mut w = Writer::new(3);
+    for (k, v) in f.header().metadata() {
+        if k.starts_with("tokenizer.") || k == "general.architecture" || k == "general.name" {
+            w.metadata(k, v.clone());
+        }
+    }
+    w.metadata("strata.vocab_only", Value::Bool(true));
+    w.to_bytes()
+}
+
+impl ShardCore {
+    /// Loads the range and starts the compute thread.
+    pub fn load(config: ShardConfig) -> Result<Arc<ShardCore>, Error> {
+        let digest = sha256_file(&config.model_path)?;
+        let file = GgufFile::open(&config.model_path)?;
+        let range = config.layers.map(|(start, end)| LayerRange { start, end });
+        let model = Model::load(
+            &file,
+            range,
+            ModelOptions {
+                n_threads: config.n_threads,
+                isa: None,
+            },
+        )?;
+        let c = model.config().clone();
+        let range = model.range();
+        let model_name = file
+            .header()
+            .get("general.name")
+            .and_then(|v| v.as_str())
+            .map(str::to_string)
+            .unwrap_or_else(|| {
+                config
+                    .model_path
+                    .file_stem()
+                    .map_or("model".into(), |s| s.to_string_lossy().into_owned())
+            });
+        let info = ShardInfo {
+            protocol_version: proto::PROTOCOL_VERSION,
+            model_digest: digest.clone(),
+            model_name,
+            architecture: "llama".into(),
+            layer_start: range.start as u32,
+            layer_end: range.end as u32,
+            n_layers: c.n_layers as u32,
+            n_embd: c.n_embd as u32,
+            n_vocab: c.n_vocab as u32,
+            recipe: Some(CacheRecipe {
+                model_digest: digest,
+                layer_start: range.start as u32,
+                layer_end: range.end as u32,
+                kv_dtype: "f16".into(),
+                rope_base: c.rope_base,
+                rope_dim: c.rope_dim as u32,
+                rope_freq_scale: c.rope_freq_scale,
+                block_size: 1,
+                n_ctx: config.n_ctx as u32,
+            }),
+            budgets: Some(Budgets {
+                weight_bytes: model.weight_bytes() as u64,
+                kv_bytes: config.kv_budget_bytes as u64,
+                max_sessions: config.max_sessions as u32,
+                max_step_tokens: 0,
+            }),
+            listen: config.label.clone(),
+        };
+        let vocab_gguf = vocab_file(&file);
+        drop(file);
+        let counters = Arc::new(Counters::default());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut worker = Worker {
+            model,
+            sessions: HashMap::new(),
+            counters: Arc::clone(&counters),
+            config: config.clone(),
+        };
+        std::thread::Builder::new()
+            .name("strata-compute".into())
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    worker.handle(job);
+                }
+            })
+            .map_err(|source| Error::Io {
+                path: "compute thread".into(),
+                source,
+            })?;
+        Ok(Arc::new(ShardCore {
+            config,
+            info,
+            vocab_gguf,
+            counters,
+            jobs: tx,
+            next_stream: AtomicU64::new(1),
+        }))
+    }
+
+    pub fn is_first(&self) -> bool {
+        self.info.layer_start == 0
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.info.layer_end == self.info.n_layers
+    }
+
+    pub fn new_stream_id(&self) -> u64 {
+        self.next_stream.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Runs one step on the compute thread.
+    pub async fn step(&self, job: StepJob) -> StepOutcome {
+        let (tx, rx) = oneshot::channel();
+        if self.jobs.send(Job::Step(job, tx)).is_err() {
+            return StepOutcome::default();
+        }
+        rx.await.unwrap_or_default()
+    }
+
+    /// Forgets every session a closed route stream created.
+    pub fn release_stream(&self, stream_id: u64) {
+        let _ = self.jobs.send(Job::ReleaseStream(stream_id));
+    }
+
+    pub fn stats(&self) -> ShardStats {
+        let c = &self.counters;
+        let (_, rss) = crate::rss_bytes();
+        ShardStats {
+            prefill_tokens: c.prefill_tokens.load(Ordering::Relaxed),
+            decode_tokens: c.decode_tokens.load(Ordering::Relaxed),
+            steps: c.steps.load(Ordering::Relaxed),
+            sessions: c.sessions.load(Ordering::Relaxed),
+            kv_bytes_in_use: c.kv_bytes_in_use.load(Ordering::Relaxed),
+            kv_bytes_budget: self.config.kv_budget_bytes as u64,
+            rss_bytes: rss,
+            seam_bytes_out: c.seam_bytes_out.load(Ordering::Relaxed),
+            compute_micros: c.compute_micros.load(Ordering::Relaxed),
+            weight_bytes: self.info.budgets.as_ref().map_or(0, |b| b.weight_bytes),
+            rejected_fragments: c.rejected_fragments.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// The state owned by the compute thread.
+struct Worker {
+    model: Model,
+    sessions: HashMap<u64, Session>,
+    counters: Arc<Counters>,
+    config: ShardConfig,
+}
+
+fn refusal(session_id: u64, reason: &str, message: String) -> SessionError {
+    SessionError {
+        session_id,
+        reason: reason.into(),
+        message,
+    }
+}
+
+fn sampling_params(s: &proto::v1::Sampling) -> SamplingParams {
+    SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k as usize,
+        top_p: if s.top_p > 0.0 { s.top_p } else { 1.0 },
+        min_p: s.min_p,
+        repeat_penalty: if s.repeat_penalty > 0.0 {
+            s.repeat_penalty
+        } else {
+            1.0
+        },
+        repeat_last_n: s.repeat_last_n as usize,
+        seed: s.seed,
+    }
+}
+
+impl Worker {
+    fn handle(&mut self, job: Job) {
+        match job {
+            Job::Step(step, reply) => {
+                let out = self.step(step);
+                let _ = reply.send(out);
+            }
+            Job::ReleaseStream(id) => {
+                self.sessions.retain(|_, s| s.stream_id != id);
+                self.publish_gauges();
+            }
+        }
+    }
+
+    fn publish_gauges(&self) {
+        let kv: usize = self.sessions.values().map(|s| s.kv.n_bytes()).sum();
+        self.counters
+            .kv_bytes_in_use
+            .store(kv as u64, Ordering::Relaxed);
+        self.counters
+            .sessions
+            .store(self.sessions.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Decides, fragment by fragment, what can run; creates sessions for new fragments.
+    fn admit(&mut self, job: &StepJob, out: &mut StepOutcome) -> Vec<usize> {
+        let label = &self.config.label;
+        let per_pos = self.model.new_cache(0).bytes_per_position();
+        let mut kv_in_use: usize = self.sessions.values().map(|s| s.kv.n_bytes()).sum();
+        let mut accepted = Vec::new();
+        for (i, f) in job.fragments.iter().enumerate() {
+            let id = f.session_id;
+            let start = f.start_pos as usize;
+            let end = start + f.tokens.len();
+            if f.tokens.is_empty() {
+                out.errors.push(refusal(
+                    id,
+                    "invalid_request",
+                    format!("fragment of session {id} has no tokens"),
+                ));
+                continue;
+            }
+            if end > self.config.n_ctx {
+                out.errors.push(refusal(
+                    id,
+                    "invalid_request",
+                    format!("session {id} would reach position {end} but `n_ctx` is {} on shard {label}", self.config.n_ctx),
+                ));
+                continue;
+            }
+            match self.sessions.get_mut(&id) {
+                Some(s) if s.epoch != job.epoch => {
+                    out.errors.push(refusal(
+                        id,
+                        "stale_epoch",
+                        format!(
+                            "session {id} belongs to epoch {} but the step is epoch {}",
+                            s.epoch, job.epoch
+                        ),
+                    ));
+                    continue;
+                }
+                Some(s) if start > s.kv.len() => {
+                    out.errors.push(refusal(
+                        id,
+                        "cache_miss",
+                        format!("session {id} holds {} positions on shard {label}; fragment starts at {start}", s.kv.len()),
+                    ));
+                    continue;
+                }
+                Some(s) => {
+                    // A fragment that starts inside the cache rewinds it (replay after a retry).
+                    kv_in_use -= s.kv.n_bytes();
+                    s.kv.truncate(start);
+                    s.tokens.truncate(start);
+                    kv_in_use += s.kv.n_bytes();
+                }
+                None if start != 0 => {
+                    out.errors.push(refusal(
+                        id,
+                        "cache_miss",
+                        format!("session {id} is not held on shard {label}"),
+                    ));
+                    continue;
+                }
+                None => {
+                    if self.sessions.len() >= self.config.max_sessions {
+                        out.errors.push(refusal(
+                            id,
+                            "capacity",
+                            format!(
+                                "max_sessions on shard {label}: {} sessions held",
+                                self.sessions.len()
+                            ),
+                        ));
+                        continue;
+                    }
+                    let sampler = f
+                        .sampling
+                        .as_ref()
+                        .map(|s| Sampler::new(sampling_params(s)));
+                    self.sessions.insert(
+                        id,
+                        Session {
+                            epoch: job.epoch,
+                            stream_id: job.stream_id,
+                            kv: self.model.new_cache(self.config.n_ctx),
+                            tokens: Vec::new(),
+                            sampler,
+                            n_top: f.n_top_logprobs,
+                        },
+                    );
+                }
+            }
+            let need = f.tokens.len() * per_pos;
+            if kv_in_use + need > self.config.kv_budget_bytes {
+                let mib = |b: usize| b as f64 / (1 << 20) as f64;
+                out.errors.push(refusal(
+                    id,
+                    "capacity",
+                    format!(
+                        "kv_budget on shard {label}: need {:.1} MiB, free {:.1} MiB of {:.1} MiB",
+                        mib(need),
+                        mib(self.config.kv_budget_bytes.saturating_sub(kv_in_use)),
+                        mib(self.config.kv_budget_bytes)
+                    ),
+                ));
+                if self.sessions.get(&id).is_some_and(|s| s.kv.is_empty()) {
+                    self.sessions.remove(&id);
+                }
+                continue;
+            }
+            kv_in_use += need;
+            accepted.push(i);
+        }
+        accepted
+    }
+
+    fn step(&mut self, job: StepJob) -> StepOutcome {
+        let t0 = Instant::now();
+        let mut out = StepOutcome::default();
+        for id in &job.release {
+            self.sessions.remove(id);
+        }
+        let accepted = self.admit(&job, &mut out);
+        self.counters
+            .rejected_fragments
+            .fetch_add(out.errors.len() as u64, Ordering::Relaxed);
+        if accepted.is_empty() {
+            self.publish_gauges();
+            out.compute_micros = t0.elapsed().as_micros() as u64;
+            return out;
+        }
+        // Rows of the accepted fragments, and their slice of the incoming hidden states.
+        let n_embd = self.model.config().n_embd;
+        let mut row_offsets = Vec::with_capacity(job.fragments.len());
+        let mut acc = 0;
+        for f in &job.fragments {
+            row_offsets.push(acc);
+            acc += f.tokens.len();
+        }
+        let ids: Vec<u64> = accepted
+            .iter()
+            .map(|&i| job.fragments[i].session_id)
+            .collect();
+        let mut rows = Vec::new();
+        let mut hidden = Vec::new();
+        for (seq, &i) in accepted.iter().enumerate() {
+            let f = &job.fragments[i];
+            for (k, &token) in f.tokens.iter().enumerate() {
+                rows.push(Row {
+                    seq,
+                    pos: f.start_pos as usize + k,
+                    token,
+                    want_logits: f.want_output && k + 1 == f.tokens.len(),
+                });
+            }
+            if let Some(h) = &job.hidden {
+                let start = row_offsets[i] * n_embd;
+                hidden.extend_from_slice(&h[start..start + f.tokens.len() * n_embd]);
+            }
+        }
+        // Temporarily move the caches out of the map so forward can borrow them all.
+        let mut caches: Vec<KvCache> = ids
+            .iter()
+            .map(|id| {
+                std::mem::replace(
+                    &mut self.sessions.get_mut(id).expect("admitted").kv,
+                    KvCache::new(self.model.range(), 0, 0),
+                )
+            })
+            .collect();
+        let result = {
+            let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+            let batch = Batch {
+                rows: &rows,
+                hidden: job.hidden.as_ref().map(|_| hidden.as_slice()),
+            };
+            self.model.forward(batch, &mut refs)
+        };
+        for (id, kv) in ids.iter().zip(caches) {
+            self.sessions.get_mut(id).expect("admitted").kv = kv;
+        }
+        match result {
+            Err(e) => {
+                for id in &ids {
+                    out.errors
+                        .push(refusal(*id, "invalid_request", e.to_string()));
+                }
+            }
+            Ok(Output::Hidden(h)) => {
+                out.hidden = h;
+                out.accepted = accepted.iter().map(|&i| job.fragments[i].clone()).collect();
+            }
+            Ok(Output::Logits(logits)) => {
+                let n_vocab = self.model.config().n_vocab;
+                let mut li = 0;
+                for &i in &accepted {
+                    let f = &job.fragments[i];
+                    let s = self.sessions.get_mut(&f.session_id).expect("admitted");
+                    s.tokens.extend_from_slice(&f.tokens);
+                    if !f.want_output {
+                        continue;
+                    }
+                    let l = &logits[li * n_vocab..(li + 1) * n_vocab];
+                    li += 1;
+                    let sampler = s
+                        .sampler
+                        .get_or_insert_with(|| Sampler::new(SamplingParams::default()));
+                    let token = sampler.sample(l, &s.tokens);
+                    let top = if s.n_top > 0 {
+                        let best: Vec<u32> = top_k(l, s.n_top as usize)
+                            .into_iter()
+                            .map(|(id, _)| id)
+                            .collect();
+                        let lp = log_probs(l, &best);
+                        best.into_iter()
+                            .zip(lp)
+                            .map(|(token, logprob)| TopLogprob { token, logprob })
+                            .collect()
+                    } else {
+                        Vec::new()
+                    };
+                    out.outputs.push(SessionOutput {
+                        session_id: f.session_id,
+                        token,
+                        logprob: log_probs(l, &[token])[0],
+                        top,
+                    });
+                }
+                out.accepted = accepted.iter().map(|&i| job.fragments[i].clone()).collect();
+            }
+        }
+        if !self.model.is_last() {
+            for &i in &accepted {
+                let f = &job.fragments[i];
+                self.sessions
+                    .get_mut(&f.session_id)
+                    .expect("admitted")
+                    .tokens
+                    .extend_from_slice(&f.tokens);
+            }
+        }
+        for f in &out.accepted {
+            let counter = if f.start_pos > 0 && f.tokens.len() == 1 {
+                &self.counters.decode_tokens
+            } else {
+                &self.counters.prefill_tokens
+            };
+            counter.fetch_add(f.tokens.len() as u64, Ordering::Relaxed);
+        }
+        self.counters.steps.fetch_add(1, Ordering::Relaxed);
+        self.publish_gauges();
+        out.compute_micros = t0.elapsed().as_micros() as u64;
+        self.counters
+            .compute_micros
+            .fetch_add(out.compute_micros, Ordering::Relaxed);
+        out
+    }
+}

@@ -1,0 +1,295 @@
+//! One route stream on a shard: execute steps in order, forward the accepted work to the next
+//! shard, relay its replies back up, and turn a dead or silent downstream into typed failures.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::{Stream, StreamExt};
+use proto::v1::{
+    route_msg, HopTiming, RouteMsg, RouteReply, RouteSetup, SeamDtype, Step, StepError,
+};
+use proto::{ReplyStream, ShardTransport};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Status;
+
+use crate::core::{ShardCore, StepJob};
+
+/// A step sent downstream and not yet answered.
+struct Pending {
+    sent: Instant,
+    deadline: Duration,
+    hop: HopTiming,
+    /// Refusals this shard made itself, merged into the downstream reply.
+    errors: Vec<proto::v1::SessionError>,
+}
+
+fn shard_failed(step_id: u64, shard: &str, message: String) -> RouteReply {
+    RouteReply {
+        step_id,
+        step_error: Some(StepError {
+            reason: "shard_failed".into(),
+            shard: shard.into(),
+            message,
+        }),
+        ..Default::default()
+    }
+}
+
+/// Serves one route stream whose first message must be a `RouteSetup`.
+pub async fn run_route<S>(core: Arc<ShardCore>, mut inbound: S) -> Result<ReplyStream, Status>
+where
+    S: Stream<Item = Result<RouteMsg, Status>> + Send + Unpin + 'static,
+{
+    let setup = match inbound.next().await {
+        Some(Ok(RouteMsg {
+            msg: Some(route_msg::Msg::Setup(s)),
+        })) => s,
+        _ => {
+            return Err(Status::invalid_argument(
+                "a route stream must start with a RouteSetup",
+            ))
+        }
+    };
+    if setup.model_digest != core.info.model_digest {
+        return Err(Status::failed_precondition(format!(
+            "recipe_mismatch: shard {} serves model {} but the route expects {}",
+            core.config.label, core.info.model_digest, setup.model_digest
+        )));
+    }
+    let has_downstream = !setup.downstream.is_empty();
+    if has_downstream == core.is_last() {
+        return Err(Status::failed_precondition(format!(
+            "recipe_mismatch: shard {} holds layers {}..{} of {} but the route gives it {} downstream shards",
+            core.config.label,
+            core.info.layer_start,
+            core.info.layer_end,
+            core.info.n_layers,
+            setup.downstream.len()
+        )));
+    }
+    let seam = SeamDtype::try_from(setup.seam_dtype).unwrap_or(SeamDtype::SeamF32);
+    let stream_id = core.new_stream_id();
+    let (up_tx, up_rx) = mpsc::channel::<Result<RouteReply, Status>>(256);
+
+    let downstream = if has_downstream {
+        let next_addr = setup.downstream[0].clone();
+        let next = proto::connect(&next_addr, &core.config.cluster_token)?;
+        let (dn_tx, dn_rx) = mpsc::channel::<RouteMsg>(256);
+        let next_setup = RouteSetup {
+            epoch: setup.epoch,
+            downstream: setup.downstream[1..].to_vec(),
+            seam_dtype: setup.seam_dtype,
+            model_digest: setup.model_digest.clone(),
+        };
+        let _ = dn_tx
+            .send(RouteMsg {
+                msg: Some(route_msg::Msg::Setup(next_setup)),
+            })
+            .await;
+        let replies = next.route(dn_rx).await.map_err(|e| {
+            Status::unavailable(format!("shard_failed: {next_addr}: {}", e.message()))
+        })?;
+        Some((next_addr, dn_tx, replies))
+    } else {
+        None
+    };
+
+    // Tells the inbound loop to stop when the downstream hop dies.
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let (reg_tx, reg_rx) = mpsc::unbounded_channel::<(u64, Pending)>();
+    let dn_tx = match downstream {
+        Some((addr, dn_tx, replies)) => {
+            tokio::spawn(relay(addr, replies, reg_rx, up_tx.clone(), stop_tx));
+            Some(dn_tx)
+        }
+        None => None,
+    };
+
+    let epoch = setup.epoch;
+    let label = core.config.label.clone();
+    tokio::spawn(async move {
+        loop {
+            let msg = tokio::select! {
+                m = inbound.next() => m,
+                _ = stop_rx.changed() => None,
+            };
+            let step: Step = match msg {
+                Some(Ok(RouteMsg {
+                    msg: Some(route_msg::Msg::Step(s)),
+                })) => s,
+                Some(Ok(_)) => continue,
+                Some(Err(_)) | None => break,
+            };
+            let received = Instant::now();
+            let hidden = if core.is_first() {
+                None
+            } else {
+                match proto::decode_activations(&step.activations, seam) {
+                    Some(h) => Some(h),
+                    None => {
+                        let _ = up_tx
+                            .send(Err(Status::invalid_argument(format!(
+                                "step {}: {} activation bytes do not decode as {seam:?}",
+                                step.step_id,
+                                step.activations.len()
+                            ))))
+                            .await;
+                        break;
+                    }
+                }
+            };
+            let n_rows: usize = step.fragments.iter().map(|f| f.tokens.len()).sum();
+            if let Some(h) = &hidden {
+                if h.len() != n_rows * core.info.n_embd as usize {
+                    let _ = up_tx
+                        .send(Err(Status::invalid_argument(format!(
+                            "step {}: {} activations for {n_rows} rows of width {}",
+                            step.step_id,
+                            h.len(),
+                            core.info.n_embd
+                        ))))
+                        .await;
+                    break;
+                }
+            }
+            let out = core
+                .step(StepJob {
+                    stream_id,
+                    epoch: if step.epoch == epoch {
+                        epoch
+                    } else {
+                        step.epoch
+                    },
+                    fragments: step.fragments,
+                    release: step.release.clone(),
+                    hidden,
+                })
+                .await;
+            let mut hop = HopTiming {
+                shard: label.clone(),
+                compute_micros: out.compute_micros,
+                seam_bytes: 0,
+                downstream_micros: 0,
+            };
+            match &dn_tx {
+                None => {
+                    let reply = RouteReply {
+                        step_id: step.step_id,
+                        outputs: out.outputs,
+                        errors: out.errors,
+                        step_error: None,
+                        hops: vec![hop],
+                    };
+                    if up_tx.send(Ok(reply)).await.is_err() {
+                        break;
+                    }
+                }
+                Some(dn_tx) => {
+                    let activations = proto::encode_activations(&out.hidden, seam);
+                    hop.seam_bytes = activations.len() as u64;
+                    core.counters
+                        .seam_bytes_out
+                        .fetch_add(hop.seam_bytes, Ordering::Relaxed);
+                    let spent = received.elapsed().as_millis() as u32;
+                    let deadline_ms = step.deadline_ms.saturating_sub(spent).max(1);
+                    let pending = Pending {
+                        sent: Instant::now(),
+                        deadline: Duration::from_millis(deadline_ms as u64),
+                        hop,
+                        errors: out.errors,
+                    };
+                    if reg_tx.send((step.step_id, pending)).is_err() {
+                        break;
+                    }
+                    let next = Step {
+                        step_id: step.step_id,
+                        epoch: step.epoch,
+                        fragments: out.accepted,
+                        release: step.release,
+                        activations,
+                        deadline_ms,
+                    };
+                    if dn_tx
+                        .send(RouteMsg {
+                            msg: Some(route_msg::Msg::Step(next)),
+                        })
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            }
+        }
+        // The upstream end went away (or downstream died): forget this stream's sessions.
+        core.release_stream(stream_id);
+    });
+    Ok(Box::pin(ReceiverStream::new(up_rx)))
+}
+
+/// Relays downstream replies upstream, adding this hop's timing; turns a broken or silent
+/// downstream into a `shard_failed` reply for every step still waiting.
+async fn relay(
+    next_addr: String,
+    mut replies: ReplyStream,
+    mut reg_rx: mpsc::UnboundedReceiver<(u64, Pending)>,
+    up_tx: mpsc::Sender<Result<RouteReply, Status>>,
+    stop_tx: watch::Sender<bool>,
+) {
+    let mut pending: HashMap<u64, Pending> = HashMap::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    let failure: String = loop {
+        tokio::select! {
+            reg = reg_rx.recv() => match reg {
+                Some((id, p)) => { pending.insert(id, p); }
+                None => return,
+            },
+            reply = replies.next() => match reply {
+                Some(Ok(mut r)) => {
+                    // Registration always precedes the send downstream, but may not have been
+                    // read yet: drain it first.
+                    while let Ok((id, p)) = reg_rx.try_recv() {
+                        pending.insert(id, p);
+                    }
+                    if let Some(mut p) = pending.remove(&r.step_id) {
+                        p.hop.downstream_micros = p.sent.elapsed().as_micros() as u64;
+                        r.hops.insert(0, p.hop);
+                        r.errors.extend(p.errors);
+                    }
+                    let fatal = r.step_error.is_some();
+                    if up_tx.send(Ok(r)).await.is_err() {
+                        return;
+                    }
+                    if fatal {
+                        break "a shard further down the route failed".to_string();
+                    }
+                }
+                Some(Err(status)) => break format!("the stream to {next_addr} failed: {}", status.message()),
+                None => break format!("{next_addr} closed the route stream"),
+            },
+            _ = tick.tick() => {
+                if let Some((_, p)) = pending.iter().find(|(_, p)| p.sent.elapsed() > p.deadline) {
+                    break format!("{next_addr} did not answer within {} ms", p.deadline.as_millis());
+                }
+            }
+        }
+    };
+    while let Ok((id, p)) = reg_rx.try_recv() {
+        pending.insert(id, p);
+    }
+    let mut ids: Vec<u64> = pending.keys().copied().collect();
+    ids.sort_unstable();
+    for id in ids {
+        let _ = up_tx
+            .send(Ok(shard_failed(id, &next_addr, failure.clone())))
+            .await;
+    }
+    if pending.is_empty() {
+        // Nothing was waiting, but the route is broken: say so on the next read.
+        let _ = up_tx.send(Ok(shard_failed(0, &next_addr, failure))).await;
+    }
+    let _ = stop_tx.send(true);
+}
