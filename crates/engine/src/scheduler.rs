@@ -1,0 +1,482 @@
+//! The step scheduler.
+
+use std::collections::{BTreeMap, VecDeque};
+
+/// A session's id (unique per tracker).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SessionId(pub u64);
+
+/// Limits of one step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Tokens (decode + prefill) one step may carry.
+    pub max_step_tokens: usize,
+    /// Prefill tokens one session may take in one step.
+    pub max_prefill_chunk: usize,
+    /// Sessions that may be active (admitted to the route) at once.
+    pub max_active: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_step_tokens: 512,
+            max_prefill_chunk: 512,
+            max_active: 64,
+        }
+    }
+}
+
+/// One session's share of a step: tokens `start_pos..start_pos + tokens.len()`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanItem {
+    pub session: SessionId,
+    pub start_pos: usize,
+    pub tokens: Vec<u32>,
+    /// The step ends this session's known tokens: sample the next one.
+    pub want_output: bool,
+}
+
+/// What to send down the route.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StepPlan {
+    pub step_id: u64,
+    pub items: Vec<PlanItem>,
+    /// Sessions every shard should forget.
+    pub release: Vec<SessionId>,
+}
+
+impl StepPlan {
+    pub fn n_tokens(&self) -> usize {
+        self.items.iter().map(|i| i.tokens.len()).sum()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// `max_tokens` reached.
+    Length,
+    /// The caller ended it (end-of-sequence token, stop string).
+    Stop,
+}
+
+/// What happened to sessions as a result of a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Token {
+        session: SessionId,
+        token: u32,
+    },
+    Finished {
+        session: SessionId,
+        reason: FinishReason,
+    },
+}
+
+#[derive(Debug)]
+struct Entry {
+    tokens: Vec<u32>,
+    n_computed: usize,
+    n_prompt: usize,
+    max_new: usize,
+    in_flight: Option<u64>,
+}
+
+impl Entry {
+    fn n_generated(&self) -> usize {
+        self.tokens.len() - self.n_prompt
+    }
+}
+
+/// The scheduler: waiting sessions in arrival order, active sessions, steps in flight.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    waiting: VecDeque<SessionId>,
+    active: BTreeMap<SessionId, Entry>,
+    pending_new: BTreeMap<SessionId, Entry>,
+    in_flight: BTreeMap<u64, Vec<PlanItem>>,
+    to_release: Vec<SessionId>,
+    next_step: u64,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Self {
+        Scheduler {
+            config,
+            waiting: VecDeque::new(),
+            active: BTreeMap::new(),
+            pending_new: BTreeMap::new(),
+            in_flight: BTreeMap::new(),
+            to_release: Vec::new(),
+            next_step: 1,
+        }
+    }
+
+    /// Queues a session with its prompt; it generates at most `max_new` tokens.
+    pub fn add(&mut self, session: SessionId, prompt: Vec<u32>, max_new: usize) {
+        let n_prompt = prompt.len();
+        self.pending_new.insert(
+            session,
+            Entry {
+                tokens: prompt,
+                n_computed: 0,
+                n_prompt,
+                max_new,
+                in_flight: None,
+            },
+        );
+        self.waiting.push_back(session);
+    }
+
+    pub fn n_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn n_active(&self) -> usize {
+        self.active.len()
+    }
+
+    pub fn n_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.active.is_empty() && self.to_release.is_empty()
+    }
+
+    /// Sessions known to the scheduler (waiting or active).
+    pub fn contains(&self, session: SessionId) -> bool {
+        self.active.contains_key(&session) || self.pending_new.contains_key(&session)
+    }
+
+    /// The next step: running sessions' decode tokens first (each gets its one token), then
+    /// prefill chunks in arrival order within what is left of the token budget. `None` when
+    /// there is nothing to send.
+    pub fn schedule(&mut self) -> Option<StepPlan> {
+        while self.active.len() < self.config.max_active {
+            let Some(id) = self.waiting.pop_front() else {
+                break;
+            };
+            if let Some(e) = self.pending_new.remove(&id) {
+                self.active.insert(id, e);
+            }
+        }
+        let step_id = self.next_step;
+        let mut budget = self.config.max_step_tokens;
+        let mut items = Vec::new();
+        // Decode: sessions whose prompt is computed and whose last token awaits computing.
+        for (&id, e) in self.active.iter_mut() {
+            if budget == 0 {
+                break;
+            }
+            if e.in_flight.is_none()
+                && e.n_computed >= e.n_prompt
+                && e.n_computed + 1 == e.tokens.len()
+            {
+                items.push(PlanItem {
+                    session: id,
+                    start_pos: e.n_computed,
+                    tokens: vec![e.tokens[e.n_computed]],
+                    want_output: true,
+                });
+                e.in_flight = Some(step_id);
+                budget -= 1;
+            }
+        }
+        // Prefill, oldest first.
+        let mut prefill: Vec<SessionId> = self
+            .active
+            .iter()
+            .filter(|(_, e)| e.in_flight.is_none() && e.n_computed < e.n_prompt)
+            .map(|(&id, _)| id)
+            .collect();
+        prefill.sort();
+        for id in prefill {
+            if budget == 0 {
+                break;
+            }
+            let e = self.active.get_mut(&id).expect("listed above");
+            let n = (e.tokens.len() - e.n_computed)
+                .min(budget)
+                .min(self.config.max_prefill_chunk);
+            let end = e.n_computed + n;
+            items.push(PlanItem {
+                session: id,
+                start_pos: e.n_computed,
+                tokens: e.tokens[e.n_computed..end].to_vec(),
+                want_output: end == e.tokens.len(),
+            });
+            e.in_flight = Some(step_id);
+            budget -= n;
+        }
+        let release = std::mem::take(&mut self.to_release);
+        if items.is_empty() && release.is_empty() {
+            return None;
+        }
+        self.next_step += 1;
+        self.in_flight.insert(step_id, items.clone());
+        Some(StepPlan {
+            step_id,
+            items,
+            release,
+        })
+    }
+
+    /// Applies a step's result: `outputs` are sampled tokens, `failed` the sessions whose
+    /// fragment was refused (they are removed; the caller reports why). Returns the events.
+    pub fn update_from_output(
+        &mut self,
+        step_id: u64,
+        outputs: &[(SessionId, u32)],
+        failed: &[SessionId],
+    ) -> Vec<Event> {
+        let mut events = Vec::new();
+        let Some(items) = self.in_flight.remove(&step_id) else {
+            return events;
+        };
+        for item in items {
+            if failed.contains(&item.session) {
+                self.remove(item.session);
+                continue;
+            }
+            let Some(e) = self.active.get_mut(&item.session) else {
+                continue;
+            };
+            if e.in_flight != Some(step_id) {
+                continue;
+            }
+            e.in_flight = None;
+            e.n_computed = item.start_pos + item.tokens.len();
+            if !item.want_output {
+                continue;
+            }
+            let Some(&(_, token)) = outputs.iter().find(|(s, _)| *s == item.session) else {
+                continue;
+            };
+            e.tokens.push(token);
+            events.push(Event::Token {
+                session: item.session,
+                token,
+            });
+            if e.n_generated() >= e.max_new {
+                events.push(Event::Finished {
+                    session: item.session,
+                    reason: FinishReason::Length,
+                });
+                self.finish(item.session);
+            }
+        }
+        events
+    }
+
+    /// A whole step failed: its sessions are dropped and returned.
+    pub fn fail_step(&mut self, step_id: u64) -> Vec<SessionId> {
+        let items = self.in_flight.remove(&step_id).unwrap_or_default();
+        let ids: Vec<SessionId> = items.iter().map(|i| i.session).collect();
+        for id in &ids {
+            self.active.remove(id);
+        }
+        ids
+    }
+
+    /// Ends a session normally; shards are told to release it with the next plan.
+    pub fn finish(&mut self, session: SessionId) {
+        if self.active.remove(&session).is_some() {
+            self.to_release.push(session);
+        }
+    }
+
+    /// Cancels a session wherever it is.
+    pub fn abort(&mut self, session: SessionId) {
+        if self.pending_new.remove(&session).is_some() {
+            self.waiting.retain(|s| *s != session);
+            return;
+        }
+        self.finish(session);
+    }
+
+    fn remove(&mut self, session: SessionId) {
+        self.active.remove(&session);
+        self.to_release.push(session);
+    }
+
+    /// Drops everything (the route broke): returns every session that was waiting or active.
+    pub fn reset(&mut self) -> Vec<SessionId> {
+        let mut all: Vec<SessionId> = self.active.keys().copied().collect();
+        all.extend(self.waiting.drain(..));
+        self.active.clear();
+        self.pending_new.clear();
+        self.in_flight.clear();
+        self.to_release.clear();
+        all
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(max_step_tokens: usize, chunk: usize) -> SchedulerConfig {
+        SchedulerConfig {
+            max_step_tokens,
+            max_prefill_chunk: chunk,
+            max_active: 64,
+        }
+    }
+
+    /// Runs a step with a fake model that always samples `7`.
+    fn run(s: &mut Scheduler) -> (StepPlan, Vec<Event>) {
+        let plan = s.schedule().expect("work to do");
+        let outputs: Vec<(SessionId, u32)> = plan
+            .items
+            .iter()
+            .filter(|i| i.want_output)
+            .map(|i| (i.session, 7))
+            .collect();
+        let events = s.update_from_output(plan.step_id, &outputs, &[]);
+        (plan, events)
+    }
+
+    #[test]
+    fn prompt_is_chunked_then_decoded_until_max_tokens() {
+        let mut s = Scheduler::new(cfg(4, 4));
+        s.add(SessionId(1), (0..10).collect(), 3);
+        let (p, e) = run(&mut s);
+        assert_eq!(
+            (
+                p.items[0].start_pos,
+                p.items[0].tokens.len(),
+                p.items[0].want_output
+            ),
+            (0, 4, false)
+        );
+        assert!(e.is_empty());
+        run(&mut s);
+        let (p, e) = run(&mut s);
+        assert_eq!(
+            (
+                p.items[0].start_pos,
+                p.items[0].tokens.len(),
+                p.items[0].want_output
+            ),
+            (8, 2, true)
+        );
+        assert_eq!(
+            e,
+            vec![Event::Token {
+                session: SessionId(1),
+                token: 7
+            }]
+        );
+        let (p, _) = run(&mut s);
+        assert_eq!(
+            (p.items[0].start_pos, p.items[0].tokens.clone()),
+            (10, vec![7])
+        );
+        let (_, e) = run(&mut s);
+        assert!(e.contains(&Event::Finished {
+            session: SessionId(1),
+            reason: FinishReason::Length
+        }));
+        let p = s.schedule().unwrap();
+        assert_eq!(p.release, vec![SessionId(1)]);
+        assert!(p.items.is_empty());
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn a_long_prompt_does_not_stop_decoders_from_advancing_every_step() {
+        let mut s = Scheduler::new(cfg(8, 8));
+        s.add(SessionId(1), vec![1, 2], 100);
+        run(&mut s);
+        s.add(SessionId(2), (0..1000).collect(), 1);
+        for _ in 0..20 {
+            let (p, _) = run(&mut s);
+            assert!(
+                p.items
+                    .iter()
+                    .any(|i| i.session == SessionId(1) && i.tokens.len() == 1),
+                "decoder skipped"
+            );
+            assert!(p.n_tokens() <= 8);
+        }
+    }
+
+    #[test]
+    fn decoders_do_not_stop_a_prompt_from_making_progress() {
+        let mut s = Scheduler::new(cfg(8, 8));
+        for id in 1..=6 {
+            s.add(SessionId(id), vec![1], 1000);
+        }
+        run(&mut s);
+        s.add(SessionId(99), (0..40).collect(), 1);
+        let mut prefilled = 0;
+        for _ in 0..30 {
+            let (p, _) = run(&mut s);
+            prefilled += p
+                .items
+                .iter()
+                .filter(|i| i.session == SessionId(99))
+                .map(|i| i.tokens.len())
+                .sum::<usize>();
+        }
+        assert_eq!(prefilled, 40);
+    }
+
+    #[test]
+    fn aborting_a_running_session_releases_it_on_the_next_plan() {
+        let mut s = Scheduler::new(cfg(16, 16));
+        s.add(SessionId(1), vec![1, 2, 3], 10);
+        s.add(SessionId(2), vec![4, 5], 10);
+        run(&mut s);
+        s.abort(SessionId(1));
+        let p = s.schedule().unwrap();
+        assert_eq!(p.release, vec![SessionId(1)]);
+        assert!(p.items.iter().all(|i| i.session == SessionId(2)));
+    }
+
+    #[test]
+    fn a_refused_fragment_removes_only_its_session() {
+        let mut s = Scheduler::new(cfg(16, 16));
+        s.add(SessionId(1), vec![1, 2, 3], 10);
+        s.add(SessionId(2), vec![4, 5], 10);
+        let p = s.schedule().unwrap();
+        let ev = s.update_from_output(p.step_id, &[(SessionId(2), 9)], &[SessionId(1)]);
+        assert_eq!(
+            ev,
+            vec![Event::Token {
+                session: SessionId(2),
+                token: 9
+            }]
+        );
+        assert!(!s.contains(SessionId(1)));
+        assert!(s.contains(SessionId(2)));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_token_budget_is_never_exceeded(
+            budget in 1usize..64,
+            chunk in 1usize..64,
+            prompts in proptest::collection::vec(1usize..200, 1..12),
+        ) {
+            let mut s = Scheduler::new(cfg(budget, chunk));
+            for (i, n) in prompts.iter().enumerate() {
+                s.add(SessionId(i as u64), vec![1; *n], 5);
+            }
+            let mut steps = 0;
+            while let Some(p) = s.schedule() {
+                proptest::prop_assert!(p.n_tokens() <= budget);
+                for i in &p.items {
+                    proptest::prop_assert!(i.tokens.len() <= chunk.max(1));
+                }
+                let outputs: Vec<(SessionId, u32)> = p.items.iter().filter(|i| i.want_output).map(|i| (i.session, 1)).collect();
+                s.update_from_output(p.step_id, &outputs, &[]);
+                steps += 1;
+                proptest::prop_assert!(steps < 100_000);
+            }
+            proptest::prop_assert!(s.is_idle());
+        }
+    }
+}
