@@ -105,8 +105,8 @@ pub fn connect(address: &str, token: &str) -> Result<GrpcShard, Status> {
         .map_err(|e| Status::invalid_argument(format!("bad shard address `{address}`: {e}")))?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_millis(500))
-        .keep_alive_timeout(Duration::from_millis(1500))
+        .http2_keep_alive_interval(Duration::from_secs(2))
+        .keep_alive_timeout(Duration::from_secs(5))
         .keep_alive_while_idle(true);
     let channel = endpoint.connect_lazy();
     let client = ShardClient::with_interceptor(channel, Auth::new(token)?)

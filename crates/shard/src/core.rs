@@ -128,17 +128,11 @@ impl ShardCore {
         )?;
         let c = model.config().clone();
         let range = model.range();
-        let model_name = file
-            .header()
-            .get("general.name")
-            .and_then(|v| v.as_str())
-            .map(str::to_string)
-            .unwrap_or_else(|| {
-                config
-                    .model_path
-                    .file_stem()
-                    .map_or("model".into(), |s| s.to_string_lossy().into_owned())
-            });
+        // The file name says what the model is more usefully than `general.name` usually does.
+        let model_name = config
+            .model_path
+            .file_stem()
+            .map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned());
         let info = ShardInfo {
             protocol_version: proto::PROTOCOL_VERSION,
             model_digest: digest.clone(),

@@ -112,9 +112,15 @@ where
     let label = core.config.label.clone();
     tokio::spawn(async move {
         loop {
+            let stopped = async {
+                // A dropped sender (no downstream hop) never signals a stop.
+                if stop_rx.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            };
             let msg = tokio::select! {
                 m = inbound.next() => m,
-                _ = stop_rx.changed() => None,
+                _ = stopped => None,
             };
             let step: Step = match msg {
                 Some(Ok(RouteMsg {

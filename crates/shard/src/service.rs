@@ -63,8 +63,8 @@ pub async fn serve(
     let svc = tonic::service::interceptor::InterceptedService::new(server, TokenCheck::new(&token));
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
-        .http2_keepalive_interval(Some(Duration::from_millis(500)))
-        .http2_keepalive_timeout(Some(Duration::from_millis(1500)))
+        .http2_keepalive_interval(Some(Duration::from_secs(2)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(5)))
         .add_service(svc)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
         .await?;

@@ -2,6 +2,7 @@
 //! only here, then turned into typed options for the library crates.
 
 mod bench;
+mod cluster_cmd;
 mod local;
 mod model_cmd;
 
@@ -40,6 +41,12 @@ enum Command {
     /// Inspect a model file and what loading it costs.
     #[command(subcommand)]
     Model(model_cmd::ModelCommand),
+    /// Serve one layer range of a model over gRPC.
+    Shard(cluster_cmd::ShardArgs),
+    /// Drive sessions through a route of shards and serve the OpenAI-compatible API.
+    Tracker(cluster_cmd::TrackerArgs),
+    /// Start a local cluster: N shard processes and a tracker (N = 1: one process).
+    Serve(cluster_cmd::ServeArgs),
 }
 
 /// Options shared by every command that runs the model.
@@ -150,6 +157,13 @@ struct TokenizeArgs {
 }
 
 fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(a) => generate(a),
@@ -157,6 +171,9 @@ fn main() {
         Command::Tokenize(a) => tokenize(a),
         Command::Bench(a) => bench::run(a),
         Command::Model(c) => model_cmd::run(c),
+        Command::Shard(a) => cluster_cmd::shard(a),
+        Command::Tracker(a) => cluster_cmd::tracker(a),
+        Command::Serve(a) => cluster_cmd::serve(a),
     };
     if let Err(e) = result {
         eprintln!("strata: {e:#}");

@@ -4,6 +4,9 @@
 //! Tiny models exercise the same loader, kernels and forward pass as the real one, in every
 //! weight type the kernels support, so the unit suite needs no download.
 
+pub mod http;
+pub mod procs;
+
 use std::path::{Path, PathBuf};
 
 use gguf::{quant, GgmlType, Value, ValueType, Writer};

@@ -1,1 +1,298 @@
-//! placeholder
+//! The tracker: the scheduler of record. It validates and tokenizes OpenAI-style requests,
+//! drives sessions along the route of shards, streams tokens back, and exports metrics.
+//!
+//! The key design decision: one owner for all session state, the [`runner`] loop, which asks the
+//! pure `engine::Scheduler` for each step's plan and sends it down the route; HTTP handlers
+//! talk to it only by message. The tracker never touches weights: it depends on `engine`,
+//! `text` and `proto`, never on `model`.
+
+mod cluster;
+mod error;
+mod http;
+mod metrics;
+mod request;
+mod runner;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use proto::v1::SeamDtype;
+use proto::ShardTransport;
+use text::{ChatTemplate, Tokenizer};
+use tokio::sync::{mpsc, watch};
+
+pub use cluster::{validate_route, Cluster, Health};
+pub use error::ApiError;
+pub use metrics::Metrics;
+
+/// Tracker settings, validated by the binary.
+#[derive(Debug, Clone)]
+pub struct TrackerConfig {
+    pub scheduler: engine::SchedulerConfig,
+    pub seam: SeamDtype,
+    /// How long to wait for shards to answer at start.
+    pub startup_wait: Duration,
+    pub health_period: Duration,
+    pub default_chat_max_tokens: usize,
+}
+
+impl Default for TrackerConfig {
+    fn default() -> Self {
+        TrackerConfig {
+            scheduler: engine::SchedulerConfig::default(),
+            seam: SeamDtype::SeamF32,
+            startup_wait: Duration::from_secs(60),
+            health_period: Duration::from_millis(500),
+            default_chat_max_tokens: 512,
+        }
+    }
+}
+
+/// Resident memory of this process in bytes (Linux `/proc/self/status`): (peak, now).
+pub fn rss_bytes() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(0, |kib| kib * 1024)
+    };
+    (field("VmHWM:"), field("VmRSS:"))
+}
+
+fn declare(m: &Metrics) {
+    for (name, kind, help) in [
+        (
+            "strata_requests_total",
+            "counter",
+            "requests by final status",
+        ),
+        (
+            "strata_refusals_total",
+            "counter",
+            "refusals by reason and class",
+        ),
+        ("strata_failures_total", "counter", "route failures by kind"),
+        (
+            "strata_cancelled_total",
+            "counter",
+            "sessions cancelled by their client",
+        ),
+        (
+            "strata_prefill_tokens_total",
+            "counter",
+            "prompt tokens computed",
+        ),
+        ("strata_decode_tokens_total", "counter", "tokens decoded"),
+        ("strata_ttft_seconds", "histogram", "time to first token"),
+        (
+            "strata_inter_token_seconds",
+            "histogram",
+            "time between consecutive tokens of a session",
+        ),
+        ("strata_batch_tokens", "histogram", "tokens per step"),
+        (
+            "strata_batch_sessions",
+            "histogram",
+            "sessions per step (batch occupancy)",
+        ),
+        (
+            "strata_seam_latency_seconds",
+            "histogram",
+            "network time per hop and step",
+        ),
+        (
+            "strata_seam_bytes_total",
+            "counter",
+            "activation bytes sent per hop",
+        ),
+        (
+            "strata_shard_step_seconds",
+            "histogram",
+            "compute time per shard and step",
+        ),
+        ("strata_queue_depth", "gauge", "sessions waiting to start"),
+        ("strata_active_sessions", "gauge", "sessions on the route"),
+        ("strata_route_up", "gauge", "1 when the route is open"),
+        ("strata_route_epoch", "gauge", "current route epoch"),
+        (
+            "strata_swaps_total",
+            "counter",
+            "model loads triggered while serving (always 0)",
+        ),
+        (
+            "strata_tracker_rss_bytes",
+            "gauge",
+            "tracker resident memory",
+        ),
+        ("strata_shard_up", "gauge", "1 when the shard answers"),
+        (
+            "strata_shard_prefill_tokens_total",
+            "gauge",
+            "prompt tokens a shard computed",
+        ),
+        (
+            "strata_shard_decode_tokens_total",
+            "gauge",
+            "tokens a shard decoded",
+        ),
+        ("strata_shard_steps_total", "gauge", "steps a shard ran"),
+        (
+            "strata_shard_kv_bytes",
+            "gauge",
+            "KV bytes in use per shard",
+        ),
+        (
+            "strata_shard_kv_budget_bytes",
+            "gauge",
+            "KV byte budget per shard",
+        ),
+        ("strata_shard_sessions", "gauge", "sessions held per shard"),
+        (
+            "strata_shard_rss_bytes",
+            "gauge",
+            "resident memory per shard",
+        ),
+        (
+            "strata_shard_weight_bytes",
+            "gauge",
+            "weight bytes per shard",
+        ),
+        (
+            "strata_shard_seam_bytes_out_total",
+            "gauge",
+            "activation bytes a shard sent downstream",
+        ),
+    ] {
+        m.describe(name, kind, help);
+    }
+    m.inc(
+        "strata_refusals_total",
+        &[("reason", "capacity"), ("class", "capacity")],
+        0.0,
+    );
+    m.inc(
+        "strata_refusals_total",
+        &[("reason", "budget"), ("class", "budget")],
+        0.0,
+    );
+}
+
+/// A tracker whose route was validated, ready to serve HTTP.
+pub struct Tracker {
+    state: Arc<http::AppState>,
+}
+
+impl std::fmt::Debug for Tracker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tracker({})", self.state.model_id)
+    }
+}
+
+impl Tracker {
+    /// Connects to the shards, validates the route (coverage, model digest, recipes), builds the
+    /// tokenizer from the first shard's vocabulary and starts the scheduling loop. The error
+    /// says which shard and range is wrong.
+    pub async fn start(
+        config: TrackerConfig,
+        shards: Vec<Arc<dyn ShardTransport>>,
+    ) -> Result<Tracker, String> {
+        let cluster = Arc::new(Cluster::connect(shards, config.startup_wait).await?);
+        let vocab = cluster.shards[0]
+            .vocab()
+            .await
+            .map_err(|e| format!("fetching the vocabulary: {}", e.message()))?;
+        let vocab = gguf::GgufFile::from_bytes(vocab.gguf)
+            .map_err(|e| format!("the vocabulary is not valid GGUF: {e}"))?;
+        let tokenizer =
+            Arc::new(Tokenizer::from_header(vocab.header()).map_err(|e| e.to_string())?);
+        let template = match vocab
+            .header()
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+        {
+            Some(src) => {
+                let text_of = |id: Option<u32>| {
+                    id.and_then(|i| tokenizer.token_text(i))
+                        .unwrap_or("")
+                        .to_string()
+                };
+                Some(
+                    ChatTemplate::new(src, &text_of(tokenizer.bos), &text_of(tokenizer.eos))
+                        .map_err(|e| e.to_string())?,
+                )
+            }
+            None => None,
+        };
+        let metrics = Arc::new(Metrics::default());
+        declare(&metrics);
+        let (health_tx, health_rx) = watch::channel(Health::default());
+        tokio::spawn(cluster::monitor(
+            Arc::clone(&cluster),
+            config.health_period,
+            health_tx,
+            Arc::clone(&metrics),
+        ));
+        let (cmd_tx, cmd_rx) = mpsc::channel(1024);
+        let (route_tx, mut route_rx) = watch::channel(false);
+        let runner = runner::Runner::new(
+            runner::RunnerConfig {
+                scheduler: config.scheduler,
+                seam: config.seam,
+                step_deadline_base: Duration::from_millis(2000),
+                step_deadline_per_token: Duration::from_millis(10),
+            },
+            Arc::clone(&cluster),
+            Arc::clone(&tokenizer),
+            Arc::clone(&metrics),
+            health_rx.clone(),
+            route_tx,
+        );
+        tokio::spawn(runner.run(cmd_rx));
+        // Ready means the route is open end to end, not just that the shards answered.
+        tokio::time::timeout(config.startup_wait, route_rx.wait_for(|up| *up))
+            .await
+            .map_err(|_| format!("the route did not open within {:?}", config.startup_wait))?
+            .map_err(|_| "the scheduling loop stopped".to_string())?;
+        let model_id = cluster.model_name.clone();
+        let state = Arc::new(http::AppState {
+            cluster,
+            tokenizer,
+            template,
+            commands: cmd_tx,
+            metrics,
+            health: health_rx,
+            model_id,
+            default_chat_max_tokens: config.default_chat_max_tokens,
+        });
+        Ok(Tracker { state })
+    }
+
+    /// The shards of the route, in layer order, with their ranges.
+    pub fn route(&self) -> Vec<(String, u32, u32)> {
+        self.state
+            .cluster
+            .infos
+            .iter()
+            .map(|i| (i.listen.clone(), i.layer_start, i.layer_end))
+            .collect()
+    }
+
+    pub fn model_id(&self) -> &str {
+        &self.state.model_id
+    }
+
+    /// Serves HTTP on `listener` until `shutdown` completes.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<(), String> {
+        axum::serve(listener, http::router(self.state))
+            .with_graceful_shutdown(shutdown)
+            .await
+            .map_err(|e| e.to_string())
+    }
+}

@@ -1,0 +1,425 @@
+//! `strata shard`, `strata tracker` and `strata serve`: the distributed commands.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use proto::v1::SeamDtype;
+use proto::ShardTransport;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::model_cmd::parse_range;
+
+#[derive(Args)]
+pub struct ShardArgs {
+    #[arg(long, env = "STRATA_MODEL")]
+    model: PathBuf,
+    /// Layer range `A..B` this shard serves.
+    #[arg(long)]
+    layers: String,
+    /// Address to listen on (port 0 picks a free port; the chosen address is printed).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    /// File holding the shared cluster token.
+    #[arg(long)]
+    cluster_token_file: PathBuf,
+    #[command(flatten)]
+    limits: ShardLimits,
+}
+
+/// Per-shard limits shared by `shard` and `serve`.
+#[derive(Args, Clone)]
+pub struct ShardLimits {
+    /// Kernel threads (default: all cores; an idle shard's threads sleep).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Most positions one session may hold.
+    #[arg(long, default_value_t = 4096)]
+    ctx: usize,
+    /// KV cache budget in MiB for all sessions together.
+    #[arg(long, default_value_t = 1024)]
+    kv_budget_mib: usize,
+    #[arg(long, default_value_t = 256)]
+    max_sessions: usize,
+}
+
+impl ShardLimits {
+    fn threads(&self) -> usize {
+        self.threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+            .max(1)
+    }
+
+    fn to_args(&self) -> Vec<String> {
+        let mut v = vec![
+            "--ctx".to_string(),
+            self.ctx.to_string(),
+            "--kv-budget-mib".into(),
+            self.kv_budget_mib.to_string(),
+            "--max-sessions".into(),
+            self.max_sessions.to_string(),
+        ];
+        if let Some(t) = self.threads {
+            v.extend(["--threads".to_string(), t.to_string()]);
+        }
+        v
+    }
+}
+
+#[derive(Args)]
+pub struct TrackerArgs {
+    /// Shard addresses, comma separated (any order; they are sorted by layer range).
+    #[arg(long, value_delimiter = ',', required = true)]
+    shards: Vec<String>,
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: String,
+    #[arg(long)]
+    cluster_token_file: PathBuf,
+    #[command(flatten)]
+    route: RouteArgs,
+}
+
+/// Route settings shared by `tracker` and `serve`.
+#[derive(Args, Clone)]
+pub struct RouteArgs {
+    /// Activation encoding across seams: f32 (exact) or f16 (half the bytes).
+    #[arg(long, default_value = "f32")]
+    seam: String,
+    /// Tokens one step may carry (decode and prefill together).
+    #[arg(long, default_value_t = 512)]
+    max_step_tokens: usize,
+    /// Prompt tokens one session may take in one step.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// Sessions active on the route at once.
+    #[arg(long, default_value_t = 64)]
+    max_active: usize,
+    /// How often the tracker probes each shard's health and stats, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    health_period_ms: u64,
+}
+
+impl RouteArgs {
+    fn config(&self) -> Result<tracker::TrackerConfig> {
+        let seam = match self.seam.as_str() {
+            "f32" => SeamDtype::SeamF32,
+            "f16" => SeamDtype::SeamF16,
+            other => bail!("unknown --seam `{other}` (expected f32 or f16)"),
+        };
+        if self.max_step_tokens == 0 || self.prefill_chunk == 0 || self.max_active == 0 {
+            bail!("`--max-step-tokens`, `--prefill-chunk` and `--max-active` must be at least 1");
+        }
+        Ok(tracker::TrackerConfig {
+            scheduler: engine::SchedulerConfig {
+                max_step_tokens: self.max_step_tokens,
+                max_prefill_chunk: self.prefill_chunk,
+                max_active: self.max_active,
+            },
+            seam,
+            health_period: Duration::from_millis(self.health_period_ms.max(10)),
+            ..tracker::TrackerConfig::default()
+        })
+    }
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[arg(long, env = "STRATA_MODEL")]
+    model: PathBuf,
+    /// Number of shard processes; 1 runs the shard inside this process (in-memory transport).
+    #[arg(long, default_value_t = 2)]
+    shards: usize,
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: String,
+    #[command(flatten)]
+    limits: ShardLimits,
+    #[command(flatten)]
+    route: RouteArgs,
+}
+
+fn read_token(path: &Path) -> Result<String> {
+    let t = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the cluster token from {}", path.display()))?;
+    let t = t.trim().to_string();
+    if t.len() < 16 {
+        bail!(
+            "the cluster token in {} is shorter than 16 characters",
+            path.display()
+        );
+    }
+    Ok(t)
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {}
+    }
+}
+
+fn shard_config(
+    model: &Path,
+    layers: Option<(usize, usize)>,
+    limits: &ShardLimits,
+    label: String,
+    token: String,
+) -> shard::ShardConfig {
+    shard::ShardConfig {
+        model_path: model.to_path_buf(),
+        layers,
+        n_threads: limits.threads(),
+        n_ctx: limits.ctx,
+        kv_budget_bytes: limits.kv_budget_mib << 20,
+        max_sessions: limits.max_sessions,
+        label,
+        cluster_token: token,
+    }
+}
+
+pub fn shard(a: ShardArgs) -> Result<()> {
+    let token = read_token(&a.cluster_token_file)?;
+    let layers = parse_range(&a.layers)?;
+    let rt = runtime()?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&a.listen)
+            .await
+            .with_context(|| format!("binding {}", a.listen))?;
+        let addr = listener.local_addr()?.to_string();
+        let config = shard_config(&a.model, Some(layers), &a.limits, addr.clone(), token);
+        let core = tokio::task::spawn_blocking(move || shard::ShardCore::load(config)).await??;
+        println!(
+            "strata shard listening on {addr} layers {}..{}",
+            core.info.layer_start, core.info.layer_end
+        );
+        std::io::stdout().flush()?;
+        shard::serve(core, listener, shutdown_signal()).await?;
+        Ok(())
+    })
+}
+
+async fn run_tracker(
+    config: tracker::TrackerConfig,
+    shards: Vec<Arc<dyn ShardTransport>>,
+    listen: &str,
+    extra_shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let t = tracker::Tracker::start(config, shards)
+        .await
+        .map_err(|e| anyhow!("the tracker refuses to start: {e}"))?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding {listen}"))?;
+    let addr = listener.local_addr()?;
+    let route: Vec<String> = t
+        .route()
+        .iter()
+        .map(|(a, s, e)| format!("{a} [{s}..{e})"))
+        .collect();
+    println!(
+        "strata tracker listening on http://{addr} model {} route {}",
+        t.model_id(),
+        route.join(" -> ")
+    );
+    std::io::stdout().flush()?;
+    t.serve(listener, async move {
+        tokio::select! {
+            _ = shutdown_signal() => {}
+            _ = extra_shutdown => {}
+        }
+    })
+    .await
+    .map_err(|e| anyhow!(e))
+}
+
+pub fn tracker(a: TrackerArgs) -> Result<()> {
+    let token = read_token(&a.cluster_token_file)?;
+    let config = a.route.config()?;
+    let rt = runtime()?;
+    rt.block_on(async {
+        let shards = a
+            .shards
+            .iter()
+            .map(|addr| {
+                proto::connect(addr, &token).map(|s| Arc::new(s) as Arc<dyn ShardTransport>)
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| anyhow!(e.message().to_string()))?;
+        run_tracker(config, shards, &a.listen, std::future::pending()).await
+    })
+}
+
+/// Splits `n_layers` into `n` contiguous ranges whose sizes differ by at most one.
+pub fn balanced_ranges(n_layers: usize, n: usize) -> Vec<(usize, usize)> {
+    let (base, extra) = (n_layers / n, n_layers % n);
+    let mut start = 0;
+    (0..n)
+        .map(|i| {
+            let len = base + usize::from(i < extra);
+            let r = (start, start + len);
+            start += len;
+            r
+        })
+        .collect()
+}
+
+fn fresh_token() -> Result<String> {
+    let mut bytes = [0u8; 32];
+    use std::io::Read;
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .context("reading /dev/urandom for a cluster token")?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Child shard processes, stopped (SIGTERM, then SIGKILL) when dropped.
+struct Children(Vec<tokio::process::Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &self.0 {
+            if let Some(pid) = c.id() {
+                // SAFETY: sending a signal to a child we spawned.
+                unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+            }
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        for c in &mut self.0 {
+            while std::time::Instant::now() < deadline {
+                if matches!(c.try_wait(), Ok(Some(_))) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.start_kill();
+        }
+    }
+}
+
+pub fn serve(a: ServeArgs) -> Result<()> {
+    if a.shards == 0 {
+        bail!("`--shards` must be at least 1");
+    }
+    let config = a.route.config()?;
+    let file =
+        gguf::GgufFile::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
+    let n_layers = model::LlamaConfig::from_header(file.header())?.n_layers;
+    drop(file);
+    if a.shards > n_layers {
+        bail!(
+            "`--shards` is {} but the model has only {n_layers} layers",
+            a.shards
+        );
+    }
+    let rt = runtime()?;
+    rt.block_on(async {
+        if a.shards == 1 {
+            // Embedded: the shard lives in this process behind the in-memory transport.
+            let cfg = shard_config(&a.model, None, &a.limits, "embedded".into(), fresh_token()?);
+            let core = tokio::task::spawn_blocking(move || shard::ShardCore::load(cfg)).await??;
+            let shards: Vec<Arc<dyn ShardTransport>> = vec![Arc::new(shard::LocalShard::new(core))];
+            return run_tracker(config, shards, &a.listen, std::future::pending()).await;
+        }
+        let token = fresh_token()?;
+        let dir = std::env::temp_dir().join(format!("strata-serve-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let token_file = dir.join("cluster-token");
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&token_file)?;
+            f.write_all(token.as_bytes())?;
+        }
+        let exe = std::env::current_exe().context("locating the strata binary")?;
+        let mut children = Children(Vec::new());
+        let mut addrs = Vec::new();
+        let mut died = Vec::new();
+        for (start, end) in balanced_ranges(n_layers, a.shards) {
+            let mut cmd = tokio::process::Command::new(&exe);
+            cmd.arg("shard")
+                .arg("--model")
+                .arg(&a.model)
+                .arg("--layers")
+                .arg(format!("{start}..{end}"))
+                .arg("--listen")
+                .arg("127.0.0.1:0")
+                .arg("--cluster-token-file")
+                .arg(&token_file)
+                .args(a.limits.to_args())
+                .stdout(Stdio::piped())
+                .stdin(Stdio::null());
+            // SAFETY: prctl in the child before exec; async-signal-safe.
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                    Ok(())
+                });
+            }
+            let mut child = cmd.spawn().context("starting a shard process")?;
+            let stdout = child.stdout.take().expect("piped");
+            children.0.push(child);
+            let mut lines = BufReader::new(stdout).lines();
+            let line = tokio::time::timeout(Duration::from_secs(120), lines.next_line())
+                .await
+                .map_err(|_| anyhow!("shard {start}..{end} did not start within 120 s"))??
+                .ok_or_else(|| anyhow!("shard {start}..{end} exited before it was ready"))?;
+            let addr = line
+                .strip_prefix("strata shard listening on ")
+                .and_then(|r| r.split_whitespace().next())
+                .ok_or_else(|| anyhow!("unexpected shard output: {line}"))?
+                .to_string();
+            eprintln!("strata serve: shard {start}..{end} on {addr}");
+            addrs.push(addr);
+            // Keep draining its stdout so the child never blocks on a full pipe.
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            died.push(rx);
+            tokio::spawn(async move {
+                while let Ok(Some(_)) = lines.next_line().await {}
+                let _ = tx.send(());
+            });
+        }
+        let shards = addrs
+            .iter()
+            .map(|addr| {
+                proto::connect(addr, &token).map(|s| Arc::new(s) as Arc<dyn ShardTransport>)
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| anyhow!(e.message().to_string()))?;
+        let result = run_tracker(config, shards, &a.listen, std::future::pending()).await;
+        drop(children);
+        let _ = std::fs::remove_dir_all(&dir);
+        result
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_are_balanced_and_cover_every_layer() {
+        assert_eq!(balanced_ranges(30, 2), vec![(0, 15), (15, 30)]);
+        assert_eq!(
+            balanced_ranges(30, 4),
+            vec![(0, 8), (8, 16), (16, 23), (23, 30)]
+        );
+        assert_eq!(balanced_ranges(3, 3), vec![(0, 1), (1, 2), (2, 3)]);
+    }
+}

@@ -1,0 +1,371 @@
+//! A real cluster on 127.0.0.1: shard processes and a tracker process, talked to over HTTP.
+//! Parity with one process, concurrency, cancellation, token checks and route validation.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use testkit::http::{get, post_json, SseStream};
+use testkit::procs::{self, Proc};
+
+fn exe() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_strata"))
+}
+
+fn model() -> PathBuf {
+    testkit::real_model()
+}
+
+fn reference_prompts() -> Vec<Vec<u32>> {
+    let r: Value = serde_json::from_str(&testkit::reference_text("greedy_public.json")).unwrap();
+    r["greedy"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            g["prompt_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// Greedy ids from `strata generate` in one process.
+fn one_process(prompt: &[u32], n: usize) -> Vec<u64> {
+    let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let out = Command::new(exe())
+        .args([
+            "generate",
+            "--model",
+            model().to_str().unwrap(),
+            "--prompt-ids",
+            &ids.join(","),
+            "--max-tokens",
+            &n.to_string(),
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["generated_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
+fn complete_ids(addr: &str, prompt: &[u32], n: usize) -> Vec<u64> {
+    let r = post_json(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": n, "temperature": 0, "return_token_ids": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() == prompt.len() as u64);
+    v["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
+/// Cluster tests run one at a time: they start several processes on two cores.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct Cluster {
+    shards: Vec<Proc>,
+    tracker: Proc,
+}
+
+fn cluster(ranges: &[&str]) -> Cluster {
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let m = model();
+    let shards: Vec<Proc> = ranges
+        .iter()
+        .map(|r| procs::shard(exe(), &m, r, &token, &["--threads", "1"]))
+        .collect();
+    let refs: Vec<&Proc> = shards.iter().collect();
+    let tracker = procs::tracker(exe(), &refs, &token, &["--health-period-ms", "100"]);
+    Cluster { shards, tracker }
+}
+
+fn shard_stat(addr: &str, shard: &str, field: &str) -> u64 {
+    let h = get(addr, "/health").json();
+    h["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["address"] == shard)
+        .and_then(|s| s[field].as_u64())
+        .unwrap_or(u64::MAX)
+}
+
+fn metric(addr: &str, name: &str, shard: &str) -> f64 {
+    let text = get(addr, "/metrics").body;
+    let key = format!("{name}{{shard=\"{shard}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{key} not in metrics"))
+}
+
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if f() {
+            return Some(t.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+#[test]
+fn two_and_three_shard_routes_match_one_process_and_both_shards_work() {
+    let _serial = serial();
+    let prompts = reference_prompts();
+    let alone: Vec<Vec<u64>> = prompts.iter().map(|p| one_process(p, 32)).collect();
+    for ranges in [&["0..15", "15..30"][..], &["0..10", "10..20", "20..30"][..]] {
+        let c = cluster(ranges);
+        for (p, want) in prompts.iter().zip(&alone) {
+            assert_eq!(
+                &complete_ids(&c.tracker.addr, p, 32),
+                want,
+                "route {ranges:?}, prompt {p:?}"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        for s in &c.shards {
+            let prefill = metric(
+                &c.tracker.addr,
+                "strata_shard_prefill_tokens_total",
+                &s.addr,
+            );
+            let decode = metric(&c.tracker.addr, "strata_shard_decode_tokens_total", &s.addr);
+            assert!(
+                prefill > 0.0 && decode > 0.0,
+                "shard {} did no work: {prefill} {decode}",
+                s.addr
+            );
+        }
+    }
+}
+
+#[test]
+fn concurrent_sessions_match_alone_and_cancellation_frees_kv_everywhere() {
+    let _serial = serial();
+    let prompts = reference_prompts();
+    let alone: Vec<Vec<u64>> = prompts.iter().map(|p| one_process(p, 24)).collect();
+    let c = cluster(&["0..15", "15..30"]);
+    let addr = c.tracker.addr.clone();
+
+    // Four concurrent sessions with different prompts.
+    let handles: Vec<_> = prompts
+        .iter()
+        .cloned()
+        .map(|p| {
+            let addr = addr.clone();
+            std::thread::spawn(move || complete_ids(&addr, &p, 24))
+        })
+        .collect();
+    for (h, want) in handles.into_iter().zip(&alone) {
+        assert_eq!(&h.join().unwrap(), want);
+    }
+
+    // A streaming session that disconnects while two others run.
+    let long =
+        json!({"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": true});
+    let mut stream = SseStream::open(&addr, "/v1/completions", &long).unwrap();
+    assert_eq!(stream.status, 200);
+    let others: Vec<_> = prompts[..2]
+        .iter()
+        .cloned()
+        .map(|p| {
+            let addr = addr.clone();
+            std::thread::spawn(move || complete_ids(&addr, &p, 24))
+        })
+        .collect();
+    for _ in 0..3 {
+        stream.next_data().expect("tokens stream");
+    }
+    let held = |n: u64| {
+        c.shards
+            .iter()
+            .all(|s| shard_stat(&addr, &s.addr, "sessions") == n)
+    };
+    assert!(
+        wait_until(Duration::from_secs(5), || held(3)).is_some(),
+        "three sessions should be held"
+    );
+    drop(stream);
+    let freed = wait_until(Duration::from_secs(1), || held(2));
+    assert!(
+        freed.is_some(),
+        "the cancelled session's KV was not freed within a second on every shard"
+    );
+    for (h, want) in others.into_iter().zip(&alone) {
+        assert_eq!(
+            &h.join().unwrap(),
+            want,
+            "a session changed when another was cancelled"
+        );
+    }
+    let zero = wait_until(Duration::from_secs(2), || {
+        c.shards.iter().all(|s| {
+            shard_stat(&addr, &s.addr, "kv_bytes_in_use") == 0
+                && shard_stat(&addr, &s.addr, "sessions") == 0
+        })
+    });
+    assert!(zero.is_some(), "KV in use did not return to zero");
+}
+
+#[test]
+fn api_surface_validation_streaming_and_errors() {
+    let _serial = serial();
+    let c = cluster(&["0..15", "15..30"]);
+    let addr = &c.tracker.addr;
+    let models = get(addr, "/v1/models").json();
+    let id = models["data"][0]["id"].as_str().unwrap().to_string();
+    assert_eq!(id, "SmolLM2-135M-Instruct.Q4_1");
+
+    let r = post_json(
+        addr,
+        "/v1/chat/completions",
+        &json!({"model": id, "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 30, "temperature": 0, "logprobs": true, "top_logprobs": 2}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert!(v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .contains('4'));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(
+        v["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+
+    let mut s = SseStream::open(addr, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "stream": true, "temperature": 0})).unwrap();
+    let mut datas = Vec::new();
+    while let Some(d) = s.next_data() {
+        datas.push(d);
+    }
+    assert_eq!(datas.last().unwrap(), "[DONE]");
+    let last_chunk: Value = serde_json::from_str(&datas[datas.len() - 2]).unwrap();
+    assert!(last_chunk["usage"]["total_tokens"].as_u64().unwrap() > 0);
+    assert!(last_chunk["choices"][0]["finish_reason"].is_string());
+
+    for (body, param) in [
+        (json!({"prompt": "x", "temperature": 9}), "temperature"),
+        (json!({"prompt": "x", "max_tokens": -1}), "max_tokens"),
+        (json!({"prompt": []}), "prompt"),
+        (json!({"prompt": "x", "max_tokens": 100000}), "max_tokens"),
+    ] {
+        let r = post_json(addr, "/v1/completions", &body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        let e = r.json();
+        assert_eq!(e["error"]["param"], param, "{}", r.body);
+        assert_eq!(e["error"]["type"], "invalid_request_error");
+        assert!(e["error"]["message"].is_string() && e["error"]["code"].is_string());
+    }
+    let r = testkit::http::request("POST", addr, "/v1/completions", None, &[]).unwrap();
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = post_json(
+        addr,
+        "/v1/completions",
+        &json!({"model": "gpt-9", "prompt": "x"}),
+    );
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["reason"], "not_resident");
+    let health = get(addr, "/health");
+    assert_eq!(health.status, 200);
+    assert_eq!(health.json()["status"], "ok");
+}
+
+#[test]
+fn connections_without_the_cluster_token_are_refused() {
+    let _serial = serial();
+    let token = procs::token_file("right-token-abcdef0123456789");
+    let shard = procs::shard(exe(), &model(), "0..30", &token, &["--threads", "1"]);
+    let wrong = procs::token_file("wrong-token-abcdef0123456789-x");
+    let out = Command::new(exe())
+        .args([
+            "tracker",
+            "--shards",
+            &shard.addr,
+            "--listen",
+            "127.0.0.1:0",
+            "--cluster-token-file",
+            wrong.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("refused the cluster token"), "{err}");
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        use proto::ShardTransport;
+        let no = proto::connect(&shard.addr, "not-the-token-at-all").unwrap();
+        let e = no.describe(Duration::from_secs(5)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let yes = proto::connect(&shard.addr, "right-token-abcdef0123456789").unwrap();
+        assert_eq!(
+            yes.describe(Duration::from_secs(5))
+                .await
+                .unwrap()
+                .layer_end,
+            30
+        );
+    });
+}
+
+#[test]
+fn a_route_with_a_gap_or_overlap_is_refused_naming_the_shard() {
+    let _serial = serial();
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let a = procs::shard(exe(), &model(), "0..10", &token, &["--threads", "1"]);
+    let b = procs::shard(exe(), &model(), "12..30", &token, &["--threads", "1"]);
+    let out = Command::new(exe())
+        .args([
+            "tracker",
+            "--shards",
+            &format!("{},{}", a.addr, b.addr),
+            "--listen",
+            "127.0.0.1:0",
+            "--cluster-token-file",
+            token.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("layers 10..12 are not covered") && err.contains(&b.addr),
+        "{err}"
+    );
+}

@@ -1,0 +1,157 @@
+//! Real `strata` processes for integration tests, on 127.0.0.1 with free ports; each is killed
+//! when its handle drops.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// A running child process and the address it printed.
+pub struct Proc {
+    pub child: Child,
+    pub addr: String,
+    pub name: String,
+}
+
+impl Proc {
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Sends a signal (e.g. `libc`-style 9 for SIGKILL, 19 for SIGSTOP, 18 for SIGCONT).
+    pub fn signal(&self, sig: i32) {
+        let status = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{sig} {} failed", self.pid());
+    }
+
+    /// Whether the process has exited.
+    pub fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .arg("-18")
+            .arg(self.child.id().to_string())
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `exe args...` and waits until it prints a line starting with `ready_prefix`; the
+/// address is the first word after the prefix.
+pub fn spawn(exe: &Path, args: &[String], ready_prefix: &str, name: &str) -> Proc {
+    let mut child = Command::new(exe)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {name}: {e}"));
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = mpsc::channel();
+    let prefix = ready_prefix.to_string();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if !sent {
+                if let Some(rest) = line.strip_prefix(&prefix) {
+                    let addr = rest
+                        .split_whitespace()
+                        .next()
+                        .unwrap_or("")
+                        .trim_start_matches("http://")
+                        .to_string();
+                    let _ = tx.send(addr);
+                    sent = true;
+                }
+            }
+        }
+    });
+    let addr = match rx.recv_timeout(Duration::from_secs(180)) {
+        Ok(a) => a,
+        Err(_) => {
+            let _ = child.kill();
+            panic!("{name} did not become ready");
+        }
+    };
+    Proc {
+        child,
+        addr,
+        name: name.to_string(),
+    }
+}
+
+/// A cluster token file under the temp dir.
+pub fn token_file(token: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("strata-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let p = dir.join(format!("token-{}", token.len()));
+    std::fs::write(&p, token).expect("write token");
+    p
+}
+
+/// Starts a shard for `layers` ("A..B") of `model`.
+pub fn shard(exe: &Path, model: &Path, layers: &str, token: &Path, extra: &[&str]) -> Proc {
+    shard_on(exe, model, layers, token, "127.0.0.1:0", extra)
+}
+
+/// Starts a shard on a given address (to restart one where it was).
+pub fn shard_on(
+    exe: &Path,
+    model: &Path,
+    layers: &str,
+    token: &Path,
+    listen: &str,
+    extra: &[&str],
+) -> Proc {
+    let mut args: Vec<String> = [
+        "shard",
+        "--model",
+        &model.display().to_string(),
+        "--layers",
+        layers,
+        "--listen",
+        listen,
+        "--cluster-token-file",
+        &token.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    spawn(
+        exe,
+        &args,
+        "strata shard listening on ",
+        &format!("shard {layers}"),
+    )
+}
+
+/// Starts a tracker over `shards`.
+pub fn tracker(exe: &Path, shards: &[&Proc], token: &Path, extra: &[&str]) -> Proc {
+    let list: Vec<&str> = shards.iter().map(|s| s.addr.as_str()).collect();
+    let mut args: Vec<String> = [
+        "tracker",
+        "--shards",
+        &list.join(","),
+        "--listen",
+        "127.0.0.1:0",
+        "--cluster-token-file",
+        &token.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    spawn(exe, &args, "strata tracker listening on ", "tracker")
+}

@@ -1,0 +1,339 @@
+//! The shards of the route: checking that they fit together, watching their health, opening
+//! route streams.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use proto::v1::{route_msg, RouteMsg, RouteSetup, SeamDtype, ShardInfo, ShardStats};
+use proto::{ReplyStream, ShardTransport};
+use tokio::sync::{mpsc, watch};
+
+use crate::metrics::Metrics;
+
+/// The validated route: shards in layer order with what they said about themselves.
+pub struct Cluster {
+    pub shards: Vec<Arc<dyn ShardTransport>>,
+    pub infos: Vec<ShardInfo>,
+    pub model_digest: String,
+    pub model_name: String,
+    pub n_layers: u32,
+    /// The smallest per-session context any shard allows.
+    pub n_ctx: usize,
+}
+
+/// Health of one shard as last probed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardHealth {
+    pub address: String,
+    pub layers: (u32, u32),
+    pub up: bool,
+    pub last_error: Option<String>,
+    pub stats: Option<ShardStats>,
+}
+
+/// A snapshot of every shard's health.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Health {
+    pub shards: Vec<ShardHealth>,
+}
+
+impl Health {
+    pub fn all_up(&self) -> bool {
+        !self.shards.is_empty() && self.shards.iter().all(|s| s.up)
+    }
+
+    pub fn down(&self) -> Vec<String> {
+        self.shards
+            .iter()
+            .filter(|s| !s.up)
+            .map(|s| s.address.clone())
+            .collect()
+    }
+}
+
+fn range(i: &ShardInfo) -> String {
+    format!("{}..{}", i.layer_start, i.layer_end)
+}
+
+/// Orders shards by layer and checks that they cover `[0, n_layers)` exactly once with one
+/// model and compatible recipes; the error names the shard and range at fault.
+pub fn validate_route(infos: &[(String, ShardInfo)]) -> Result<Vec<usize>, String> {
+    if infos.is_empty() {
+        return Err("no shards given".into());
+    }
+    let (first_addr, first) = &infos[0];
+    for (addr, i) in infos {
+        if i.protocol_version != proto::PROTOCOL_VERSION {
+            return Err(format!(
+                "shard {addr} speaks protocol {} but this tracker speaks {}",
+                i.protocol_version,
+                proto::PROTOCOL_VERSION
+            ));
+        }
+        if i.model_digest != first.model_digest {
+            return Err(format!(
+                "shard {addr} (layers {}) serves model {} but shard {first_addr} serves {}",
+                range(i),
+                i.model_digest,
+                first.model_digest
+            ));
+        }
+        if i.n_layers != first.n_layers {
+            return Err(format!(
+                "shard {addr} says the model has {} layers, shard {first_addr} says {}",
+                i.n_layers, first.n_layers
+            ));
+        }
+        let (a, b) = (
+            i.recipe.clone().unwrap_or_default(),
+            first.recipe.clone().unwrap_or_default(),
+        );
+        if a.kv_dtype != b.kv_dtype
+            || a.rope_base != b.rope_base
+            || a.rope_dim != b.rope_dim
+            || a.rope_freq_scale != b.rope_freq_scale
+        {
+            return Err(format!(
+                "shard {addr} (layers {}) has a cache recipe incompatible with shard {first_addr}",
+                range(i)
+            ));
+        }
+    }
+    let mut order: Vec<usize> = (0..infos.len()).collect();
+    order.sort_by_key(|&k| infos[k].1.layer_start);
+    let mut next = 0u32;
+    for &k in &order {
+        let (addr, i) = &infos[k];
+        if i.layer_start != next {
+            return Err(if i.layer_start < next {
+                format!(
+                    "shard {addr} (layers {}) overlaps layers already covered up to {next}",
+                    range(i)
+                )
+            } else {
+                format!("layers {next}..{} are not covered (the next shard, {addr}, starts at layer {})", i.layer_start, i.layer_start)
+            });
+        }
+        next = i.layer_end;
+    }
+    if next != first.n_layers {
+        return Err(format!(
+            "layers {next}..{} are not covered by any shard",
+            first.n_layers
+        ));
+    }
+    Ok(order)
+}
+
+impl Cluster {
+    /// Describes every shard (retrying until `wait`), then validates the route.
+    pub async fn connect(
+        shards: Vec<Arc<dyn ShardTransport>>,
+        wait: Duration,
+    ) -> Result<Cluster, String> {
+        let start = Instant::now();
+        let mut infos = Vec::with_capacity(shards.len());
+        for s in &shards {
+            let info = loop {
+                match s.describe(Duration::from_secs(2)).await {
+                    Ok(i) => break i,
+                    Err(e) if e.code() == tonic::Code::Unauthenticated => {
+                        return Err(format!(
+                            "shard {} refused the cluster token: {}",
+                            s.address(),
+                            e.message()
+                        ));
+                    }
+                    Err(e) if start.elapsed() >= wait => {
+                        return Err(format!(
+                            "shard {} did not answer within {wait:?}: {}",
+                            s.address(),
+                            e.message()
+                        ));
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                }
+            };
+            infos.push((s.address().to_string(), info));
+        }
+        let order = validate_route(&infos)?;
+        let shards: Vec<_> = order.iter().map(|&k| Arc::clone(&shards[k])).collect();
+        let infos: Vec<ShardInfo> = order.iter().map(|&k| infos[k].1.clone()).collect();
+        let first = &infos[0];
+        Ok(Cluster {
+            model_digest: first.model_digest.clone(),
+            model_name: first.model_name.clone(),
+            n_layers: first.n_layers,
+            n_ctx: infos
+                .iter()
+                .filter_map(|i| i.recipe.as_ref().map(|r| r.n_ctx as usize))
+                .min()
+                .unwrap_or(4096),
+            shards,
+            infos,
+        })
+    }
+
+    pub fn addresses(&self) -> Vec<String> {
+        self.shards
+            .iter()
+            .map(|s| s.address().to_string())
+            .collect()
+    }
+
+    /// Opens a route stream through every shard for `epoch`.
+    pub async fn open_route(
+        &self,
+        epoch: u64,
+        seam: SeamDtype,
+    ) -> Result<(mpsc::Sender<RouteMsg>, ReplyStream), String> {
+        let (tx, rx) = mpsc::channel(64);
+        let setup = RouteSetup {
+            epoch,
+            downstream: self.addresses()[1..].to_vec(),
+            seam_dtype: seam as i32,
+            model_digest: self.model_digest.clone(),
+        };
+        tx.send(RouteMsg {
+            msg: Some(route_msg::Msg::Setup(setup)),
+        })
+        .await
+        .map_err(|_| "route channel closed".to_string())?;
+        let replies = self.shards[0]
+            .route(rx)
+            .await
+            .map_err(|e| e.message().to_string())?;
+        Ok((tx, replies))
+    }
+
+    /// Probes every shard with a short deadline and returns the first that does not answer.
+    pub async fn first_unresponsive(&self, timeout: Duration) -> Option<String> {
+        for s in &self.shards {
+            if s.describe(timeout).await.is_err() {
+                return Some(s.address().to_string());
+            }
+        }
+        None
+    }
+}
+
+/// Probes every shard every `period`, publishing health snapshots and per-shard metrics.
+pub async fn monitor(
+    cluster: Arc<Cluster>,
+    period: Duration,
+    tx: watch::Sender<Health>,
+    metrics: Arc<Metrics>,
+) {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let mut snapshot = Health::default();
+        for (s, info) in cluster.shards.iter().zip(&cluster.infos) {
+            let probe = s.stats(period.max(Duration::from_millis(800))).await;
+            let addr = s.address().to_string();
+            let l = [("shard", addr.as_str())];
+            let (up, last_error, stats) = match probe {
+                Ok(st) => {
+                    metrics.set(
+                        "strata_shard_prefill_tokens_total",
+                        &l,
+                        st.prefill_tokens as f64,
+                    );
+                    metrics.set(
+                        "strata_shard_decode_tokens_total",
+                        &l,
+                        st.decode_tokens as f64,
+                    );
+                    metrics.set("strata_shard_steps_total", &l, st.steps as f64);
+                    metrics.set("strata_shard_kv_bytes", &l, st.kv_bytes_in_use as f64);
+                    metrics.set(
+                        "strata_shard_kv_budget_bytes",
+                        &l,
+                        st.kv_bytes_budget as f64,
+                    );
+                    metrics.set("strata_shard_sessions", &l, st.sessions as f64);
+                    metrics.set("strata_shard_rss_bytes", &l, st.rss_bytes as f64);
+                    metrics.set("strata_shard_weight_bytes", &l, st.weight_bytes as f64);
+                    metrics.set(
+                        "strata_shard_seam_bytes_out_total",
+                        &l,
+                        st.seam_bytes_out as f64,
+                    );
+                    (true, None, Some(st))
+                }
+                Err(e) => (false, Some(e.message().to_string()), None),
+            };
+            metrics.set("strata_shard_up", &l, if up { 1.0 } else { 0.0 });
+            snapshot.shards.push(ShardHealth {
+                address: addr,
+                layers: (info.layer_start, info.layer_end),
+                up,
+                last_error,
+                stats,
+            });
+        }
+        if tx.send(snapshot).is_err() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto::v1::CacheRecipe;
+
+    fn info(a: u32, b: u32, digest: &str) -> ShardInfo {
+        ShardInfo {
+            protocol_version: proto::PROTOCOL_VERSION,
+            model_digest: digest.into(),
+            layer_start: a,
+            layer_end: b,
+            n_layers: 30,
+            recipe: Some(CacheRecipe {
+                kv_dtype: "f16".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn shards_in_any_order_that_cover_every_layer_once_are_accepted() {
+        let infos = vec![
+            ("b".to_string(), info(15, 30, "d")),
+            ("a".to_string(), info(0, 15, "d")),
+        ];
+        assert_eq!(validate_route(&infos).unwrap(), vec![1, 0]);
+    }
+
+    #[test]
+    fn gaps_overlaps_and_other_models_are_refused_naming_the_shard() {
+        let gap = vec![
+            ("a".to_string(), info(0, 10, "d")),
+            ("b".to_string(), info(15, 30, "d")),
+        ];
+        assert!(validate_route(&gap)
+            .unwrap_err()
+            .contains("layers 10..15 are not covered"));
+        let overlap = vec![
+            ("a".to_string(), info(0, 16, "d")),
+            ("b".to_string(), info(15, 30, "d")),
+        ];
+        assert!(validate_route(&overlap)
+            .unwrap_err()
+            .contains("shard b (layers 15..30) overlaps"));
+        let short = vec![("a".to_string(), info(0, 20, "d"))];
+        assert!(validate_route(&short)
+            .unwrap_err()
+            .contains("layers 20..30 are not covered"));
+        let other = vec![
+            ("a".to_string(), info(0, 15, "d")),
+            ("b".to_string(), info(15, 30, "e")),
+        ];
+        assert!(validate_route(&other)
+            .unwrap_err()
+            .contains("shard b (layers 15..30) serves model e"));
+    }
+}

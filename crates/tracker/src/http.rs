@@ -1,0 +1,471 @@
+//! The OpenAI-compatible HTTP API: completions and chat completions (plain and SSE), models,
+//! health and metrics.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::stream::{self, Stream};
+use serde_json::{json, Value};
+use text::{ChatTemplate, Tokenizer};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::cluster::{Cluster, Health};
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::request::{validate, Endpoint, PromptInput, ValidRequest};
+use crate::runner::{Command, Job, SessionEvent, TokenLogprob};
+
+/// What the handlers share (all immutable or internally synchronized).
+pub struct AppState {
+    pub cluster: Arc<Cluster>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Option<ChatTemplate>,
+    pub commands: mpsc::Sender<Command>,
+    pub metrics: Arc<Metrics>,
+    pub health: watch::Receiver<Health>,
+    pub model_id: String,
+    /// `max_tokens` when a chat request gives none.
+    pub default_chat_max_tokens: usize,
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn parse_body(bytes: &Bytes) -> Result<Value, ApiError> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::invalid("body", format!("the request body is not valid JSON: {e}")))
+}
+
+async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    handle(s, Endpoint::Completions, body).await
+}
+
+async fn chat_completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    handle(s, Endpoint::Chat, body).await
+}
+
+/// Prompt ids for a validated request.
+fn tokenize(s: &AppState, req: &ValidRequest) -> Result<Vec<u32>, ApiError> {
+    let ids = match &req.prompt {
+        PromptInput::Text(t) => s.tokenizer.encode(t, true, true),
+        PromptInput::Ids(ids) => {
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= s.tokenizer.n_vocab()) {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    format!(
+                        "token id {bad} is out of range (vocabulary has {} tokens)",
+                        s.tokenizer.n_vocab()
+                    ),
+                ));
+            }
+            ids.clone()
+        }
+        PromptInput::Messages(m) => {
+            let t = s
+                .template
+                .as_ref()
+                .ok_or_else(|| ApiError::invalid("messages", "this model has no chat template"))?;
+            let rendered = t
+                .render(m, true)
+                .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            let bos_text = s.tokenizer.bos.and_then(|b| s.tokenizer.token_text(b));
+            let add_special = !bos_text.is_some_and(|b| !b.is_empty() && rendered.starts_with(b));
+            s.tokenizer.encode(&rendered, add_special, true)
+        }
+    };
+    if ids.is_empty() {
+        return Err(ApiError::invalid(
+            "prompt",
+            "the prompt is empty: at least one token is needed",
+        ));
+    }
+    Ok(ids)
+}
+
+async fn handle(s: Arc<AppState>, endpoint: Endpoint, body: Bytes) -> Response {
+    let result = async {
+        let body = parse_body(&body)?;
+        let req = validate(endpoint, &body)?;
+        if let Some(m) = &req.model {
+            if m != &s.model_id && m != &s.cluster.model_name {
+                return Err(ApiError::not_found_model(m, &s.model_id));
+            }
+        }
+        let prompt_ids = tokenize(&s, &req)?;
+        let n_ctx = s.cluster.n_ctx;
+        let max_tokens = match (req.max_tokens, endpoint) {
+            (Some(m), _) => m,
+            (None, Endpoint::Completions) => 16,
+            (None, Endpoint::Chat) => s.default_chat_max_tokens.min(n_ctx.saturating_sub(prompt_ids.len())).max(1),
+        };
+        if prompt_ids.len() + max_tokens > n_ctx {
+            return Err(ApiError {
+                status: 400,
+                reason: "invalid_request",
+                message: format!(
+                    "prompt has {} tokens and `max_tokens` is {max_tokens}, but the context length `n_ctx` is {n_ctx}",
+                    prompt_ids.len()
+                ),
+                limit: Some("n_ctx".into()),
+                retry_after: None,
+                param: Some("max_tokens".into()),
+            });
+        }
+        let job = Job {
+            prompt_ids,
+            max_tokens,
+            sampling: proto::v1::Sampling {
+                temperature: req.sampling.temperature,
+                top_k: req.sampling.top_k,
+                top_p: req.sampling.top_p,
+                min_p: req.sampling.min_p,
+                repeat_penalty: req.sampling.repeat_penalty,
+                repeat_last_n: 64,
+                seed: req.sampling.seed,
+            },
+            stop: req.stop.clone(),
+            logprobs: req.logprobs,
+        };
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let (acc_tx, acc_rx) = oneshot::channel();
+        s.commands
+            .send(Command::Submit {
+                job,
+                events: events_tx,
+                accepted: acc_tx,
+            })
+            .await
+            .map_err(|_| ApiError::unavailable("the scheduler is shutting down"))?;
+        let id = acc_rx.await.map_err(|_| ApiError::unavailable("the scheduler is shutting down"))??;
+        Ok((req, id, events_rx))
+    }
+    .await;
+    match result {
+        Err(e) => {
+            s.metrics.inc(
+                "strata_requests_total",
+                &[("status", &e.status.to_string())],
+                1.0,
+            );
+            if e.status == 400 || e.status == 404 {
+                s.metrics.inc(
+                    "strata_refusals_total",
+                    &[("reason", e.reason), ("class", "invalid")],
+                    1.0,
+                );
+            }
+            e.into_response()
+        }
+        Ok((req, id, events)) => {
+            let guard = CancelOnDrop {
+                id,
+                commands: s.commands.clone(),
+                armed: true,
+            };
+            if req.stream {
+                stream_response(s, req, events, guard).into_response()
+            } else {
+                whole_response(s, req, events, guard).await
+            }
+        }
+    }
+}
+
+/// Cancels the session when the response is dropped before it finished (client went away).
+struct CancelOnDrop {
+    id: engine::SessionId,
+    commands: mpsc::Sender<Command>,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.commands.try_send(Command::Cancel(self.id));
+        }
+    }
+}
+
+fn logprob_json(endpoint: Endpoint, lps: &[TokenLogprob]) -> Value {
+    match endpoint {
+        Endpoint::Chat => json!({
+            "content": lps.iter().map(|l| json!({
+                "token": l.token,
+                "logprob": l.logprob,
+                "bytes": l.token.as_bytes(),
+                "top_logprobs": l.top.iter().map(|(t, p)| json!({"token": t, "logprob": p, "bytes": t.as_bytes()})).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>()
+        }),
+        Endpoint::Completions => json!({
+            "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
+            "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+            "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(t, p)| (t.clone(), json!(p))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+        }),
+    }
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+async fn whole_response(
+    s: Arc<AppState>,
+    req: ValidRequest,
+    mut events: mpsc::UnboundedReceiver<SessionEvent>,
+    mut guard: CancelOnDrop,
+) -> Response {
+    let mut text = String::new();
+    let mut lps = Vec::new();
+    let mut ids = Vec::new();
+    let (finish, p, c) = loop {
+        match events.recv().await {
+            Some(SessionEvent::Token {
+                token,
+                text: t,
+                logprob,
+            }) => {
+                text.push_str(&t);
+                lps.extend(logprob);
+                ids.push(token);
+            }
+            Some(SessionEvent::Text(t)) => text.push_str(&t),
+            Some(SessionEvent::Done {
+                finish_reason,
+                prompt_tokens,
+                completion_tokens,
+            }) => break (finish_reason, prompt_tokens, completion_tokens),
+            Some(SessionEvent::Error(e)) => {
+                guard.armed = false;
+                return e.into_response();
+            }
+            None => {
+                guard.armed = false;
+                return ApiError::unavailable("the session ended without a result").into_response();
+            }
+        }
+    };
+    guard.armed = false;
+    let id = format!(
+        "{}-{}",
+        if req.endpoint == Endpoint::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
+        guard.id.0
+    );
+    let logprobs = req.logprobs.map(|_| logprob_json(req.endpoint, &lps));
+    let mut body = match req.endpoint {
+        Endpoint::Completions => json!({
+            "id": id, "object": "text_completion", "created": now_secs(), "model": s.model_id,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+            "usage": usage(p, c),
+        }),
+        Endpoint::Chat => json!({
+            "id": id, "object": "chat.completion", "created": now_secs(), "model": s.model_id,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish}],
+            "usage": usage(p, c),
+        }),
+    };
+    if req.return_token_ids {
+        body["choices"][0]["token_ids"] = json!(ids);
+    }
+    (StatusCode::OK, Json(body)).into_response()
+}
+
+struct StreamState {
+    s: Arc<AppState>,
+    req: ValidRequest,
+    events: mpsc::UnboundedReceiver<SessionEvent>,
+    guard: CancelOnDrop,
+    first: bool,
+    /// The final chunk was sent; `[DONE]` is next.
+    done_next: bool,
+    finished: bool,
+}
+
+fn chunk(
+    st: &StreamState,
+    delta_text: Option<&str>,
+    lp: Option<&TokenLogprob>,
+    finish: Option<&str>,
+    usage_v: Option<Value>,
+) -> Value {
+    let id = format!(
+        "{}-{}",
+        if st.req.endpoint == Endpoint::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
+        st.guard.id.0
+    );
+    let logprobs = match (st.req.logprobs, lp) {
+        (Some(_), Some(l)) => logprob_json(st.req.endpoint, std::slice::from_ref(l)),
+        _ => Value::Null,
+    };
+    let mut v = match st.req.endpoint {
+        Endpoint::Completions => json!({
+            "id": id, "object": "text_completion", "created": now_secs(), "model": st.s.model_id,
+            "choices": [{"index": 0, "text": delta_text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}],
+        }),
+        Endpoint::Chat => {
+            let mut delta = json!({});
+            if st.first {
+                delta["role"] = json!("assistant");
+            }
+            if let Some(t) = delta_text {
+                delta["content"] = json!(t);
+            }
+            json!({
+                "id": id, "object": "chat.completion.chunk", "created": now_secs(), "model": st.s.model_id,
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            })
+        }
+    };
+    if let Some(u) = usage_v {
+        v["usage"] = u;
+    }
+    v
+}
+
+fn stream_response(
+    s: Arc<AppState>,
+    req: ValidRequest,
+    events: mpsc::UnboundedReceiver<SessionEvent>,
+    guard: CancelOnDrop,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let state = StreamState {
+        s,
+        req,
+        events,
+        guard,
+        first: true,
+        done_next: false,
+        finished: false,
+    };
+    let body = stream::unfold(state, |mut st| async move {
+        if st.finished {
+            return None;
+        }
+        if st.done_next {
+            st.finished = true;
+            return Some((Ok(SseEvent::default().data("[DONE]")), st));
+        }
+        let ev = match st.events.recv().await {
+            Some(SessionEvent::Token {
+                token,
+                text,
+                logprob,
+            }) => {
+                let mut c = chunk(&st, Some(&text), logprob.as_ref(), None, None);
+                if st.req.return_token_ids {
+                    c["choices"][0]["token_ids"] = json!([token]);
+                }
+                st.first = false;
+                SseEvent::default().data(c.to_string())
+            }
+            Some(SessionEvent::Text(text)) => {
+                let c = chunk(&st, Some(&text), None, None, None);
+                st.first = false;
+                SseEvent::default().data(c.to_string())
+            }
+            Some(SessionEvent::Done {
+                finish_reason,
+                prompt_tokens,
+                completion_tokens,
+            }) => {
+                let c = chunk(
+                    &st,
+                    None,
+                    None,
+                    Some(finish_reason),
+                    Some(usage(prompt_tokens, completion_tokens)),
+                );
+                st.guard.armed = false;
+                st.done_next = true;
+                SseEvent::default().data(c.to_string())
+            }
+            Some(SessionEvent::Error(e)) => {
+                st.guard.armed = false;
+                st.finished = true;
+                SseEvent::default().data(e.body().to_string())
+            }
+            None => {
+                st.guard.armed = false;
+                st.finished = true;
+                SseEvent::default().data(
+                    ApiError::unavailable("the session ended without a result")
+                        .body()
+                        .to_string(),
+                )
+            }
+        };
+        Some((Ok(ev), st))
+    });
+    Sse::new(body).keep_alive(KeepAlive::default())
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{"id": s.model_id, "object": "model", "created": 0, "owned_by": "strata",
+                  "digest": s.cluster.model_digest, "n_layers": s.cluster.n_layers, "context_length": s.cluster.n_ctx}],
+    }))
+}
+
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    let h = s.health.borrow().clone();
+    let shards: Vec<Value> = h
+        .shards
+        .iter()
+        .map(|sh| {
+            json!({
+                "address": sh.address,
+                "layers": format!("{}..{}", sh.layers.0, sh.layers.1),
+                "status": if sh.up { "up" } else { "down" },
+                "error": sh.last_error,
+                "kv_bytes_in_use": sh.stats.as_ref().map(|st| st.kv_bytes_in_use),
+                "sessions": sh.stats.as_ref().map(|st| st.sessions),
+            })
+        })
+        .collect();
+    let ok = h.all_up();
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(json!({"status": if ok { "ok" } else { "degraded" }, "model": s.model_id, "shards": shards}))).into_response()
+}
+
+async fn metrics(State(s): State<Arc<AppState>>, _headers: HeaderMap) -> Response {
+    let (_, rss) = crate::rss_bytes();
+    s.metrics.set("strata_tracker_rss_bytes", &[], rss as f64);
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        s.metrics.render(),
+    )
+        .into_response()
+}

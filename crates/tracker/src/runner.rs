@@ -1,0 +1,593 @@
+//! The scheduling loop: a thin actor around `engine::Scheduler`. It owns the sessions, sends
+//! each plan down the route, turns replies into per-session events, and fails sessions with
+//! typed errors when the route breaks. Policy lives in the scheduler, not here.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine::{Event, FinishReason, PlanItem, Scheduler, SchedulerConfig, SessionId};
+use futures::StreamExt;
+use proto::v1::{route_msg, Fragment, RouteMsg, RouteReply, Sampling, SeamDtype, Step};
+use proto::ReplyStream;
+use text::{StopMatcher, StopStep, StreamDecoder, Tokenizer};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::cluster::{Cluster, Health};
+use crate::error::ApiError;
+use crate::metrics::{Metrics, COUNT_BUCKETS, LATENCY_BUCKETS};
+
+/// A session ready to run: tokenized prompt and sampling.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub prompt_ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    pub stop: Vec<String>,
+    pub logprobs: Option<u32>,
+}
+
+/// One generated token's log-probabilities, as text.
+#[derive(Debug, Clone)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
+/// What a session's client receives.
+#[derive(Debug, Clone)]
+pub enum SessionEvent {
+    /// One generated token and the text it completed (possibly empty; always empty for the
+    /// end-of-sequence token).
+    Token {
+        token: u32,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    /// Text held back (an incomplete character or a possible stop string) released at the end.
+    Text(String),
+    Done {
+        finish_reason: &'static str,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Error(ApiError),
+}
+
+pub enum Command {
+    Submit {
+        job: Job,
+        events: mpsc::UnboundedSender<SessionEvent>,
+        accepted: oneshot::Sender<Result<SessionId, ApiError>>,
+    },
+    Cancel(SessionId),
+}
+
+/// Settings of the loop.
+#[derive(Debug, Clone, Copy)]
+pub struct RunnerConfig {
+    pub scheduler: SchedulerConfig,
+    pub seam: SeamDtype,
+    /// A step may take this long plus `step_deadline_per_token` per token before the route is
+    /// declared failed.
+    pub step_deadline_base: Duration,
+    pub step_deadline_per_token: Duration,
+}
+
+struct Live {
+    events: mpsc::UnboundedSender<SessionEvent>,
+    decoder: StreamDecoder,
+    stops: StopMatcher,
+    n_prompt: usize,
+    n_generated: usize,
+    started: Instant,
+    last_token: Option<Instant>,
+    logprobs: Option<u32>,
+    sampling: Sampling,
+}
+
+struct Link {
+    tx: mpsc::Sender<RouteMsg>,
+    replies: ReplyStream,
+}
+
+pub struct Runner {
+    config: RunnerConfig,
+    cluster: Arc<Cluster>,
+    tokenizer: Arc<Tokenizer>,
+    metrics: Arc<Metrics>,
+    health: watch::Receiver<Health>,
+    /// Published: whether the route is open.
+    route_up: watch::Sender<bool>,
+    scheduler: Scheduler,
+    live: HashMap<SessionId, Live>,
+    next_id: u64,
+    epoch: u64,
+    link: Option<Link>,
+    /// Why the route is down, for refusals.
+    down_reason: Option<ApiError>,
+    next_attempt: Instant,
+}
+
+enum Waited {
+    Reply(Option<Result<RouteReply, tonic::Status>>),
+    Timeout,
+}
+
+impl Runner {
+    pub fn new(
+        config: RunnerConfig,
+        cluster: Arc<Cluster>,
+        tokenizer: Arc<Tokenizer>,
+        metrics: Arc<Metrics>,
+        health: watch::Receiver<Health>,
+        route_up: watch::Sender<bool>,
+    ) -> Runner {
+        Runner {
+            route_up,
+            scheduler: Scheduler::new(config.scheduler),
+            config,
+            cluster,
+            tokenizer,
+            metrics,
+            health,
+            live: HashMap::new(),
+            next_id: 1,
+            epoch: 0,
+            link: None,
+            down_reason: Some(ApiError::unavailable("the route is starting")),
+            next_attempt: Instant::now(),
+        }
+    }
+
+    pub async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
+        loop {
+            self.ensure_route().await;
+            self.drop_disconnected();
+            let plan = if self.link.is_some() {
+                self.scheduler.schedule()
+            } else {
+                None
+            };
+            self.metrics
+                .set("strata_queue_depth", &[], self.scheduler.n_waiting() as f64);
+            self.metrics.set(
+                "strata_active_sessions",
+                &[],
+                self.scheduler.n_active() as f64,
+            );
+            let Some(plan) = plan else {
+                tokio::select! {
+                    cmd = commands.recv() => match cmd {
+                        Some(c) => self.handle(c),
+                        None => return,
+                    },
+                    _ = self.health.changed() => {}
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                }
+                continue;
+            };
+            tracing::debug!(
+                step = plan.step_id,
+                items = plan.items.len(),
+                release = plan.release.len(),
+                "step"
+            );
+            let n_tokens = plan.n_tokens();
+            let deadline = self.config.step_deadline_base
+                + self.config.step_deadline_per_token * n_tokens as u32;
+            let step = self.to_wire(&plan, deadline);
+            let sent = Instant::now();
+            let link = self.link.as_mut().expect("a plan is made only with a link");
+            if link
+                .tx
+                .send(RouteMsg {
+                    msg: Some(route_msg::Msg::Step(step)),
+                })
+                .await
+                .is_err()
+            {
+                let shard = self.cluster.addresses()[0].clone();
+                self.route_failed(ApiError::shard_failed(&shard, "the route stream closed"));
+                continue;
+            }
+            if !plan.items.is_empty() {
+                self.metrics
+                    .observe("strata_batch_tokens", &[], COUNT_BUCKETS, n_tokens as f64);
+                self.metrics.observe(
+                    "strata_batch_sessions",
+                    &[],
+                    COUNT_BUCKETS,
+                    plan.items.len() as f64,
+                );
+            }
+            let waited = loop {
+                let link = self.link.as_mut().expect("link held while waiting");
+                tokio::select! {
+                    reply = link.replies.next() => break Waited::Reply(reply),
+                    _ = tokio::time::sleep_until((sent + deadline).into()) => break Waited::Timeout,
+                    cmd = commands.recv() => match cmd {
+                        Some(c) => self.handle(c),
+                        None => return,
+                    },
+                }
+            };
+            match waited {
+                Waited::Reply(Some(Ok(reply))) => self.apply(plan, reply, sent),
+                Waited::Reply(Some(Err(status))) => {
+                    let shard = self.cluster.addresses()[0].clone();
+                    self.route_failed(ApiError::shard_failed(&shard, status.message().to_string()));
+                }
+                Waited::Reply(None) => {
+                    let shard = self.cluster.addresses()[0].clone();
+                    self.route_failed(ApiError::shard_failed(&shard, "the route stream ended"));
+                }
+                Waited::Timeout => {
+                    let culprit = self
+                        .cluster
+                        .first_unresponsive(Duration::from_millis(300))
+                        .await
+                        .unwrap_or_else(|| "on the route".to_string());
+                    self.route_failed(ApiError::shard_failed(
+                        &culprit,
+                        format!(
+                            "no reply to a {n_tokens}-token step within {} ms",
+                            deadline.as_millis()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Opens the route when it is down and every shard answers again.
+    async fn ensure_route(&mut self) {
+        if self.link.is_some() || Instant::now() < self.next_attempt {
+            return;
+        }
+        let health = self.health.borrow().clone();
+        if !health.all_up() {
+            if !health.shards.is_empty() {
+                let down = health.down().join(", ");
+                self.down_reason = Some(ApiError::shard_failed(
+                    &down,
+                    "the shard is down; retry when it is back",
+                ));
+            }
+            return;
+        }
+        self.epoch += 1;
+        match self.cluster.open_route(self.epoch, self.config.seam).await {
+            Ok((tx, replies)) => {
+                tracing::info!(epoch = self.epoch, "route open");
+                self.link = Some(Link { tx, replies });
+                self.down_reason = None;
+                self.metrics
+                    .set("strata_route_epoch", &[], self.epoch as f64);
+                self.metrics.set("strata_route_up", &[], 1.0);
+                let _ = self.route_up.send(true);
+            }
+            Err(e) => {
+                self.down_reason = Some(ApiError::unavailable(format!(
+                    "the route cannot be opened: {e}"
+                )));
+                self.next_attempt = Instant::now() + Duration::from_millis(250);
+            }
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit {
+                job,
+                events,
+                accepted,
+            } => {
+                if let Some(reason) = &self.down_reason {
+                    self.metrics.inc(
+                        "strata_refusals_total",
+                        &[("reason", reason.reason), ("class", "capacity")],
+                        1.0,
+                    );
+                    let _ = accepted.send(Err(reason.clone()));
+                    return;
+                }
+                let id = SessionId(self.next_id);
+                self.next_id += 1;
+                self.scheduler
+                    .add(id, job.prompt_ids.clone(), job.max_tokens);
+                self.live.insert(
+                    id,
+                    Live {
+                        events,
+                        decoder: StreamDecoder::new(),
+                        stops: StopMatcher::new(job.stop),
+                        n_prompt: job.prompt_ids.len(),
+                        n_generated: 0,
+                        started: Instant::now(),
+                        last_token: None,
+                        logprobs: job.logprobs,
+                        sampling: job.sampling,
+                    },
+                );
+                let _ = accepted.send(Ok(id));
+            }
+            Command::Cancel(id) => self.cancel(id),
+        }
+    }
+
+    fn cancel(&mut self, id: SessionId) {
+        if self.live.remove(&id).is_some() {
+            self.scheduler.abort(id);
+            self.metrics.inc("strata_cancelled_total", &[], 1.0);
+        }
+    }
+
+    /// Sessions whose client went away are cancelled (their KV is released with the next plan).
+    fn drop_disconnected(&mut self) {
+        let gone: Vec<SessionId> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.events.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.cancel(id);
+        }
+    }
+
+    fn to_wire(&self, plan: &engine::StepPlan, deadline: Duration) -> Step {
+        let fragments = plan
+            .items
+            .iter()
+            .map(|item: &PlanItem| {
+                let live = self.live.get(&item.session);
+                Fragment {
+                    session_id: item.session.0,
+                    start_pos: item.start_pos as u32,
+                    tokens: item.tokens.clone(),
+                    want_output: item.want_output,
+                    sampling: if item.start_pos == 0 {
+                        live.map(|l| l.sampling)
+                    } else {
+                        None
+                    },
+                    n_top_logprobs: live.and_then(|l| l.logprobs).unwrap_or(0),
+                }
+            })
+            .collect();
+        Step {
+            step_id: plan.step_id,
+            epoch: self.epoch,
+            fragments,
+            release: plan.release.iter().map(|s| s.0).collect(),
+            activations: Vec::new(),
+            deadline_ms: deadline.as_millis() as u32,
+        }
+    }
+
+    fn route_failed(&mut self, err: ApiError) {
+        tracing::warn!(error = %err.message, "route failed");
+        self.link = None;
+        self.metrics.set("strata_route_up", &[], 0.0);
+        let _ = self.route_up.send(false);
+        self.metrics
+            .inc("strata_failures_total", &[("kind", err.reason)], 1.0);
+        for id in self.scheduler.reset() {
+            if let Some(l) = self.live.remove(&id) {
+                let _ = l.events.send(SessionEvent::Error(err.clone()));
+            }
+        }
+        self.down_reason = Some(err);
+        self.next_attempt = Instant::now() + Duration::from_millis(200);
+    }
+
+    fn apply(&mut self, plan: engine::StepPlan, reply: RouteReply, sent: Instant) {
+        let round_trip = sent.elapsed();
+        self.record_hops(&reply, round_trip);
+        if let Some(e) = &reply.step_error {
+            self.scheduler.fail_step(plan.step_id);
+            let err = if e.reason == "shard_failed" {
+                ApiError::shard_failed(&e.shard, e.message.clone())
+            } else {
+                ApiError::from_shard_refusal(&e.reason, &e.message)
+            };
+            self.route_failed(err);
+            return;
+        }
+        let mut failed = Vec::new();
+        for e in &reply.errors {
+            let id = SessionId(e.session_id);
+            failed.push(id);
+            let err = ApiError::from_shard_refusal(&e.reason, &e.message);
+            self.metrics.inc(
+                "strata_refusals_total",
+                &[("reason", err.reason), ("class", "capacity")],
+                1.0,
+            );
+            if let Some(l) = self.live.remove(&id) {
+                let _ = l.events.send(SessionEvent::Error(err));
+            }
+        }
+        let outputs: Vec<(SessionId, u32)> = reply
+            .outputs
+            .iter()
+            .map(|o| (SessionId(o.session_id), o.token))
+            .collect();
+        let logprobs: HashMap<u64, &proto::v1::SessionOutput> =
+            reply.outputs.iter().map(|o| (o.session_id, o)).collect();
+        let (mut n_prefill, mut n_decode) = (0usize, 0usize);
+        for item in &plan.items {
+            if item.start_pos > 0 && item.tokens.len() == 1 {
+                n_decode += 1;
+            } else {
+                n_prefill += item.tokens.len();
+            }
+        }
+        self.metrics
+            .inc("strata_prefill_tokens_total", &[], n_prefill as f64);
+        self.metrics
+            .inc("strata_decode_tokens_total", &[], n_decode as f64);
+        for event in self
+            .scheduler
+            .update_from_output(plan.step_id, &outputs, &failed)
+        {
+            match event {
+                Event::Token { session, token } => {
+                    let lp = logprobs.get(&session.0).copied();
+                    self.on_token(session, token, lp);
+                }
+                Event::Finished { session, reason } => {
+                    let why = match reason {
+                        FinishReason::Length => "length",
+                        FinishReason::Stop => "stop",
+                    };
+                    self.finish(session, why);
+                }
+            }
+        }
+    }
+
+    fn piece(&self, id: u32) -> String {
+        String::from_utf8_lossy(&self.tokenizer.token_bytes(id, true).unwrap_or_default())
+            .into_owned()
+    }
+
+    fn on_token(&mut self, id: SessionId, token: u32, out: Option<&proto::v1::SessionOutput>) {
+        let now = Instant::now();
+        let logprob = match (self.live.get(&id).and_then(|l| l.logprobs), out) {
+            (Some(_), Some(o)) => Some(TokenLogprob {
+                token: self.piece(token),
+                logprob: o.logprob,
+                top: o
+                    .top
+                    .iter()
+                    .map(|t| (self.piece(t.token), t.logprob))
+                    .collect(),
+            }),
+            _ => None,
+        };
+        let is_end = self.tokenizer.is_end(token);
+        let Some(live) = self.live.get_mut(&id) else {
+            return;
+        };
+        match live.last_token {
+            None => self.metrics.observe(
+                "strata_ttft_seconds",
+                &[],
+                LATENCY_BUCKETS,
+                (now - live.started).as_secs_f64(),
+            ),
+            Some(t) => self.metrics.observe(
+                "strata_inter_token_seconds",
+                &[],
+                LATENCY_BUCKETS,
+                (now - t).as_secs_f64(),
+            ),
+        }
+        live.last_token = Some(now);
+        live.n_generated += 1;
+        if is_end {
+            let _ = live.events.send(SessionEvent::Token {
+                token,
+                text: String::new(),
+                logprob,
+            });
+            self.scheduler.finish(id);
+            self.finish(id, "stop");
+            return;
+        }
+        let piece: String = live
+            .decoder
+            .push(&self.tokenizer, token)
+            .unwrap_or_default();
+        match live.stops.push(&piece) {
+            StopStep::Continue(text) => {
+                let _ = live.events.send(SessionEvent::Token {
+                    token,
+                    text,
+                    logprob,
+                });
+            }
+            StopStep::Stop(text) => {
+                let _ = live.events.send(SessionEvent::Token {
+                    token,
+                    text,
+                    logprob,
+                });
+                self.scheduler.finish(id);
+                if let Some(l) = self.live.remove(&id) {
+                    self.done(l, "stop");
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self, id: SessionId, reason: &'static str) {
+        let Some(mut live) = self.live.remove(&id) else {
+            return;
+        };
+        if reason == "length" {
+            let tail = live.decoder.finish();
+            let text = match live.stops.push(&tail) {
+                StopStep::Continue(t) => t + &live.stops.finish(),
+                StopStep::Stop(t) => t,
+            };
+            if !text.is_empty() {
+                let _ = live.events.send(SessionEvent::Text(text));
+            }
+        }
+        self.done(live, reason);
+    }
+
+    fn done(&self, live: Live, reason: &'static str) {
+        self.metrics
+            .inc("strata_requests_total", &[("status", "ok")], 1.0);
+        let _ = live.events.send(SessionEvent::Done {
+            finish_reason: reason,
+            prompt_tokens: live.n_prompt,
+            completion_tokens: live.n_generated,
+        });
+    }
+
+    /// Seam bytes and latency per hop: hop i's downstream time minus what the next shard spent.
+    fn record_hops(&self, reply: &RouteReply, round_trip: Duration) {
+        let hops = &reply.hops;
+        if hops.is_empty() {
+            return;
+        }
+        let inner = |i: usize| (hops[i].compute_micros + hops[i].downstream_micros) as f64 / 1e6;
+        let first = format!("tracker->{}", hops[0].shard);
+        let seam0 = (round_trip.as_secs_f64() - inner(0)).max(0.0);
+        self.metrics.observe(
+            "strata_seam_latency_seconds",
+            &[("hop", &first)],
+            LATENCY_BUCKETS,
+            seam0,
+        );
+        for i in 0..hops.len().saturating_sub(1) {
+            let hop = format!("{}->{}", hops[i].shard, hops[i + 1].shard);
+            let latency = (hops[i].downstream_micros as f64 / 1e6 - inner(i + 1)).max(0.0);
+            self.metrics.observe(
+                "strata_seam_latency_seconds",
+                &[("hop", &hop)],
+                LATENCY_BUCKETS,
+                latency,
+            );
+            self.metrics.inc(
+                "strata_seam_bytes_total",
+                &[("hop", &hop)],
+                hops[i].seam_bytes as f64,
+            );
+        }
+        for h in hops {
+            self.metrics.observe(
+                "strata_shard_step_seconds",
+                &[("shard", &h.shard)],
+                LATENCY_BUCKETS,
+                h.compute_micros as f64 / 1e6,
+            );
+        }
+    }
+}
