@@ -270,16 +270,6 @@ impl Scheduler {
         events
     }
 
-    /// A whole step failed: its sessions are dropped and returned.
-    pub fn fail_step(&mut self, step_id: u64) -> Vec<SessionId> {
-        let items = self.in_flight.remove(&step_id).unwrap_or_default();
-        let ids: Vec<SessionId> = items.iter().map(|i| i.session).collect();
-        for id in &ids {
-            self.active.remove(id);
-        }
-        ids
-    }
-
     /// Ends a session normally; shards are told to release it with the next plan.
     pub fn finish(&mut self, session: SessionId) {
         if self.active.remove(&session).is_some() {

@@ -374,10 +374,9 @@ impl Runner {
         let _ = self.route_up.send(false);
         self.metrics
             .inc("strata_failures_total", &[("kind", err.reason)], 1.0);
-        for id in self.scheduler.reset() {
-            if let Some(l) = self.live.remove(&id) {
-                let _ = l.events.send(SessionEvent::Error(err.clone()));
-            }
+        self.scheduler.reset();
+        for (_, l) in self.live.drain() {
+            let _ = l.events.send(SessionEvent::Error(err.clone()));
         }
         self.down_reason = Some(err);
         self.next_attempt = Instant::now() + Duration::from_millis(200);
@@ -387,7 +386,7 @@ impl Runner {
         let round_trip = sent.elapsed();
         self.record_hops(&reply, round_trip);
         if let Some(e) = &reply.step_error {
-            self.scheduler.fail_step(plan.step_id);
+            // The route is broken: every session on it fails (route_failed resets them all).
             let err = if e.reason == "shard_failed" {
                 ApiError::shard_failed(&e.shard, e.message.clone())
             } else {

@@ -1,0 +1,181 @@
+//! Shard failures on a real 2-shard route: SIGKILL and SIGSTOP mid-generation give every
+//! affected request a structured error within a bound, the tracker stays up and refuses new
+//! work with a retryable 503 while the shard is down, and serves again once it is back.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use testkit::http::{get, post_json, SseStream};
+use testkit::procs::{self, Proc};
+
+const SIGKILL: i32 = 9;
+const SIGCONT: i32 = 18;
+const SIGSTOP: i32 = 19;
+
+fn exe() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_strata"))
+}
+
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if f() {
+            return Some(t.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    None
+}
+
+fn greedy(addr: &str, prompt: &str, n: usize) -> (u16, Value) {
+    let r = post_json(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": n, "temperature": 0, "return_token_ids": true}),
+    );
+    (r.status, r.json())
+}
+
+/// Streams a long generation, reads a few tokens, runs `fault`, and returns the final SSE data
+/// and the time from the fault to the end of the stream.
+fn stream_through_fault(addr: &str, fault: impl FnOnce()) -> (Value, Duration) {
+    let mut s = SseStream::open(addr, "/v1/completions", &json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": true})).unwrap();
+    assert_eq!(s.status, 200);
+    for _ in 0..3 {
+        s.next_data().expect("tokens before the fault");
+    }
+    let t = Instant::now();
+    fault();
+    let mut last = String::new();
+    while let Some(d) = s.next_data() {
+        last = d;
+    }
+    (
+        serde_json::from_str(&last).unwrap_or(Value::Null),
+        t.elapsed(),
+    )
+}
+
+fn assert_shard_failed(v: &Value, shard: &str) {
+    assert_eq!(v["error"]["reason"], "shard_failed", "{v}");
+    assert_eq!(v["error"]["retryable"], true, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains(shard),
+        "error should name {shard}: {v}"
+    );
+}
+
+fn shard_status(addr: &str, shard: &str) -> String {
+    get(addr, "/health").json()["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["address"] == shard)
+        .map(|s| s["status"].as_str().unwrap().to_string())
+        .unwrap_or_default()
+}
+
+#[test]
+fn killing_or_freezing_a_shard_fails_sessions_in_bounded_time_and_the_route_recovers() {
+    let model = testkit::real_model();
+    let token = procs::token_file("fault-test-token-0123456789");
+    let a = procs::shard(exe(), &model, "0..15", &token, &["--threads", "1"]);
+    let mut b = procs::shard(exe(), &model, "15..30", &token, &["--threads", "1"]);
+    let b_addr = b.addr.clone();
+    let tracker = procs::tracker(exe(), &[&a, &b], &token, &["--health-period-ms", "100"]);
+    let addr = tracker.addr.clone();
+    let (status, baseline) = greedy(&addr, "The capital of France is", 12);
+    assert_eq!(status, 200);
+
+    // SIGKILL the last shard mid-generation, with a second (non-streaming) request in flight.
+    let other = {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let r = post_json(
+                &addr,
+                "/v1/completions",
+                &json!({"prompt": "Water boils at", "max_tokens": 1000, "temperature": 0}),
+            );
+            (
+                r.status,
+                r.json(),
+                r.header("retry-after").map(str::to_string),
+                Instant::now(),
+            )
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let killed_at = std::cell::Cell::new(Instant::now());
+    let (last, took) = stream_through_fault(&addr, || {
+        killed_at.set(Instant::now());
+        b.signal(SIGKILL);
+    });
+    assert_shard_failed(&last, &b_addr);
+    assert!(
+        took < Duration::from_secs(2),
+        "stream failed after {took:?}"
+    );
+    let (status, body, retry_after, ended) = other.join().unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert_shard_failed(&body, &b_addr);
+    assert!(retry_after.is_some());
+    assert!(ended.duration_since(killed_at.get()) < Duration::from_secs(2));
+    eprintln!("SIGKILL: stream ended {took:?} after the kill");
+
+    // The tracker is up; the shard shows down; new work is refused, retryably.
+    assert!(b.exited());
+    assert!(
+        wait_until(Duration::from_secs(2), || shard_status(&addr, &b_addr)
+            == "down")
+        .is_some()
+    );
+    let h = get(&addr, "/health");
+    assert_eq!(h.status, 503);
+    assert_eq!(h.json()["status"], "degraded");
+    let (status, body) = greedy(&addr, "hello", 4);
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["retryable"], true);
+
+    // Bring the shard back where it was: requests succeed again without restarting the tracker.
+    drop(b);
+    let b = procs::shard_on(
+        exe(),
+        &model,
+        "15..30",
+        &token,
+        &b_addr,
+        &["--threads", "1"],
+    );
+    let back = wait_until(Duration::from_secs(30), || {
+        greedy(&addr, "The capital of France is", 12).0 == 200
+    });
+    assert!(back.is_some(), "the route did not recover");
+    let (_, again) = greedy(&addr, "The capital of France is", 12);
+    assert_eq!(
+        again["choices"][0]["token_ids"],
+        baseline["choices"][0]["token_ids"]
+    );
+
+    // SIGSTOP: the same bounded failure, through deadlines.
+    let (last, took) = stream_through_fault(&addr, || b.signal(SIGSTOP));
+    assert_shard_failed(&last, &b_addr);
+    assert!(
+        took < Duration::from_secs(5),
+        "a frozen shard was detected after {took:?}"
+    );
+    eprintln!("SIGSTOP: stream ended {took:?} after the freeze");
+    b.signal(SIGCONT);
+    let back = wait_until(Duration::from_secs(30), || {
+        greedy(&addr, "The capital of France is", 12).0 == 200
+    });
+    assert!(back.is_some(), "the route did not recover after SIGCONT");
+
+    // Killing the first shard is reported against it.
+    let a_addr = a.addr.clone();
+    let (last, took) = stream_through_fault(&addr, || a.signal(SIGKILL));
+    assert_shard_failed(&last, &a_addr);
+    assert!(took < Duration::from_secs(2));
+    drop(tracker);
+    let _keep: Vec<Proc> = vec![a, b];
+}
