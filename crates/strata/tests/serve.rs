@@ -23,7 +23,7 @@ fn children(pid: i32) -> Vec<i32> {
 fn alive(pid: i32) -> bool {
     // A zombie still has a /proc entry; look at its state.
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| !s.split_whitespace().nth(2).is_some_and(|st| st == "Z"))
+        .map(|s| s.split_whitespace().nth(2).is_none_or(|st| st != "Z"))
         .unwrap_or(false)
 }
 
