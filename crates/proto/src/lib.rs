@@ -27,6 +27,22 @@ pub const TOKEN_HEADER: &str = "x-strata-cluster-token";
 /// Largest message either side accepts (a 2048-token prefill of a 4096-wide model in f32 is 32 MiB).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
+/// Peak and current resident memory of this process in bytes, from Linux `/proc/self/status`
+/// (zeros elsewhere). Every strata process reports it; it lives here because every process
+/// links this crate.
+pub fn rss_bytes() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(0, |kib| kib * 1024)
+    };
+    (field("VmHWM:"), field("VmRSS:"))
+}
+
 /// Encodes activations for the seam.
 pub fn encode_activations(x: &[f32], dtype: SeamDtype) -> Vec<u8> {
     match dtype {

@@ -221,7 +221,7 @@ impl ShardCore {
 
     pub fn stats(&self) -> ShardStats {
         let c = &self.counters;
-        let (_, rss) = crate::rss_bytes();
+        let (_, rss) = proto::rss_bytes();
         ShardStats {
             prefill_tokens: c.prefill_tokens.load(Ordering::Relaxed),
             decode_tokens: c.decode_tokens.load(Ordering::Relaxed),

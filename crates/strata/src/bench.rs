@@ -13,8 +13,21 @@ use crate::RunArgs;
 
 #[derive(Args)]
 pub struct BenchArgs {
-    #[command(flatten)]
-    run: RunArgs,
+    /// Path of the GGUF model (one-process bench).
+    #[arg(long, env = "STRATA_MODEL", required_unless_present = "url")]
+    model: Option<std::path::PathBuf>,
+    /// Bench a running tracker instead (e.g. http://127.0.0.1:8080).
+    #[arg(long, conflicts_with = "model")]
+    url: Option<String>,
+    /// Kernel threads (one-process bench).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Concurrent clients (cluster bench), comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    concurrency: Vec<usize>,
+    /// Requests each client sends one after another (cluster bench).
+    #[arg(long, default_value_t = 2)]
+    requests: usize,
     /// Prompt lengths to measure (ppN), comma separated.
     #[arg(long, value_delimiter = ',', default_value = "128,512")]
     prompt_tokens: Vec<usize>,
@@ -91,22 +104,26 @@ fn time_decode(local: &Local, tokens: &[u32]) -> Result<f64> {
     Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
 }
 
-/// Peak and current resident memory of this process, in bytes (Linux `/proc/self/status`).
-pub fn rss_bytes() -> (u64, u64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .map_or(0, |kib| kib * 1024)
-    };
-    (field("VmHWM:"), field("VmRSS:"))
-}
-
 pub fn run(a: BenchArgs) -> Result<()> {
-    let local = a.run.load()?;
+    if let Some(url) = &a.url {
+        return crate::bench_cluster::run(
+            url,
+            &a.concurrency,
+            a.requests,
+            a.prompt_tokens.first().copied().unwrap_or(32),
+            a.gen_tokens,
+            a.json,
+        );
+    }
+    let run = RunArgs {
+        model: a
+            .model
+            .clone()
+            .expect("clap requires --model without --url"),
+        threads: a.threads,
+        isa: None,
+    };
+    let local = run.load()?;
     let n_vocab = local.model.config().n_vocab;
     let mut results = Vec::new();
     let reps = a.repetitions.max(1);
@@ -134,11 +151,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
             rates,
         });
     }
-    let (peak_rss, rss) = rss_bytes();
+    let (peak_rss, rss) = proto::rss_bytes();
     let threads = local.model.n_threads();
     let isa = local.model.isa().name();
-    let model_name = a
-        .run
+    let model_name = run
         .model
         .file_name()
         .map_or("model".into(), |n| n.to_string_lossy().into_owned());

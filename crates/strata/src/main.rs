@@ -2,6 +2,7 @@
 //! only here, then turned into typed options for the library crates.
 
 mod bench;
+mod bench_cluster;
 mod cluster_cmd;
 mod local;
 mod model_cmd;
@@ -54,13 +55,13 @@ enum Command {
 pub(crate) struct RunArgs {
     /// Path of the GGUF model.
     #[arg(long, env = "STRATA_MODEL")]
-    model: PathBuf,
+    pub(crate) model: PathBuf,
     /// Kernel threads (default: all cores).
     #[arg(long, env = "STRATA_THREADS")]
-    threads: Option<usize>,
+    pub(crate) threads: Option<usize>,
     /// Force an instruction set: scalar, avx2 or avx512-vnni (default: the best available).
     #[arg(long)]
-    isa: Option<String>,
+    pub(crate) isa: Option<String>,
 }
 
 impl RunArgs {

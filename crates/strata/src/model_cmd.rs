@@ -7,7 +7,6 @@ use clap::{Args, Subcommand};
 use model::{LayerRange, Model};
 use serde_json::json;
 
-use crate::bench::rss_bytes;
 use crate::RunArgs;
 
 #[derive(Subcommand)]
@@ -47,7 +46,7 @@ pub fn run(cmd: ModelCommand) -> Result<()> {
     let path: PathBuf = a.run.model.clone();
     let file = gguf::GgufFile::open(&path)?;
     // Measured after the header is parsed, so the growth below is the weights alone.
-    let (_, rss_before) = rss_bytes();
+    let (_, rss_before) = proto::rss_bytes();
     let config = model::LlamaConfig::from_header(file.header())?;
     let range = match &a.layers {
         Some(s) => {
@@ -79,7 +78,7 @@ pub fn run(cmd: ModelCommand) -> Result<()> {
     }
     let m = Model::load(&file, Some(range), a.run.options()?)?;
     drop(file);
-    let (peak, rss_after) = rss_bytes();
+    let (peak, rss_after) = proto::rss_bytes();
     let v = json!({
         "model": path.display().to_string(),
         "layers": format!("{range}"),

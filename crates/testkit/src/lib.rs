@@ -4,7 +4,7 @@
 //! Tiny models exercise the same loader, kernels and forward pass as the real one, in every
 //! weight type the kernels support, so the unit suite needs no download.
 
-pub mod http;
+pub use client as http;
 pub mod procs;
 
 use std::path::{Path, PathBuf};

@@ -146,6 +146,7 @@ async fn handle(s: Arc<AppState>, endpoint: Endpoint, body: Bytes) -> Response {
             },
             stop: req.stop.clone(),
             logprobs: req.logprobs,
+            ignore_eos: req.ignore_eos,
         };
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         let (acc_tx, acc_rx) = oneshot::channel();
@@ -461,7 +462,7 @@ async fn health(State(s): State<Arc<AppState>>) -> Response {
 }
 
 async fn metrics(State(s): State<Arc<AppState>>, _headers: HeaderMap) -> Response {
-    let (_, rss) = crate::rss_bytes();
+    let (_, rss) = proto::rss_bytes();
     s.metrics.set("strata_tracker_rss_bytes", &[], rss as f64);
     (
         [("content-type", "text/plain; version=0.0.4")],

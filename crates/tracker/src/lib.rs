@@ -48,20 +48,6 @@ impl Default for TrackerConfig {
     }
 }
 
-/// Resident memory of this process in bytes (Linux `/proc/self/status`): (peak, now).
-pub fn rss_bytes() -> (u64, u64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .map_or(0, |kib| kib * 1024)
-    };
-    (field("VmHWM:"), field("VmRSS:"))
-}
-
 fn declare(m: &Metrics) {
     for (name, kind, help) in [
         (

@@ -45,6 +45,8 @@ pub struct ValidRequest {
     pub logprobs: Option<u32>,
     /// Also return the generated token ids (`choices[0].token_ids`, as vLLM does).
     pub return_token_ids: bool,
+    /// Keep generating past end-of-sequence tokens (vLLM's `ignore_eos`; for benchmarks).
+    pub ignore_eos: bool,
 }
 
 fn number(body: &Value, key: &str, min: f64, max: f64) -> Result<Option<f64>, ApiError> {
@@ -300,6 +302,7 @@ pub fn validate(endpoint: Endpoint, body: &Value) -> Result<ValidRequest, ApiErr
         stream: boolean(body, "stream")?.unwrap_or(false),
         logprobs,
         return_token_ids: boolean(body, "return_token_ids")?.unwrap_or(false),
+        ignore_eos: boolean(body, "ignore_eos")?.unwrap_or(false),
     })
 }
 

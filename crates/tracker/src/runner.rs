@@ -25,6 +25,7 @@ pub struct Job {
     pub sampling: Sampling,
     pub stop: Vec<String>,
     pub logprobs: Option<u32>,
+    pub ignore_eos: bool,
 }
 
 /// One generated token's log-probabilities, as text.
@@ -85,6 +86,7 @@ struct Live {
     last_token: Option<Instant>,
     logprobs: Option<u32>,
     sampling: Sampling,
+    ignore_eos: bool,
 }
 
 struct Link {
@@ -309,6 +311,7 @@ impl Runner {
                         last_token: None,
                         logprobs: job.logprobs,
                         sampling: job.sampling,
+                        ignore_eos: job.ignore_eos,
                     },
                 );
                 let _ = accepted.send(Ok(id));
@@ -467,10 +470,10 @@ impl Runner {
             }),
             _ => None,
         };
-        let is_end = self.tokenizer.is_end(token);
         let Some(live) = self.live.get_mut(&id) else {
             return;
         };
+        let is_end = self.tokenizer.is_end(token) && !live.ignore_eos;
         match live.last_token {
             None => self.metrics.observe(
                 "strata_ttft_seconds",

@@ -1,5 +1,6 @@
-//! A tiny HTTP/1.1 client over `std::net::TcpStream` for tests: JSON requests, chunked and
-//! fixed-length bodies, and incremental server-sent events (dropping the reader disconnects).
+//! A tiny HTTP/1.1 client over `std::net::TcpStream` for `strata bench` and the tests: JSON
+//! requests, chunked and fixed-length bodies, and incremental server-sent events (dropping the
+//! reader disconnects). Loopback use only; no TLS, no keep-alive.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

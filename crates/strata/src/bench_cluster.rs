@@ -1,0 +1,202 @@
+//! `strata bench --url`: time to first token, per-stream and aggregate decode rates, and seam
+//! latency per hop, measured against a running tracker over its HTTP API.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use client::SseStream;
+use serde_json::{json, Value};
+
+/// One streamed request's timings.
+struct Sample {
+    start: Instant,
+    first: Instant,
+    last: Instant,
+    n_tokens: usize,
+}
+
+fn one_request(addr: &str, prompt: &str, gen_tokens: usize) -> Result<Sample> {
+    let body = json!({"prompt": prompt, "max_tokens": gen_tokens, "temperature": 0, "stream": true, "ignore_eos": true});
+    let start = Instant::now();
+    let mut s = SseStream::open(addr, "/v1/completions", &body)?;
+    if s.status != 200 {
+        bail!("the tracker answered {}", s.status);
+    }
+    let (mut first, mut last, mut n) = (None, start, 0);
+    while let Some(d) = s.next_data() {
+        if d == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(&d)?;
+        if v.get("error").is_some() {
+            bail!("the request failed: {d}");
+        }
+        if v["choices"][0]["finish_reason"].is_null() {
+            let now = Instant::now();
+            first.get_or_insert(now);
+            last = now;
+            n += 1;
+        }
+    }
+    Ok(Sample {
+        start,
+        first: first.unwrap_or(last),
+        last,
+        n_tokens: n,
+    })
+}
+
+fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((q * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)]
+}
+
+/// p50 and p99 of each `strata_seam_latency_seconds` hop, from the histogram buckets.
+fn seam_quantiles(metrics: &str) -> Vec<(String, f64, f64, u64)> {
+    let mut hops: Vec<(String, Vec<(f64, u64)>)> = Vec::new();
+    for line in metrics.lines() {
+        let Some(rest) = line.strip_prefix("strata_seam_latency_seconds_bucket{hop=\"") else {
+            continue;
+        };
+        let Some((hop, rest)) = rest.split_once("\",le=\"") else {
+            continue;
+        };
+        let Some((le, count)) = rest.split_once("\"} ") else {
+            continue;
+        };
+        let le = if le == "+Inf" {
+            f64::INFINITY
+        } else {
+            le.parse().unwrap_or(f64::INFINITY)
+        };
+        let count = count.trim().parse().unwrap_or(0);
+        match hops.iter_mut().find(|(h, _)| h == hop) {
+            Some((_, b)) => b.push((le, count)),
+            None => hops.push((hop.to_string(), vec![(le, count)])),
+        }
+    }
+    hops.into_iter()
+        .map(|(hop, buckets)| {
+            let total = buckets.iter().map(|b| b.1).max().unwrap_or(0);
+            let q = |q: f64| {
+                let target = (q * total as f64).ceil() as u64;
+                buckets
+                    .iter()
+                    .find(|b| b.1 >= target)
+                    .map_or(f64::INFINITY, |b| b.0)
+            };
+            (hop, q(0.5), q(0.99), total)
+        })
+        .collect()
+}
+
+pub fn run(
+    url: &str,
+    concurrency: &[usize],
+    requests: usize,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    as_json: bool,
+) -> Result<()> {
+    let addr = url
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    // About `prompt_tokens` tokens of ordinary text.
+    let prompt =
+        "The quick brown fox jumps over the lazy dog. ".repeat(prompt_tokens.div_ceil(10).max(1));
+    one_request(&addr, &prompt, 4)?; // warm-up
+    let mut rows = Vec::new();
+    for &c in concurrency {
+        let t0 = Instant::now();
+        let handles: Vec<_> = (0..c.max(1))
+            .map(|_| {
+                let (addr, prompt) = (addr.clone(), prompt.clone());
+                std::thread::spawn(move || {
+                    (0..requests.max(1))
+                        .map(|_| one_request(&addr, &prompt, gen_tokens))
+                        .collect::<Result<Vec<_>>>()
+                })
+            })
+            .collect();
+        let mut samples = Vec::new();
+        for h in handles {
+            samples.extend(
+                h.join()
+                    .map_err(|_| anyhow::anyhow!("a bench client panicked"))??,
+            );
+        }
+        let wall = t0.elapsed();
+        let ttft: Vec<f64> = samples
+            .iter()
+            .map(|s| (s.first - s.start).as_secs_f64() * 1e3)
+            .collect();
+        let per_stream: Vec<f64> = samples
+            .iter()
+            .filter(|s| s.n_tokens > 1)
+            .map(|s| {
+                (s.n_tokens - 1) as f64
+                    / (s.last - s.first)
+                        .max(Duration::from_micros(1))
+                        .as_secs_f64()
+            })
+            .collect();
+        let total_tokens: usize = samples.iter().map(|s| s.n_tokens).sum();
+        rows.push(json!({
+            "concurrency": c,
+            "requests": samples.len(),
+            "ttft_ms_p50": quantile(ttft.clone(), 0.5),
+            "ttft_ms_p99": quantile(ttft, 0.99),
+            "decode_tps_per_stream_p50": quantile(per_stream, 0.5),
+            "aggregate_tps": total_tokens as f64 / wall.as_secs_f64(),
+        }));
+    }
+    let metrics = client::get(&addr, "/metrics").body;
+    let hops: Vec<Value> = seam_quantiles(&metrics)
+        .into_iter()
+        .map(|(hop, p50, p99, n)| json!({"hop": hop, "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "steps": n}))
+        .collect();
+    let health = client::get(&addr, "/health").json();
+    if as_json {
+        println!(
+            "{}",
+            json!({"url": url, "gen_tokens": gen_tokens, "runs": rows, "seam": hops, "shards": health["shards"]})
+        );
+        return Ok(());
+    }
+    println!("| concurrency | requests | ttft p50 ms | ttft p99 ms | decode t/s per stream (p50) | aggregate t/s |");
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: |");
+    for r in &rows {
+        println!(
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            r["concurrency"],
+            r["requests"],
+            r["ttft_ms_p50"].as_f64().unwrap_or(0.0),
+            r["ttft_ms_p99"].as_f64().unwrap_or(0.0),
+            r["decode_tps_per_stream_p50"].as_f64().unwrap_or(0.0),
+            r["aggregate_tps"].as_f64().unwrap_or(0.0)
+        );
+    }
+    println!("\nseam latency per hop (bucket bounds, from the tracker's histogram):");
+    for h in &hops {
+        println!(
+            "  {}: p50 <= {:.2} ms, p99 <= {:.2} ms over {} steps",
+            h["hop"].as_str().unwrap_or(""),
+            h["p50_ms"].as_f64().unwrap_or(0.0),
+            h["p99_ms"].as_f64().unwrap_or(0.0),
+            h["steps"]
+        );
+    }
+    for s in health["shards"].as_array().into_iter().flatten() {
+        println!(
+            "  shard {} layers {}: {}",
+            s["address"].as_str().unwrap_or(""),
+            s["layers"].as_str().unwrap_or(""),
+            s["status"].as_str().unwrap_or("")
+        );
+    }
+    Ok(())
+}
