@@ -54,6 +54,16 @@ fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
     v[((q * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)]
 }
 
+/// The value of a per-shard gauge from the metrics text.
+fn shard_gauge(metrics: &str, name: &str, shard: &str) -> f64 {
+    let key = format!("{name}{{shard=\"{shard}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// p50 and p99 of each `strata_seam_latency_seconds` hop, from the histogram buckets.
 fn seam_quantiles(metrics: &str) -> Vec<(String, f64, f64, u64)> {
     let mut hops: Vec<(String, Vec<(f64, u64)>)> = Vec::new();
@@ -190,13 +200,25 @@ pub fn run(
             h["steps"]
         );
     }
+    let mib = |b: f64| b / (1 << 20) as f64;
     for s in health["shards"].as_array().into_iter().flatten() {
+        let a = s["address"].as_str().unwrap_or("");
         println!(
-            "  shard {} layers {}: {}",
-            s["address"].as_str().unwrap_or(""),
+            "  shard {a} layers {}: {}, rss {:.1} MiB, weights {:.1} MiB, kv in use {:.1} MiB, prefill {} / decode {} tokens",
             s["layers"].as_str().unwrap_or(""),
-            s["status"].as_str().unwrap_or("")
+            s["status"].as_str().unwrap_or(""),
+            mib(shard_gauge(&metrics, "strata_shard_rss_bytes", a)),
+            mib(shard_gauge(&metrics, "strata_shard_weight_bytes", a)),
+            mib(shard_gauge(&metrics, "strata_shard_kv_bytes", a)),
+            shard_gauge(&metrics, "strata_shard_prefill_tokens_total", a),
+            shard_gauge(&metrics, "strata_shard_decode_tokens_total", a),
         );
     }
+    let tracker_rss = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("strata_tracker_rss_bytes "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    println!("  tracker rss {:.1} MiB", mib(tracker_rss));
     Ok(())
 }

@@ -219,7 +219,10 @@ fn concurrent_sessions_match_alone_and_cancellation_frees_kv_everywhere() {
         freed.is_some(),
         "the cancelled session's KV was not freed within a second on every shard"
     );
-    eprintln!("cancelled session released on every shard {:?} after the disconnect", freed.unwrap());
+    eprintln!(
+        "cancelled session released on every shard {:?} after the disconnect",
+        freed.unwrap()
+    );
     for (h, want) in others.into_iter().zip(&alone) {
         assert_eq!(
             &h.join().unwrap(),
