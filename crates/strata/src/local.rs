@@ -63,25 +63,7 @@ impl Local {
             gguf::GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?;
         let model = Model::load(&file, None, opts)?;
         let tokenizer = Tokenizer::from_header(file.header())?;
-        let template = match file
-            .header()
-            .get("tokenizer.chat_template")
-            .and_then(|v| v.as_str())
-        {
-            Some(src) => {
-                let text_of = |id: Option<u32>| {
-                    id.and_then(|i| tokenizer.token_text(i))
-                        .unwrap_or("")
-                        .to_string()
-                };
-                Some(ChatTemplate::new(
-                    src,
-                    &text_of(tokenizer.bos),
-                    &text_of(tokenizer.eos),
-                )?)
-            }
-            None => None,
-        };
+        let template = ChatTemplate::from_header(file.header(), &tokenizer)?;
         Ok(Local {
             model,
             tokenizer,
@@ -100,13 +82,7 @@ impl Local {
         let Some(t) = &self.template else {
             bail!(text::Error::NoChatTemplate)
         };
-        let rendered = t.render(messages, true)?;
-        let bos_text = self
-            .tokenizer
-            .bos
-            .and_then(|b| self.tokenizer.token_text(b));
-        let add_special = !bos_text.is_some_and(|b| !b.is_empty() && rendered.starts_with(b));
-        Ok(self.tokenizer.encode(&rendered, add_special, true))
+        Ok(self.tokenizer.encode_chat(t, messages)?)
     }
 
     /// Runs `ids` through the model as a prefill of `cache` in chunks of `batch_size`, with

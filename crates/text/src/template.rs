@@ -56,6 +56,23 @@ impl ChatTemplate {
         })
     }
 
+    /// The template a GGUF file carries (`tokenizer.chat_template`), with the file's BOS and EOS
+    /// token texts; `None` when the file has none.
+    pub fn from_header(
+        h: &gguf::Header,
+        tokenizer: &crate::Tokenizer,
+    ) -> Result<Option<Self>, Error> {
+        let Some(src) = h.get("tokenizer.chat_template").and_then(|v| v.as_str()) else {
+            return Ok(None);
+        };
+        let text_of = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.token_text(i))
+                .unwrap_or("")
+                .to_string()
+        };
+        Self::new(src, &text_of(tokenizer.bos), &text_of(tokenizer.eos)).map(Some)
+    }
+
     /// Renders the conversation, ending with the assistant's turn opener when
     /// `add_generation_prompt` is set.
     pub fn render(

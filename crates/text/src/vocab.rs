@@ -237,6 +237,20 @@ impl Tokenizer {
         out
     }
 
+    /// Prompt ids for a conversation rendered with `template` (ending with the assistant's turn
+    /// opener). Special tokens in the rendered text are parsed; BOS is added as the vocabulary
+    /// asks unless the template already wrote it.
+    pub fn encode_chat(
+        &self,
+        template: &crate::ChatTemplate,
+        messages: &[crate::ChatMessage],
+    ) -> Result<Vec<u32>, Error> {
+        let rendered = template.render(messages, true)?;
+        let bos_text = self.bos.and_then(|b| self.token_text(b));
+        let add_special = !bos_text.is_some_and(|b| !b.is_empty() && rendered.starts_with(b));
+        Ok(self.encode(&rendered, add_special, true))
+    }
+
     /// The leftmost special token in `text` (longest at that position): (offset, length, id).
     fn next_special(&self, text: &str, parse_special: bool) -> Option<(usize, usize, u32)> {
         let mut best: Option<(usize, usize, u32)> = None;

@@ -86,12 +86,9 @@ fn tokenize(s: &AppState, req: &ValidRequest) -> Result<Vec<u32>, ApiError> {
                 .template
                 .as_ref()
                 .ok_or_else(|| ApiError::invalid("messages", "this model has no chat template"))?;
-            let rendered = t
-                .render(m, true)
-                .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-            let bos_text = s.tokenizer.bos.and_then(|b| s.tokenizer.token_text(b));
-            let add_special = !bos_text.is_some_and(|b| !b.is_empty() && rendered.starts_with(b));
-            s.tokenizer.encode(&rendered, add_special, true)
+            s.tokenizer
+                .encode_chat(t, m)
+                .map_err(|e| ApiError::invalid("messages", e.to_string()))?
         }
     };
     if ids.is_empty() {

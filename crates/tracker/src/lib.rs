@@ -194,24 +194,8 @@ impl Tracker {
             .map_err(|e| format!("the vocabulary is not valid GGUF: {e}"))?;
         let tokenizer =
             Arc::new(Tokenizer::from_header(vocab.header()).map_err(|e| e.to_string())?);
-        let template = match vocab
-            .header()
-            .get("tokenizer.chat_template")
-            .and_then(|v| v.as_str())
-        {
-            Some(src) => {
-                let text_of = |id: Option<u32>| {
-                    id.and_then(|i| tokenizer.token_text(i))
-                        .unwrap_or("")
-                        .to_string()
-                };
-                Some(
-                    ChatTemplate::new(src, &text_of(tokenizer.bos), &text_of(tokenizer.eos))
-                        .map_err(|e| e.to_string())?,
-                )
-            }
-            None => None,
-        };
+        let template =
+            ChatTemplate::from_header(vocab.header(), &tokenizer).map_err(|e| e.to_string())?;
         let metrics = Arc::new(Metrics::default());
         declare(&metrics);
         let (health_tx, health_rx) = watch::channel(Health::default());
