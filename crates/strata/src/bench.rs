@@ -28,6 +28,9 @@ pub struct BenchArgs {
     /// Requests each client sends one after another (cluster bench).
     #[arg(long, default_value_t = 2)]
     requests: usize,
+    /// Sessions decoded together in each step (one-process bench), comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    batch: Vec<usize>,
     /// Prompt lengths to measure (ppN), comma separated.
     #[arg(long, value_delimiter = ',', default_value = "128,512")]
     prompt_tokens: Vec<usize>,
@@ -82,26 +85,32 @@ fn time_prefill(local: &Local, tokens: &[u32]) -> Result<f64> {
     Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
 }
 
-fn time_decode(local: &Local, tokens: &[u32]) -> Result<f64> {
-    let mut cache = local.model.new_cache(tokens.len());
+/// Decodes `tokens` one position per step for `batch` sessions at once; aggregate tokens/s.
+fn time_decode(local: &Local, tokens: &[u32], batch: usize) -> Result<f64> {
+    let mut caches: Vec<model::KvCache> = (0..batch)
+        .map(|_| local.model.new_cache(tokens.len()))
+        .collect();
     let t = Instant::now();
     for (pos, &token) in tokens.iter().enumerate() {
-        let rows = [Row {
-            seq: 0,
-            pos,
-            token,
-            want_logits: true,
-        }];
+        let rows: Vec<Row> = (0..batch)
+            .map(|seq| Row {
+                seq,
+                pos,
+                token,
+                want_logits: true,
+            })
+            .collect();
+        let mut refs: Vec<&mut model::KvCache> = caches.iter_mut().collect();
         let out = local.model.forward(
             Batch {
                 rows: &rows,
                 hidden: None,
             },
-            &mut [&mut cache],
+            &mut refs,
         )?;
         debug_assert!(matches!(out, Output::Logits(_)));
     }
-    Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
+    Ok((tokens.len() * batch) as f64 / t.elapsed().as_secs_f64())
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
@@ -141,15 +150,23 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.gen_tokens > 0 {
         let tokens = bench_tokens(a.gen_tokens, n_vocab);
-        time_decode(&local, &tokens)?;
-        let rates = (0..reps)
-            .map(|_| time_decode(&local, &tokens))
-            .collect::<Result<Vec<_>>>()?;
-        results.push(TestResult {
-            name: format!("tg{}", a.gen_tokens),
-            n_tokens: a.gen_tokens,
-            rates,
-        });
+        for &b in &a.batch {
+            let b = b.max(1);
+            time_decode(&local, &tokens, b)?;
+            let rates = (0..reps)
+                .map(|_| time_decode(&local, &tokens, b))
+                .collect::<Result<Vec<_>>>()?;
+            let name = if b == 1 {
+                format!("tg{}", a.gen_tokens)
+            } else {
+                format!("tg{} x{b}", a.gen_tokens)
+            };
+            results.push(TestResult {
+                name,
+                n_tokens: a.gen_tokens * b,
+                rates,
+            });
+        }
     }
     let (peak_rss, rss) = proto::rss_bytes();
     let threads = local.model.n_threads();
