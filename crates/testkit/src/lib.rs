@@ -191,7 +191,10 @@ pub fn write_tiny_model(spec: &TinySpec, name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("strata-testkit-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("create temp dir");
     let path = dir.join(format!("{name}.gguf"));
-    std::fs::write(&path, tiny_model_bytes(spec)).expect("write tiny model");
+    // Write then rename, so tests running in parallel never read a half-written file.
+    let tmp = dir.join(format!("{name}.{:?}.tmp", std::thread::current().id()));
+    std::fs::write(&tmp, tiny_model_bytes(spec)).expect("write tiny model");
+    std::fs::rename(&tmp, &path).expect("rename tiny model");
     path
 }
 

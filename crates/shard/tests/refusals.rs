@@ -1,0 +1,238 @@
+//! A shard's typed refusals and KV accounting, driven through the in-memory transport on a tiny
+//! model: cache miss, stale epoch, recipe mismatch, KV budget, and exact release.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use proto::v1::{route_msg, Fragment, RouteMsg, RouteReply, RouteSetup, Sampling, Step};
+use proto::{ReplyStream, ShardTransport};
+use shard::{LocalShard, ShardConfig, ShardCore};
+use testkit::TinySpec;
+use tokio::sync::mpsc;
+
+fn core(kv_budget_bytes: usize) -> Arc<ShardCore> {
+    let path = testkit::write_tiny_model(
+        &TinySpec::default(),
+        &format!("shard-refusals-{kv_budget_bytes}"),
+    );
+    ShardCore::load(ShardConfig {
+        model_path: path,
+        layers: None,
+        n_threads: 1,
+        n_ctx: 64,
+        kv_budget_bytes,
+        max_sessions: 8,
+        label: "test-shard".into(),
+        cluster_token: "unused-in-process-token".into(),
+    })
+    .unwrap()
+}
+
+struct Route {
+    tx: mpsc::Sender<RouteMsg>,
+    replies: ReplyStream,
+    next_step: u64,
+}
+
+async fn open(core: &Arc<ShardCore>, epoch: u64, digest: &str) -> Result<Route, tonic::Status> {
+    let (tx, rx) = mpsc::channel(8);
+    let setup = RouteSetup {
+        epoch,
+        downstream: vec![],
+        seam_dtype: 0,
+        model_digest: digest.into(),
+    };
+    tx.send(RouteMsg {
+        msg: Some(route_msg::Msg::Setup(setup)),
+    })
+    .await
+    .unwrap();
+    let replies = LocalShard::new(Arc::clone(core)).route(rx).await?;
+    Ok(Route {
+        tx,
+        replies,
+        next_step: 1,
+    })
+}
+
+fn frag(session_id: u64, start_pos: u32, tokens: &[u32]) -> Fragment {
+    Fragment {
+        session_id,
+        start_pos,
+        tokens: tokens.to_vec(),
+        want_output: true,
+        sampling: (start_pos == 0).then(Sampling::default),
+        n_top_logprobs: 0,
+    }
+}
+
+impl Route {
+    async fn step(
+        &mut self,
+        epoch: u64,
+        fragments: Vec<Fragment>,
+        release: Vec<u64>,
+    ) -> RouteReply {
+        let step = Step {
+            step_id: self.next_step,
+            epoch,
+            fragments,
+            release,
+            activations: vec![],
+            deadline_ms: 10_000,
+        };
+        self.next_step += 1;
+        self.tx
+            .send(RouteMsg {
+                msg: Some(route_msg::Msg::Step(step)),
+            })
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), self.replies.next())
+            .await
+            .expect("reply in time")
+            .expect("stream open")
+            .expect("reply ok")
+    }
+}
+
+fn reasons(r: &RouteReply) -> Vec<(u64, String)> {
+    r.errors
+        .iter()
+        .map(|e| (e.session_id, e.reason.clone()))
+        .collect()
+}
+
+#[tokio::test]
+async fn unknown_sessions_stale_epochs_and_wrong_models_are_refused_with_their_reason() {
+    let core = core(64 << 20);
+    let digest = core.info.model_digest.clone();
+    let err = open(&core, 1, "not-this-model")
+        .await
+        .err()
+        .expect("a wrong digest is refused");
+    assert!(
+        err.message().contains("recipe_mismatch"),
+        "{}",
+        err.message()
+    );
+
+    let mut route = open(&core, 1, &digest).await.unwrap();
+    let r = route.step(1, vec![frag(1, 0, &[10, 11, 12])], vec![]).await;
+    assert_eq!(r.outputs.len(), 1);
+    assert!(r.errors.is_empty());
+    // A session the shard never saw, continuing at position 3: an explicit cache miss.
+    let r = route.step(1, vec![frag(2, 3, &[5])], vec![]).await;
+    assert_eq!(reasons(&r), vec![(2, "cache_miss".to_string())]);
+    assert!(r.errors[0].message.contains("not held on shard test-shard"));
+    // The same session under another epoch: stale.
+    let r = route.step(2, vec![frag(1, 3, &[13])], vec![]).await;
+    assert_eq!(reasons(&r), vec![(1, "stale_epoch".to_string())]);
+    // A gap in positions is a cache miss too, never garbage.
+    let r = route.step(1, vec![frag(1, 7, &[13])], vec![]).await;
+    assert_eq!(reasons(&r), vec![(1, "cache_miss".to_string())]);
+    // The session itself is intact and continues.
+    let r = route.step(1, vec![frag(1, 3, &[13])], vec![]).await;
+    assert!(r.errors.is_empty() && r.outputs.len() == 1);
+}
+
+#[tokio::test]
+async fn releasing_a_session_returns_kv_bytes_exactly_and_leaves_others_unchanged() {
+    let core = core(64 << 20);
+    let digest = core.info.model_digest.clone();
+    let mut route = open(&core, 1, &digest).await.unwrap();
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|s| (0..6).map(|i| 20 + s * 7 + i).collect())
+        .collect();
+    let mut outs = Vec::new();
+    for (s, p) in prompts.iter().enumerate().take(3) {
+        outs.push(
+            route
+                .step(1, vec![frag(s as u64 + 1, 0, p)], vec![])
+                .await
+                .outputs[0]
+                .token,
+        );
+    }
+    let before = core.stats().kv_bytes_in_use;
+    let r = route.step(1, vec![frag(4, 0, &prompts[3])], vec![]).await;
+    assert_eq!(r.outputs.len(), 1);
+    assert!(core.stats().kv_bytes_in_use > before);
+    // Release the fourth: KV goes back exactly to what it was before it started.
+    route.step(1, vec![], vec![4]).await;
+    assert_eq!(core.stats().kv_bytes_in_use, before);
+    assert_eq!(core.stats().sessions, 3);
+    // The other three continue exactly as a fresh shard computes them alone.
+    let fresh = self::core(64 << 20);
+    let mut alone = open(&fresh, 1, &digest).await.unwrap();
+    for (s, p) in prompts.iter().enumerate().take(3) {
+        let id = s as u64 + 1;
+        let next = route
+            .step(1, vec![frag(id, 6, &[outs[s]])], vec![])
+            .await
+            .outputs[0]
+            .token;
+        alone.step(1, vec![frag(id, 0, p)], vec![]).await;
+        let want = alone
+            .step(1, vec![frag(id, 6, &[outs[s]])], vec![])
+            .await
+            .outputs[0]
+            .token;
+        assert_eq!(
+            next, want,
+            "session {id} changed after another was released"
+        );
+    }
+    route.step(1, vec![], vec![1, 2, 3]).await;
+    assert_eq!(core.stats().kv_bytes_in_use, 0);
+    assert_eq!(core.stats().sessions, 0);
+}
+
+#[tokio::test]
+async fn work_over_the_kv_budget_is_refused_with_the_numbers() {
+    // Room for a little more than one 6-token session on this model.
+    let per_position = 2 * 4 * 128 * 2; // K and V, 4 layers, kv_dim 128, f16
+    let core = core(per_position * 8);
+    let digest = core.info.model_digest.clone();
+    let mut route = open(&core, 1, &digest).await.unwrap();
+    let r = route
+        .step(
+            1,
+            vec![
+                frag(1, 0, &[1, 2, 3, 4, 5, 6]),
+                frag(2, 0, &[1, 2, 3, 4, 5, 6]),
+            ],
+            vec![],
+        )
+        .await;
+    assert_eq!(r.outputs.len(), 1);
+    assert_eq!(reasons(&r), vec![(2, "capacity".to_string())]);
+    let msg = &r.errors[0].message;
+    assert!(
+        msg.contains("kv_budget on shard test-shard")
+            && msg.contains("need")
+            && msg.contains("free"),
+        "{msg}"
+    );
+    // A refused new session is not kept.
+    assert_eq!(core.stats().sessions, 1);
+}
+
+#[tokio::test]
+async fn closing_the_route_stream_releases_its_sessions() {
+    let core = core(64 << 20);
+    let digest = core.info.model_digest.clone();
+    let mut route = open(&core, 1, &digest).await.unwrap();
+    route.step(1, vec![frag(1, 0, &[1, 2, 3])], vec![]).await;
+    assert_eq!(core.stats().sessions, 1);
+    drop(route);
+    for _ in 0..100 {
+        if core.stats().sessions == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(core.stats().sessions, 0);
+    assert_eq!(core.stats().kv_bytes_in_use, 0);
+}
