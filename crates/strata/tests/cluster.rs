@@ -373,3 +373,27 @@ fn a_route_with_a_gap_or_overlap_is_refused_naming_the_shard() {
         "{err}"
     );
 }
+
+#[test]
+fn an_f16_seam_carries_half_the_bytes_per_token_and_still_answers() {
+    let _serial = serial();
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let m = model();
+    for (seam, bytes_per_token) in [("f32", 576.0 * 4.0), ("f16", 576.0 * 2.0)] {
+        let a = procs::shard(exe(), &m, "0..15", &token, &["--threads", "1"]);
+        let b = procs::shard(exe(), &m, "15..30", &token, &["--threads", "1"]);
+        let t = procs::tracker(
+            exe(),
+            &[&a, &b],
+            &token,
+            &["--health-period-ms", "100", "--seam", seam],
+        );
+        let ids = complete_ids(&t.addr, &reference_prompts()[0], 8);
+        assert_eq!(ids.len(), 8);
+        std::thread::sleep(Duration::from_millis(300));
+        let sent = metric(&t.addr, "strata_shard_seam_bytes_out_total", &a.addr);
+        let tokens = metric(&t.addr, "strata_shard_prefill_tokens_total", &a.addr)
+            + metric(&t.addr, "strata_shard_decode_tokens_total", &a.addr);
+        assert_eq!(sent / tokens, bytes_per_token, "seam {seam}");
+    }
+}
