@@ -13,6 +13,9 @@ struct Sample {
     first: Instant,
     last: Instant,
     n_tokens: usize,
+    n_prompt: usize,
+    /// Seconds between consecutive tokens.
+    gaps: Vec<f64>,
 }
 
 fn one_request(addr: &str, prompt: &str, gen_tokens: usize) -> Result<Sample> {
@@ -22,7 +25,7 @@ fn one_request(addr: &str, prompt: &str, gen_tokens: usize) -> Result<Sample> {
     if s.status != 200 {
         bail!("the tracker answered {}", s.status);
     }
-    let (mut first, mut last, mut n) = (None, start, 0);
+    let (mut first, mut last, mut n, mut n_prompt, mut gaps) = (None, start, 0, 0, Vec::new());
     while let Some(d) = s.next_data() {
         if d == "[DONE]" {
             break;
@@ -33,9 +36,15 @@ fn one_request(addr: &str, prompt: &str, gen_tokens: usize) -> Result<Sample> {
         }
         if v["choices"][0]["finish_reason"].is_null() {
             let now = Instant::now();
+            if first.is_some() {
+                gaps.push((now - last).as_secs_f64());
+            }
             first.get_or_insert(now);
             last = now;
             n += 1;
+        }
+        if let Some(p) = v["usage"]["prompt_tokens"].as_u64() {
+            n_prompt = p as usize;
         }
     }
     Ok(Sample {
@@ -43,6 +52,8 @@ fn one_request(addr: &str, prompt: &str, gen_tokens: usize) -> Result<Sample> {
         first: first.unwrap_or(last),
         last,
         n_tokens: n,
+        n_prompt,
+        gaps,
     })
 }
 
@@ -155,7 +166,23 @@ pub fn run(
             })
             .collect();
         let total_tokens: usize = samples.iter().map(|s| s.n_tokens).sum();
+        let gaps: Vec<f64> = samples
+            .iter()
+            .flat_map(|s| s.gaps.iter().map(|g| g * 1e3))
+            .collect();
+        let prefill: Vec<f64> = samples
+            .iter()
+            .map(|s| {
+                s.n_prompt as f64
+                    / (s.first - s.start)
+                        .max(Duration::from_micros(1))
+                        .as_secs_f64()
+            })
+            .collect();
         rows.push(json!({
+            "itl_ms_p50": quantile(gaps.clone(), 0.5),
+            "itl_ms_p99": quantile(gaps, 0.99),
+            "prefill_tps_p50": quantile(prefill, 0.5),
             "concurrency": c,
             "requests": samples.len(),
             "ttft_ms_p50": quantile(ttft.clone(), 0.5),
@@ -177,15 +204,18 @@ pub fn run(
         );
         return Ok(());
     }
-    println!("| concurrency | requests | ttft p50 ms | ttft p99 ms | decode t/s per stream (p50) | aggregate t/s |");
-    println!("| ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| concurrency | requests | ttft p50 ms | ttft p99 ms | prefill t/s (p50, from ttft) | itl p50 ms | itl p99 ms | decode t/s per stream (p50) | aggregate t/s |");
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in &rows {
         println!(
-            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
             r["concurrency"],
             r["requests"],
             r["ttft_ms_p50"].as_f64().unwrap_or(0.0),
             r["ttft_ms_p99"].as_f64().unwrap_or(0.0),
+            r["prefill_tps_p50"].as_f64().unwrap_or(0.0),
+            r["itl_ms_p50"].as_f64().unwrap_or(0.0),
+            r["itl_ms_p99"].as_f64().unwrap_or(0.0),
             r["decode_tps_per_stream_p50"].as_f64().unwrap_or(0.0),
             r["aggregate_tps"].as_f64().unwrap_or(0.0)
         );
@@ -214,6 +244,19 @@ pub fn run(
             shard_gauge(&metrics, "strata_shard_decode_tokens_total", a),
         );
     }
+    let counter = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    println!(
+        "  queue depth now {}, route failures {}, refusals {}",
+        counter("strata_queue_depth "),
+        counter("strata_failures_total"),
+        counter("strata_refusals_total")
+    );
     let tracker_rss = metrics
         .lines()
         .find_map(|l| l.strip_prefix("strata_tracker_rss_bytes "))
