@@ -7,7 +7,10 @@
 //! synchronous state machine with no I/O and no clock: the tracker's async loop asks it for a
 //! plan, sends the plan down the route, and feeds the result back.
 
+mod kv;
 mod scheduler;
+
+pub use kv::{EvictionPolicy, Resident};
 
 pub use scheduler::{
     Event, FinishReason, PlanItem, Scheduler, SchedulerConfig, SessionId, StepPlan,

@@ -270,6 +270,20 @@ impl Scheduler {
         events
     }
 
+    /// Recomputes a session from position 0: its known tokens (prompt and output so far) are
+    /// prefilled again, then decoding resumes. Used when a shard lost its cache (`cache_miss`).
+    /// Returns false for a session that is not active.
+    pub fn replay(&mut self, session: SessionId) -> bool {
+        match self.active.get_mut(&session) {
+            Some(e) => {
+                e.n_computed = 0;
+                e.in_flight = None;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Ends a session normally; shards are told to release it with the next plan.
     pub fn finish(&mut self, session: SessionId) {
         if self.active.remove(&session).is_some() {
@@ -442,6 +456,30 @@ mod tests {
         );
         assert!(!s.contains(SessionId(1)));
         assert!(s.contains(SessionId(2)));
+    }
+
+    #[test]
+    fn a_replayed_session_prefills_all_its_known_tokens_then_decodes_on() {
+        let mut s = Scheduler::new(cfg(64, 64));
+        s.add(SessionId(1), vec![1, 2, 3], 5);
+        run(&mut s);
+        run(&mut s);
+        // Known: 3 prompt tokens + 2 generated (7, 7); the shard lost them.
+        assert!(s.replay(SessionId(1)));
+        let (p, e) = run(&mut s);
+        assert_eq!(p.items[0].start_pos, 0);
+        assert_eq!(p.items[0].tokens, vec![1, 2, 3, 7, 7]);
+        assert!(p.items[0].want_output);
+        assert_eq!(
+            e,
+            vec![Event::Token {
+                session: SessionId(1),
+                token: 7
+            }]
+        );
+        let (p, _) = run(&mut s);
+        assert_eq!((p.items[0].start_pos, p.items[0].tokens.len()), (5, 1));
+        assert!(!s.replay(SessionId(99)));
     }
 
     proptest::proptest! {

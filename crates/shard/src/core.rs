@@ -27,6 +27,7 @@ pub struct Counters {
     pub seam_bytes_out: AtomicU64,
     pub compute_micros: AtomicU64,
     pub rejected_fragments: AtomicU64,
+    pub evictions: AtomicU64,
 }
 
 /// One step as the compute thread sees it.
@@ -37,6 +38,8 @@ pub struct StepJob {
     pub release: Vec<u64>,
     /// Incoming hidden states (rows of every fragment, in order) for a shard past layer 0.
     pub hidden: Option<Vec<f32>>,
+    /// When the step arrived (the policy's clock; the compute thread never reads one).
+    pub now: Instant,
 }
 
 /// What a step produced.
@@ -65,6 +68,7 @@ struct Session {
     tokens: Vec<u32>,
     sampler: Option<Sampler>,
     n_top: u32,
+    last_used: Instant,
 }
 
 /// The shard's loaded model and the handle to its compute thread.
@@ -234,6 +238,7 @@ impl ShardCore {
             compute_micros: c.compute_micros.load(Ordering::Relaxed),
             weight_bytes: self.info.budgets.as_ref().map_or(0, |b| b.weight_bytes),
             rejected_fragments: c.rejected_fragments.load(Ordering::Relaxed),
+            evictions: c.evictions.load(Ordering::Relaxed),
         }
     }
 }
@@ -292,6 +297,30 @@ impl Worker {
         self.counters
             .sessions
             .store(self.sessions.len() as u64, Ordering::Relaxed);
+    }
+
+    fn policy(&self) -> engine::EvictionPolicy {
+        engine::EvictionPolicy {
+            ttl: self.config.kv_ttl,
+        }
+    }
+
+    /// Forgets sessions idle past the TTL (never one this step names).
+    fn expire(&mut self, job: &StepJob) {
+        let residents: Vec<engine::Resident> = self
+            .sessions
+            .iter()
+            .map(|(&session, s)| engine::Resident {
+                session,
+                last_used: s.last_used,
+                bytes: s.kv.n_bytes(),
+                in_step: job.fragments.iter().any(|f| f.session_id == session),
+            })
+            .collect();
+        for id in self.policy().expired(&residents, job.now) {
+            self.sessions.remove(&id);
+            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Decides, fragment by fragment, what can run; creates sessions for new fragments.
@@ -380,11 +409,39 @@ impl Worker {
                             tokens: Vec::new(),
                             sampler,
                             n_top: f.n_top_logprobs,
+                            last_used: job.now,
                         },
                     );
                 }
             }
             let need = f.tokens.len() * per_pos;
+            if kv_in_use + need > self.config.kv_budget_bytes {
+                // Make room from idle sessions, least recently used first, if that is enough.
+                let in_step: Vec<u64> = job.fragments.iter().map(|f| f.session_id).collect();
+                let residents: Vec<engine::Resident> = self
+                    .sessions
+                    .iter()
+                    .map(|(&session, s)| engine::Resident {
+                        session,
+                        last_used: s.last_used,
+                        bytes: s.kv.n_bytes(),
+                        in_step: in_step.contains(&session),
+                    })
+                    .collect();
+                if let Some(victims) = self.policy().make_room(
+                    &residents,
+                    kv_in_use,
+                    self.config.kv_budget_bytes,
+                    need,
+                ) {
+                    for v in victims {
+                        if let Some(s) = self.sessions.remove(&v) {
+                            kv_in_use -= s.kv.n_bytes();
+                            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
             if kv_in_use + need > self.config.kv_budget_bytes {
                 let mib = |b: usize| b as f64 / (1 << 20) as f64;
                 out.errors.push(refusal(
@@ -414,7 +471,13 @@ impl Worker {
         for id in &job.release {
             self.sessions.remove(id);
         }
+        self.expire(&job);
         let accepted = self.admit(&job, &mut out);
+        for &i in &accepted {
+            if let Some(s) = self.sessions.get_mut(&job.fragments[i].session_id) {
+                s.last_used = job.now;
+            }
+        }
         self.counters
             .rejected_fragments
             .fetch_add(out.errors.len() as u64, Ordering::Relaxed);

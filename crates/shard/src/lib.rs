@@ -27,6 +27,8 @@ pub struct ShardConfig {
     pub n_ctx: usize,
     /// Bytes of KV cache all sessions together may hold.
     pub kv_budget_bytes: usize,
+    /// A session idle this long is forgotten (its next fragment gets `cache_miss`).
+    pub kv_ttl: std::time::Duration,
     pub max_sessions: usize,
     /// The address this shard is known by (for errors, metrics and hop timings).
     pub label: String,

@@ -172,6 +172,7 @@ where
                     fragments: step.fragments,
                     release: step.release.clone(),
                     hidden,
+                    now: received,
                 })
                 .await;
             let mut hop = HopTiming {

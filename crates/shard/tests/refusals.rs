@@ -12,16 +12,18 @@ use testkit::TinySpec;
 use tokio::sync::mpsc;
 
 fn core(kv_budget_bytes: usize) -> Arc<ShardCore> {
-    let path = testkit::write_tiny_model(
-        &TinySpec::default(),
-        &format!("shard-refusals-{kv_budget_bytes}"),
-    );
+    core_with(kv_budget_bytes, Duration::from_secs(600))
+}
+
+fn core_with(kv_budget_bytes: usize, kv_ttl: Duration) -> Arc<ShardCore> {
+    let path = testkit::write_tiny_model(&TinySpec::default(), "shard-refusals");
     ShardCore::load(ShardConfig {
         model_path: path,
         layers: None,
         n_threads: 1,
         n_ctx: 64,
         kv_budget_bytes,
+        kv_ttl,
         max_sessions: 8,
         label: "test-shard".into(),
         cluster_token: "unused-in-process-token".into(),
@@ -192,8 +194,7 @@ async fn releasing_a_session_returns_kv_bytes_exactly_and_leaves_others_unchange
 #[tokio::test]
 async fn work_over_the_kv_budget_is_refused_with_the_numbers() {
     // Room for a little more than one 6-token session on this model.
-    let per_position = 2 * 4 * 128 * 2; // K and V, 4 layers, kv_dim 128, f16
-    let core = core(per_position * 8);
+    let core = core(PER_POSITION * 8);
     let digest = core.info.model_digest.clone();
     let mut route = open(&core, 1, &digest).await.unwrap();
     let r = route
@@ -235,4 +236,53 @@ async fn closing_the_route_stream_releases_its_sessions() {
     }
     assert_eq!(core.stats().sessions, 0);
     assert_eq!(core.stats().kv_bytes_in_use, 0);
+}
+
+/// Bytes one position of the tiny model costs: K and V, 4 layers, kv_dim 128, f16.
+const PER_POSITION: usize = 2 * 4 * 128 * 2;
+
+#[tokio::test]
+async fn under_pressure_the_least_recently_used_idle_session_is_evicted_and_then_misses() {
+    let core = core(PER_POSITION * 13);
+    let digest = core.info.model_digest.clone();
+    let mut route = open(&core, 1, &digest).await.unwrap();
+    let t1 = route
+        .step(1, vec![frag(1, 0, &[1, 2, 3, 4, 5, 6])], vec![])
+        .await
+        .outputs[0]
+        .token;
+    let t2 = route
+        .step(1, vec![frag(2, 0, &[7, 8, 9, 10, 11, 12])], vec![])
+        .await
+        .outputs[0]
+        .token;
+    // Session 3 does not fit beside both: session 1, used least recently, makes room.
+    let r = route
+        .step(1, vec![frag(3, 0, &[13, 14, 15, 16, 17, 18])], vec![])
+        .await;
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(core.stats().evictions, 1);
+    assert_eq!(core.stats().sessions, 2);
+    let r = route.step(1, vec![frag(1, 6, &[t1])], vec![]).await;
+    assert_eq!(reasons(&r), vec![(1, "cache_miss".to_string())]);
+    // Session 2 is untouched and continues.
+    let r = route.step(1, vec![frag(2, 6, &[t2])], vec![]).await;
+    assert!(r.errors.is_empty() && r.outputs.len() == 1);
+}
+
+#[tokio::test]
+async fn sessions_idle_past_the_ttl_are_forgotten() {
+    let core = core_with(64 << 20, Duration::from_millis(50));
+    let digest = core.info.model_digest.clone();
+    let mut route = open(&core, 1, &digest).await.unwrap();
+    let t1 = route
+        .step(1, vec![frag(1, 0, &[1, 2, 3])], vec![])
+        .await
+        .outputs[0]
+        .token;
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    route.step(1, vec![frag(2, 0, &[4, 5, 6])], vec![]).await;
+    assert_eq!(core.stats().evictions, 1);
+    let r = route.step(1, vec![frag(1, 3, &[t1])], vec![]).await;
+    assert_eq!(reasons(&r), vec![(1, "cache_miss".to_string())]);
 }

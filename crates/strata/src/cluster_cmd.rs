@@ -45,6 +45,9 @@ pub struct ShardLimits {
     kv_budget_mib: usize,
     #[arg(long, default_value_t = 256)]
     max_sessions: usize,
+    /// Seconds a session may sit idle before its KV is forgotten.
+    #[arg(long, default_value_t = 600)]
+    kv_ttl_secs: u64,
 }
 
 impl ShardLimits {
@@ -62,6 +65,8 @@ impl ShardLimits {
             self.kv_budget_mib.to_string(),
             "--max-sessions".into(),
             self.max_sessions.to_string(),
+            "--kv-ttl-secs".into(),
+            self.kv_ttl_secs.to_string(),
         ];
         if let Some(t) = self.threads {
             v.extend(["--threads".to_string(), t.to_string()]);
@@ -184,6 +189,7 @@ fn shard_config(
         n_threads: limits.threads(),
         n_ctx: limits.ctx,
         kv_budget_bytes: limits.kv_budget_mib << 20,
+        kv_ttl: Duration::from_secs(limits.kv_ttl_secs),
         max_sessions: limits.max_sessions,
         label,
         cluster_token: token,

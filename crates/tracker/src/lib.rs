@@ -67,6 +67,11 @@ fn declare(m: &Metrics) {
             "sessions cancelled by their client",
         ),
         (
+            "strata_replays_total",
+            "counter",
+            "sessions recomputed after a shard lost their cache",
+        ),
+        (
             "strata_prefill_tokens_total",
             "counter",
             "prompt tokens computed",

@@ -76,7 +76,11 @@ pub struct RunnerConfig {
     pub step_deadline_per_token: Duration,
 }
 
+/// Times one session may be recomputed after a shard lost its cache before it fails.
+const MAX_REPLAYS: u32 = 3;
+
 struct Live {
+    n_replays: u32,
     events: mpsc::UnboundedSender<SessionEvent>,
     decoder: StreamDecoder,
     stops: StopMatcher,
@@ -302,6 +306,7 @@ impl Runner {
                 self.live.insert(
                     id,
                     Live {
+                        n_replays: 0,
                         events,
                         decoder: StreamDecoder::new(),
                         stops: StopMatcher::new(job.stop),
@@ -399,8 +404,21 @@ impl Runner {
             return;
         }
         let mut failed = Vec::new();
+        let mut replays = Vec::new();
         for e in &reply.errors {
             let id = SessionId(e.session_id);
+            // A shard forgot the session (eviction): recompute it from its known tokens, a few
+            // times at most, instead of failing the client.
+            if e.reason == "cache_miss" {
+                if let Some(l) = self.live.get_mut(&id) {
+                    if l.n_replays < MAX_REPLAYS {
+                        l.n_replays += 1;
+                        replays.push(id);
+                        self.metrics.inc("strata_replays_total", &[], 1.0);
+                        continue;
+                    }
+                }
+            }
             failed.push(id);
             let err = ApiError::from_shard_refusal(&e.reason, &e.message);
             self.metrics.inc(
@@ -431,10 +449,13 @@ impl Runner {
             .inc("strata_prefill_tokens_total", &[], n_prefill as f64);
         self.metrics
             .inc("strata_decode_tokens_total", &[], n_decode as f64);
-        for event in self
+        let events = self
             .scheduler
-            .update_from_output(plan.step_id, &outputs, &failed)
-        {
+            .update_from_output(plan.step_id, &outputs, &failed);
+        for id in replays {
+            self.scheduler.replay(id);
+        }
+        for event in events {
             match event {
                 Event::Token { session, token } => {
                     let lp = logprobs.get(&session.0).copied();
