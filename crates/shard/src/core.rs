@@ -305,10 +305,9 @@ impl Worker {
         }
     }
 
-    /// Forgets sessions idle past the TTL (never one this step names).
-    fn expire(&mut self, job: &StepJob) {
-        let residents: Vec<engine::Resident> = self
-            .sessions
+    /// Every held session as the eviction policy sees it; those `job` names are in the step.
+    fn residents(&self, job: &StepJob) -> Vec<engine::Resident> {
+        self.sessions
             .iter()
             .map(|(&session, s)| engine::Resident {
                 session,
@@ -316,7 +315,12 @@ impl Worker {
                 bytes: s.kv.n_bytes(),
                 in_step: job.fragments.iter().any(|f| f.session_id == session),
             })
-            .collect();
+            .collect()
+    }
+
+    /// Forgets sessions idle past the TTL (never one this step names).
+    fn expire(&mut self, job: &StepJob) {
+        let residents = self.residents(job);
         for id in self.policy().expired(&residents, job.now) {
             self.sessions.remove(&id);
             self.counters.evictions.fetch_add(1, Ordering::Relaxed);
@@ -417,17 +421,7 @@ impl Worker {
             let need = f.tokens.len() * per_pos;
             if kv_in_use + need > self.config.kv_budget_bytes {
                 // Make room from idle sessions, least recently used first, if that is enough.
-                let in_step: Vec<u64> = job.fragments.iter().map(|f| f.session_id).collect();
-                let residents: Vec<engine::Resident> = self
-                    .sessions
-                    .iter()
-                    .map(|(&session, s)| engine::Resident {
-                        session,
-                        last_used: s.last_used,
-                        bytes: s.kv.n_bytes(),
-                        in_step: in_step.contains(&session),
-                    })
-                    .collect();
+                let residents = self.residents(job);
                 if let Some(victims) = self.policy().make_room(
                     &residents,
                     kv_in_use,
