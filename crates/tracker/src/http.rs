@@ -7,7 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -458,7 +458,7 @@ async fn health(State(s): State<Arc<AppState>>) -> Response {
     (status, Json(json!({"status": if ok { "ok" } else { "degraded" }, "model": s.model_id, "shards": shards}))).into_response()
 }
 
-async fn metrics(State(s): State<Arc<AppState>>, _headers: HeaderMap) -> Response {
+async fn metrics(State(s): State<Arc<AppState>>) -> Response {
     let (_, rss) = proto::rss_bytes();
     s.metrics.set("strata_tracker_rss_bytes", &[], rss as f64);
     (
