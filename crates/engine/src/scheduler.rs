@@ -137,10 +137,6 @@ impl Scheduler {
         self.active.len()
     }
 
-    pub fn n_in_flight(&self) -> usize {
-        self.in_flight.len()
-    }
-
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.active.is_empty() && self.to_release.is_empty()
     }

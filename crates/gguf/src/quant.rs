@@ -240,25 +240,27 @@ fn dequant_q5k(b: &[u8], y: &mut [f32]) {
     }
 }
 
-fn dequant_q6k(b: &[u8], y: &mut [f32]) {
-    let ql_all = &b[0..128];
-    let qh_all = &b[128..192];
-    let sc_all = &b[192..208];
-    let d = f16_at(b, 208);
+/// The 256 signed 6-bit values (`q - 32`) of a Q6_K block, in element order; element `i` is
+/// scaled by `scales[i / 16]` (the i8 at byte `192 + i / 16`) times `d` (f16 at byte 208).
+pub fn q6k_values(b: &[u8]) -> [i8; QK_K] {
+    let mut out = [0i8; QK_K];
     for n in 0..2 {
-        let (ql, qh, sc) = (&ql_all[64 * n..], &qh_all[32 * n..], &sc_all[8 * n..]);
-        let y = &mut y[128 * n..];
+        let (ql, qh) = (&b[64 * n..128], &b[128 + 32 * n..192]);
+        let o = &mut out[128 * n..];
         for l in 0..32 {
-            let is = l / 16;
-            let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
-            let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-            y[l] = d * (sc[is] as i8) as f32 * q1 as f32;
-            y[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
-            y[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
-            y[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+            o[l] = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i8 - 32;
+            o[l + 32] = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+            o[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+            o[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
         }
+    }
+    out
+}
+
+fn dequant_q6k(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 208);
+    for (i, q) in q6k_values(b).into_iter().enumerate() {
+        y[i] = d * (b[192 + i / 16] as i8) as f32 * q as f32;
     }
 }
 

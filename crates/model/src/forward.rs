@@ -124,6 +124,11 @@ impl Model {
         self.range.end == self.config.n_layers
     }
 
+    /// Bytes of KV cache one position of one session costs on this range.
+    pub fn kv_bytes_per_position(&self) -> usize {
+        crate::kv::position_bytes(self.range, self.config.kv_dim())
+    }
+
     /// A new, empty cache for one session on this range.
     pub fn new_cache(&self, n_ctx: usize) -> KvCache {
         KvCache::new(self.range, self.config.kv_dim(), n_ctx)

@@ -5,6 +5,11 @@ use half::f16;
 
 use crate::weights::LayerRange;
 
+/// Bytes one position of K and V (f16) costs for every layer of `range`.
+pub(crate) fn position_bytes(range: LayerRange, kv_dim: usize) -> usize {
+    2 * range.len() * kv_dim * std::mem::size_of::<f16>()
+}
+
 /// Keys and values (f16, as llama.cpp stores them by default) for positions `0..len` of one
 /// session, for every layer of a range.
 #[derive(Clone)]
@@ -61,12 +66,7 @@ impl KvCache {
 
     /// Bytes of K and V held for the current positions.
     pub fn n_bytes(&self) -> usize {
-        2 * self.range.len() * self.len * self.kv_dim * 2
-    }
-
-    /// Bytes one position costs on this range.
-    pub fn bytes_per_position(&self) -> usize {
-        2 * self.range.len() * self.kv_dim * 2
+        self.len * position_bytes(self.range, self.kv_dim)
     }
 
     pub(crate) fn grow_to(&mut self, len: usize) {

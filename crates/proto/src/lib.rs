@@ -6,9 +6,8 @@
 //! cross each seam exactly once and many steps can be in flight along the route. Wire types are
 //! converted to domain types at the edges (shard and tracker), never used inside policy code.
 
-#![allow(clippy::all, missing_docs)] // reason: generated code
-
 /// Generated protobuf messages and the tonic client and server.
+#[allow(clippy::all, missing_docs)] // reason: generated code
 pub mod v1 {
     tonic::include_proto!("strata.v1");
 }
@@ -57,13 +56,13 @@ pub fn encode_activations(x: &[f32], dtype: SeamDtype) -> Vec<u8> {
 /// Decodes activations from the seam; `None` when the byte count does not fit the dtype.
 pub fn decode_activations(bytes: &[u8], dtype: SeamDtype) -> Option<Vec<f32>> {
     match dtype {
-        SeamDtype::SeamF32 => (bytes.len() % 4 == 0).then(|| {
+        SeamDtype::SeamF32 => bytes.len().is_multiple_of(4).then(|| {
             bytes
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect()
         }),
-        SeamDtype::SeamF16 => (bytes.len() % 2 == 0).then(|| {
+        SeamDtype::SeamF16 => bytes.len().is_multiple_of(2).then(|| {
             bytes
                 .chunks_exact(2)
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())

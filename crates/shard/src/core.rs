@@ -330,7 +330,7 @@ impl Worker {
     /// Decides, fragment by fragment, what can run; creates sessions for new fragments.
     fn admit(&mut self, job: &StepJob, out: &mut StepOutcome) -> Vec<usize> {
         let label = &self.config.label;
-        let per_pos = self.model.new_cache(0).bytes_per_position();
+        let per_pos = self.model.kv_bytes_per_position();
         let mut kv_in_use: usize = self.sessions.values().map(|s| s.kv.n_bytes()).sum();
         let mut accepted = Vec::new();
         for (i, f) in job.fragments.iter().enumerate() {

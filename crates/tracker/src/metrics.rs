@@ -121,10 +121,6 @@ impl Metrics {
         })
     }
 
-    pub fn counter(&self, name: &'static str, l: &[(&'static str, &str)]) -> f64 {
-        self.with(|m| m.counters.get(&(name, labels(l))).copied().unwrap_or(0.0))
-    }
-
     pub fn render(&self) -> String {
         self.with(|m| {
             let mut out = String::new();

@@ -2,7 +2,7 @@
 //! reference every SIMD path is tested against. Integer sums are exact, so only the order of
 //! the per-block float multiply-adds is fixed here.
 
-use gguf::quant::{f16_at, scale_min_k4, QK_K};
+use gguf::quant::{f16_at, q6k_values, scale_min_k4, QK_K};
 use gguf::GgmlType;
 
 pub fn dot_q4_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
@@ -84,30 +84,13 @@ pub fn dot_q6k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
     let mut sum = 0f32;
     for (wb, ab) in w.chunks_exact(210).zip(a.chunks_exact(292)).take(n / QK_K) {
         let (ad, q8, _) = q8k_parts(ab);
-        let (ql_all, qh_all, sc_all) = (&wb[0..128], &wb[128..192], &wb[192..208]);
+        let q = q6k_values(wb);
         let mut isum = 0i32;
-        for half in 0..2 {
-            let (ql, qh, sc) = (
-                &ql_all[64 * half..],
-                &qh_all[32 * half..],
-                &sc_all[8 * half..],
-            );
-            let q8 = &q8[128 * half..];
-            let mut sub = [0i32; 8];
-            for l in 0..32 {
-                let is = l / 16;
-                let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
-                let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                sub[is] += q1 * q8[l] as i8 as i32;
-                sub[is + 2] += q2 * q8[l + 32] as i8 as i32;
-                sub[is + 4] += q3 * q8[l + 64] as i8 as i32;
-                sub[is + 6] += q4 * q8[l + 96] as i8 as i32;
-            }
-            for k in 0..8 {
-                isum += sub[k] * sc[k] as i8 as i32;
-            }
+        for g in 0..16 {
+            let sub: i32 = (16 * g..16 * g + 16)
+                .map(|i| q[i] as i32 * q8[i] as i8 as i32)
+                .sum();
+            isum += sub * wb[192 + g] as i8 as i32;
         }
         sum += f16_at(wb, 208) * ad * isum as f32;
     }
