@@ -55,4 +55,6 @@ pub enum Error {
         start: usize,
         end: usize,
     },
+    #[error(transparent)]
+    KvExhausted(#[from] crate::kv::KvExhausted),
 }

@@ -2,10 +2,11 @@
 
 use gguf::GgufFile;
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use crate::config::LlamaConfig;
 use crate::kernels::{Isa, Kernels};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvPool};
 use crate::matmul::{matmul, Product};
 use crate::pool::{SharedMut, ThreadPool};
 use crate::weights::{LayerRange, Weights};
@@ -79,13 +80,13 @@ impl Model {
             Some(r) => LayerRange::new(r.start, r.end, config.n_layers)?,
             None => LayerRange::new(0, config.n_layers, config.n_layers)?,
         };
-        let weights = Weights::load(file, &config, range)?;
         let isa = opts.isa.unwrap_or_else(Isa::detect);
         let kernels = Kernels::new(isa).ok_or(Error::BadConfig {
             field: "isa",
             value: isa.name().to_string(),
             why: "this CPU does not support it",
         })?;
+        let weights = Weights::load(file, &config, range, kernels.packs_weights())?;
         Ok(Model {
             config,
             range,
@@ -129,9 +130,19 @@ impl Model {
         crate::kv::position_bytes(self.range, self.config.kv_dim())
     }
 
-    /// A new, empty cache for one session on this range.
+    /// A new, empty cache for one session on this range, from a pool of its own without a
+    /// budget (for tools that hold one session; servers share one [`KvPool`]).
     pub fn new_cache(&self, n_ctx: usize) -> KvCache {
-        KvCache::new(self.range, self.config.kv_dim(), n_ctx)
+        self.new_pool(usize::MAX).new_cache(n_ctx)
+    }
+
+    /// A pool of KV blocks for this range holding at most `budget_bytes`.
+    pub fn new_pool(&self, budget_bytes: usize) -> KvPool {
+        if budget_bytes == usize::MAX {
+            KvPool::unbounded(self.range, self.config.kv_dim())
+        } else {
+            KvPool::new(self.range, self.config.kv_dim(), budget_bytes)
+        }
     }
 
     /// Runs `batch` through this range, appending each row's K and V to its session's cache.
@@ -158,10 +169,18 @@ impl Model {
                 x
             }
         };
+        // Room for every new position first, all or nothing.
+        let mut ends: Vec<usize> = caches.iter().map(|c| c.len()).collect();
         for row in rows {
-            let cache = &mut caches[row.seq];
-            if cache.len() < row.pos + 1 {
-                cache.grow_to(row.pos + 1);
+            ends[row.seq] = ends[row.seq].max(row.pos + 1);
+        }
+        for s in 0..caches.len() {
+            if let Err(e) = caches[s].reserve(ends[s]) {
+                for c in caches.iter_mut() {
+                    let len = c.len();
+                    c.truncate(len);
+                }
+                return Err(Error::KvExhausted(e));
             }
         }
         let rope = RopeTable::new(c, rows);
@@ -195,11 +214,12 @@ impl Model {
             rope.apply(&mut q, c.n_head, c.head_dim);
             rope.apply(&mut k, c.n_head_kv, c.head_dim);
             for (i, row) in rows.iter().enumerate() {
-                let (kc, vc) = caches[row.seq].layer_mut(li);
-                let at = row.pos * kv;
-                for j in 0..kv {
-                    kc[at + j] = f16::from_f32(k[i * kv + j]);
-                    vc[at + j] = f16::from_f32(v[i * kv + j]);
+                let cache = &mut caches[row.seq];
+                for (which, src) in [(0, &k), (1, &v)] {
+                    let dst = cache.row_mut(li, which, row.pos);
+                    for (d, x) in dst.iter_mut().zip(&src[i * kv..(i + 1) * kv]) {
+                        *d = f16::from_f32(*x);
+                    }
                 }
             }
             self.attention(li, rows, caches, &q, &mut attn);
@@ -245,6 +265,9 @@ impl Model {
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         }
 
+        for (c, &end) in caches.iter_mut().zip(&ends) {
+            c.set_len(end);
+        }
         if !self.is_last() {
             return Ok(Output::Hidden(x));
         }
@@ -362,58 +385,54 @@ impl Model {
         out: &mut [f32],
     ) {
         let c = &self.config;
-        let (hd, kv) = (c.head_dim, c.kv_dim());
+        let hd = c.head_dim;
         let group = c.n_head / c.n_head_kv;
         let scale = 1.0 / (hd as f32).sqrt();
-        // Decode each session's K and V to f32 once per layer; conversion is exact.
-        let mut seqs: Vec<usize> = rows.iter().map(|r| r.seq).collect();
-        seqs.sort_unstable();
-        seqs.dedup();
-        let decoded: Vec<(usize, Vec<f32>, Vec<f32>)> = seqs
-            .iter()
-            .map(|&s| {
-                let (kc, vc) = caches[s].layer(li);
-                let len = caches[s].len() * kv;
-                let conv =
-                    |src: &[f16]| src[..len].iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
-                (s, conv(kc), conv(vc))
-            })
-            .collect();
         let out_ptr = SharedMut::new(out);
         self.pool.run(rows.len() * c.n_head, &|task| {
             let (i, head) = (task / c.n_head, task % c.n_head);
             let row = rows[i];
-            let (_, kf, vf) = &decoded[seqs.binary_search(&row.seq).expect("seq decoded")];
+            let cache: &KvCache = caches[row.seq];
             let kvh = head / group;
-            // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity.
-            let qh: Vec<f32> = q[i * c.n_embd + head * hd..][..hd]
-                .iter()
-                .map(|&x| f16::from_f32(x).to_f32())
-                .collect();
             let n_pos = row.pos + 1;
-            let mut scores = Vec::with_capacity(n_pos);
-            let mut max = f32::NEG_INFINITY;
-            for t in 0..n_pos {
-                let s = dot_f32(&qh, &kf[t * kv + kvh * hd..][..hd]) * scale;
-                max = max.max(s);
-                scores.push(s);
-            }
-            let mut sum = 0f64;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s as f64;
-            }
-            let inv = (1.0 / sum) as f32;
-            // SAFETY: each (row, head) task writes its own head_dim slice of `out`.
-            let o = unsafe { out_ptr.slice(i * c.n_embd + head * hd, hd) };
-            o.fill(0.0);
-            for (t, s) in scores.iter().enumerate() {
-                let p = f16::from_f32(*s * inv).to_f32();
-                let vt = &vf[t * kv + kvh * hd..][..hd];
-                o.iter_mut().zip(vt).for_each(|(a, b)| *a += p * b);
-            }
+            SCRATCH.with(|scratch| {
+                let mut scratch = scratch.borrow_mut();
+                scratch.resize(2 * hd + n_pos, 0.0);
+                let (qh, rest) = scratch.split_at_mut(hd);
+                let (kf, scores) = rest.split_at_mut(hd);
+                // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity.
+                for (d, &x) in qh.iter_mut().zip(&q[i * c.n_embd + head * hd..][..hd]) {
+                    *d = f16::from_f32(x).to_f32();
+                }
+                // K and V are read from the session's blocks in place, one head row at a time.
+                let mut max = f32::NEG_INFINITY;
+                for (t, s) in scores.iter_mut().enumerate() {
+                    cache.row(li, 0, t)[kvh * hd..][..hd].convert_to_f32_slice(kf);
+                    *s = dot_f32(qh, kf) * scale;
+                    max = max.max(*s);
+                }
+                let mut sum = 0f64;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s as f64;
+                }
+                let inv = (1.0 / sum) as f32;
+                // SAFETY: each (row, head) task writes its own head_dim slice of `out`.
+                let o = unsafe { out_ptr.slice(i * c.n_embd + head * hd, hd) };
+                o.fill(0.0);
+                for (t, s) in scores.iter().enumerate() {
+                    let p = f16::from_f32(*s * inv).to_f32();
+                    cache.row(li, 1, t)[kvh * hd..][..hd].convert_to_f32_slice(kf);
+                    o.iter_mut().zip(kf.iter()).for_each(|(a, b)| *a += p * b);
+                }
+            });
         });
     }
+}
+
+thread_local! {
+    /// Per-thread attention scratch (query, one decoded K or V row, scores), reused across steps.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// A dot product with a fixed reduction order (eight interleaved partial sums).

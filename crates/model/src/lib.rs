@@ -20,5 +20,5 @@ pub use config::LlamaConfig;
 pub use error::Error;
 pub use forward::{Batch, Model, ModelOptions, Output, Row};
 pub use kernels::{Isa, Kernels};
-pub use kv::KvCache;
+pub use kv::{KvCache, KvExhausted, KvPool, BLOCK_POSITIONS};
 pub use weights::LayerRange;

@@ -9,25 +9,57 @@ use std::sync::Arc;
 
 use gguf::GgmlType;
 
-use crate::kernels::{act, Kernels, ROWS};
+use crate::kernels::packed::{self, Layout, PackKind};
+use crate::kernels::{act, Kernels, ROWS, TILE_A, TILE_W};
 use crate::pool::{SharedMut, ThreadPool};
 
 /// Weight rows per pool task.
 const TILE: usize = 16;
 
-/// An immutable weight matrix of `n_rows` rows of `n_cols` values, encoded as `ty`. The bytes
-/// are shared, so a tied output head costs no second copy of the embedding.
+/// An immutable weight matrix of `n_rows` rows of `n_cols` values, encoded as `ty` (in ggml's
+/// block layout, or repacked for the tile kernel when `packed` is set). The bytes are shared,
+/// so a tied output head costs no second copy of the embedding.
 #[derive(Clone)]
 pub struct QMatrix {
     pub ty: GgmlType,
     pub n_rows: usize,
     pub n_cols: usize,
+    pub packed: Option<Layout>,
     pub data: Arc<[u8]>,
 }
 
 impl QMatrix {
+    /// A matrix from ggml rows; repacked for the tile kernel when `pack` is set and the type has
+    /// a packed form.
+    pub fn new(ty: GgmlType, n_rows: usize, n_cols: usize, data: Vec<u8>, pack: bool) -> Self {
+        let layout = PackKind::of(ty)
+            .filter(|_| pack)
+            .map(|k| Layout::new(k, n_cols));
+        let data: Arc<[u8]> = match layout {
+            None => data.into(),
+            Some(l) => {
+                let (src, dst) = (ty.row_bytes(n_cols), l.w_row_bytes());
+                let mut out = vec![0u8; n_rows * dst];
+                for (row, o) in data.chunks_exact(src).zip(out.chunks_exact_mut(dst)) {
+                    packed::pack_weight_row(&l, row, o);
+                }
+                out.into()
+            }
+        };
+        QMatrix {
+            ty,
+            n_rows,
+            n_cols,
+            packed: layout,
+            data,
+        }
+    }
+
     pub fn row_bytes(&self) -> usize {
-        self.ty.row_bytes(self.n_cols)
+        match &self.packed {
+            Some(l) => l.w_row_bytes(),
+            None => self.ty.row_bytes(self.n_cols),
+        }
     }
 
     pub fn row(&self, r: usize) -> &[u8] {
@@ -37,28 +69,58 @@ impl QMatrix {
 
     /// Decodes row `r` into `out` (used for embedding lookups).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        gguf::quant::dequantize(self.ty, self.row(r), out).expect("row length fixed at load");
+        match &self.packed {
+            Some(l) => packed::dequantize_packed_row(l, self.row(r), out),
+            None => gguf::quant::dequantize(self.ty, self.row(r), out)
+                .expect("row length fixed at load"),
+        }
     }
 }
 
-/// Activation rows quantized for one weight type.
+/// Activation rows quantized for one weight encoding.
 pub struct QuantizedActs {
-    pub ty: GgmlType,
+    key: ActKey,
     pub row_bytes: usize,
     pub data: Vec<u8>,
 }
 
+/// Which activation encoding a matrix consumes: a ggml block type, or a packed layout's.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ActKey {
+    Ggml(GgmlType),
+    Packed(PackKind),
+}
+
+impl ActKey {
+    fn of(w: &QMatrix) -> ActKey {
+        match &w.packed {
+            Some(l) => ActKey::Packed(l.kind),
+            None => ActKey::Ggml(act::act_type(w.ty)),
+        }
+    }
+}
+
 impl QuantizedActs {
-    pub fn new(weight_ty: GgmlType, x: &[f32], n_cols: usize) -> Self {
-        let ty = act::act_type(weight_ty);
-        let row_bytes = ty.row_bytes(n_cols);
+    /// `x` (rows of `w.n_cols`) quantized for `w`.
+    pub fn new(w: &QMatrix, x: &[f32]) -> Self {
+        let n_cols = w.n_cols;
+        let key = ActKey::of(w);
+        let row_bytes = match (&w.packed, key) {
+            (Some(l), _) => l.a_row_bytes(),
+            (None, ActKey::Ggml(ty)) => ty.row_bytes(n_cols),
+            (None, ActKey::Packed(_)) => unreachable!("packed key only for packed matrices"),
+        };
         let n_rows = x.len() / n_cols;
         let mut data = vec![0u8; n_rows * row_bytes];
         for (xr, out) in x.chunks_exact(n_cols).zip(data.chunks_exact_mut(row_bytes)) {
-            act::quantize_row(ty, xr, out);
+            match (&w.packed, key) {
+                (Some(l), _) => packed::quantize_act_row(l, xr, out),
+                (None, ActKey::Ggml(ty)) => act::quantize_row(ty, xr, out),
+                (None, ActKey::Packed(_)) => unreachable!("packed key only for packed matrices"),
+            }
         }
         QuantizedActs {
-            ty,
+            key,
             row_bytes,
             data,
         }
@@ -83,7 +145,7 @@ pub fn matmul(kernels: &Kernels, pool: &ThreadPool, x: &[f32], products: &mut [P
     };
     let n_cols = first.w.n_cols;
     let n_tokens = x.len() / n_cols;
-    // Quantize once per distinct activation type (Q, K and V usually share one).
+    // Quantize once per distinct activation encoding (Q, K and V usually share one).
     let mut acts: Vec<QuantizedActs> = Vec::new();
     let mut act_idx = Vec::with_capacity(products.len());
     for p in products.iter() {
@@ -92,11 +154,11 @@ pub fn matmul(kernels: &Kernels, pool: &ThreadPool, x: &[f32], products: &mut [P
             "products in one call share their input width"
         );
         assert_eq!(p.out.len(), n_tokens * p.w.n_rows, "output size");
-        let at = act::act_type(p.w.ty);
-        let idx = match acts.iter().position(|a| a.ty == at) {
+        let key = ActKey::of(p.w);
+        let idx = match acts.iter().position(|a| a.key == key) {
             Some(i) => i,
             None => {
-                acts.push(QuantizedActs::new(p.w.ty, x, n_cols));
+                acts.push(QuantizedActs::new(p.w, x));
                 acts.len() - 1
             }
         };
@@ -119,31 +181,89 @@ pub fn matmul(kernels: &Kernels, pool: &ThreadPool, x: &[f32], products: &mut [P
         let acts = &acts[act_idx[pi]];
         let r0 = (task - tiles[pi]) * TILE;
         let r1 = (r0 + TILE).min(w.n_rows);
-        let mut scratch = Vec::new();
-        for r in r0..r1 {
-            let wr = w.row(r);
-            // Four activation rows per call while they last; the multi-row kernel is bitwise
-            // equal to single calls, so the grouping never changes a result.
-            let mut t = 0;
-            while t + ROWS <= n_tokens {
-                let a = [
-                    acts.row(t),
-                    acts.row(t + 1),
-                    acts.row(t + 2),
-                    acts.row(t + 3),
-                ];
-                let v = kernels.dot4(w.ty, n_cols, wr, a, &mut scratch);
-                for (k, v) in v.into_iter().enumerate() {
-                    // SAFETY: rows [r0, r1) of this product belong to this task alone.
-                    unsafe { out.write((t + k) * w.n_rows + r, v) };
-                }
-                t += ROWS;
-            }
-            for t in t..n_tokens {
-                let v = kernels.dot(w.ty, n_cols, wr, acts.row(t), &mut scratch);
-                // SAFETY: as above.
-                unsafe { out.write(t * w.n_rows + r, v) };
-            }
+        match &w.packed {
+            Some(layout) => packed_tile_rows(kernels, layout, w, acts, n_tokens, r0..r1, out),
+            None => ggml_rows(kernels, w, acts, n_tokens, r0..r1, out),
         }
     });
+}
+
+/// Weight rows `rows` of a packed matrix against every activation row, in tiles of up to
+/// [`TILE_W`] x [`TILE_A`]; the tile kernel's elements do not depend on the tile's shape.
+fn packed_tile_rows(
+    kernels: &Kernels,
+    layout: &Layout,
+    w: &QMatrix,
+    acts: &QuantizedActs,
+    n_tokens: usize,
+    rows: std::ops::Range<usize>,
+    out: &SharedMut<f32>,
+) {
+    let mut r = rows.start;
+    while r < rows.end {
+        let rw = (rows.end - r).min(TILE_W);
+        // Weight rows stream from memory once per step: ask for the next group early.
+        let next = (r + 2 * rw).min(rows.end)..(r + 3 * rw).min(rows.end);
+        if !next.is_empty() {
+            let rb = w.row_bytes();
+            crate::kernels::prefetch(&w.data[next.start * rb..next.end * rb]);
+        }
+        let mut t = 0;
+        while t < n_tokens {
+            let ra = (n_tokens - t).min(TILE_A);
+            let mut v = [[0f32; TILE_A]; TILE_W];
+            kernels.packed_tile(
+                layout,
+                &std::array::from_fn::<_, TILE_W, _>(|i| w.row(r + i.min(rw - 1)))[..rw],
+                &std::array::from_fn::<_, TILE_A, _>(|j| acts.row(t + j.min(ra - 1)))[..ra],
+                &mut v,
+            );
+            for (i, vi) in v.iter().enumerate().take(rw) {
+                for (j, &x) in vi.iter().enumerate().take(ra) {
+                    // SAFETY: rows [r0, r1) of this product belong to this task alone.
+                    unsafe { out.write((t + j) * w.n_rows + r + i, x) };
+                }
+            }
+            t += ra;
+        }
+        r += rw;
+    }
+}
+
+/// Weight rows `rows` of a ggml-layout matrix against every activation row.
+fn ggml_rows(
+    kernels: &Kernels,
+    w: &QMatrix,
+    acts: &QuantizedActs,
+    n_tokens: usize,
+    rows: std::ops::Range<usize>,
+    out: &SharedMut<f32>,
+) {
+    let n_cols = w.n_cols;
+    let mut scratch = Vec::new();
+    for r in rows {
+        let wr = w.row(r);
+        // Four activation rows per call while they last; the multi-row kernel is bitwise
+        // equal to single calls, so the grouping never changes a result.
+        let mut t = 0;
+        while t + ROWS <= n_tokens {
+            let a = [
+                acts.row(t),
+                acts.row(t + 1),
+                acts.row(t + 2),
+                acts.row(t + 3),
+            ];
+            let v = kernels.dot4(w.ty, n_cols, wr, a, &mut scratch);
+            for (k, v) in v.into_iter().enumerate() {
+                // SAFETY: rows [r0, r1) of this product belong to this task alone.
+                unsafe { out.write((t + k) * w.n_rows + r, v) };
+            }
+            t += ROWS;
+        }
+        for t in t..n_tokens {
+            let v = kernels.dot(w.ty, n_cols, wr, acts.row(t), &mut scratch);
+            // SAFETY: as above.
+            unsafe { out.write(t * w.n_rows + r, v) };
+        }
+    }
 }

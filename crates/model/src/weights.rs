@@ -62,7 +62,13 @@ pub struct Weights {
     pub output: Option<QMatrix>,
 }
 
-fn matrix(f: &GgufFile, name: &str, n_cols: usize, n_rows: usize) -> Result<QMatrix, Error> {
+fn matrix(
+    f: &GgufFile,
+    name: &str,
+    n_cols: usize,
+    n_rows: usize,
+    pack: bool,
+) -> Result<QMatrix, Error> {
     let (info, _) = f.tensor(name)?;
     let expected = vec![n_cols as u64, n_rows as u64];
     if info.shape != expected {
@@ -72,12 +78,13 @@ fn matrix(f: &GgufFile, name: &str, n_cols: usize, n_rows: usize) -> Result<QMat
             expected,
         });
     }
-    Ok(QMatrix {
-        ty: info.ty,
+    Ok(QMatrix::new(
+        info.ty,
         n_rows,
         n_cols,
-        data: f.copy_tensor(info).into(),
-    })
+        f.copy_tensor(info),
+        pack,
+    ))
 }
 
 fn vector(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, Error> {
@@ -95,35 +102,41 @@ fn vector(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, Error> {
 }
 
 impl Weights {
-    pub fn load(f: &GgufFile, c: &LlamaConfig, range: LayerRange) -> Result<Self, Error> {
+    /// Loads `range`; matrices with a packed form are repacked when `pack` is set.
+    pub fn load(
+        f: &GgufFile,
+        c: &LlamaConfig,
+        range: LayerRange,
+        pack: bool,
+    ) -> Result<Self, Error> {
         let kv = c.kv_dim();
         let layers = (range.start..range.end)
             .map(|i| {
                 let n = |s: &str| format!("blk.{i}.{s}.weight");
                 Ok(LayerWeights {
                     attn_norm: vector(f, &n("attn_norm"), c.n_embd)?,
-                    wq: matrix(f, &n("attn_q"), c.n_embd, c.n_embd)?,
-                    wk: matrix(f, &n("attn_k"), c.n_embd, kv)?,
-                    wv: matrix(f, &n("attn_v"), c.n_embd, kv)?,
-                    wo: matrix(f, &n("attn_output"), c.n_embd, c.n_embd)?,
+                    wq: matrix(f, &n("attn_q"), c.n_embd, c.n_embd, pack)?,
+                    wk: matrix(f, &n("attn_k"), c.n_embd, kv, pack)?,
+                    wv: matrix(f, &n("attn_v"), c.n_embd, kv, pack)?,
+                    wo: matrix(f, &n("attn_output"), c.n_embd, c.n_embd, pack)?,
                     ffn_norm: vector(f, &n("ffn_norm"), c.n_embd)?,
-                    w_gate: matrix(f, &n("ffn_gate"), c.n_embd, c.n_ff)?,
-                    w_up: matrix(f, &n("ffn_up"), c.n_embd, c.n_ff)?,
-                    w_down: matrix(f, &n("ffn_down"), c.n_ff, c.n_embd)?,
+                    w_gate: matrix(f, &n("ffn_gate"), c.n_embd, c.n_ff, pack)?,
+                    w_up: matrix(f, &n("ffn_up"), c.n_embd, c.n_ff, pack)?,
+                    w_down: matrix(f, &n("ffn_down"), c.n_ff, c.n_embd, pack)?,
                 })
             })
             .collect::<Result<Vec<_>, Error>>()?;
         let first = range.start == 0;
         let last = range.end == c.n_layers;
         let embd = first
-            .then(|| matrix(f, "token_embd.weight", c.n_embd, c.n_vocab))
+            .then(|| matrix(f, "token_embd.weight", c.n_embd, c.n_vocab, pack))
             .transpose()?;
         let (output_norm, output) = if last {
             let head = match (f.header().tensor("output.weight"), &embd) {
-                (Some(_), _) => matrix(f, "output.weight", c.n_embd, c.n_vocab)?,
+                (Some(_), _) => matrix(f, "output.weight", c.n_embd, c.n_vocab, pack)?,
                 // A tied head: share the embedding's bytes when this range holds it.
                 (None, Some(e)) => e.clone(),
-                (None, None) => matrix(f, "token_embd.weight", c.n_embd, c.n_vocab)?,
+                (None, None) => matrix(f, "token_embd.weight", c.n_embd, c.n_vocab, pack)?,
             };
             (Some(vector(f, "output_norm.weight", c.n_embd)?), Some(head))
         } else {

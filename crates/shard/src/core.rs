@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use gguf::{GgufFile, Value, Writer};
 use model::sampling::{log_probs, top_k, Sampler, SamplingParams};
-use model::{Batch, KvCache, LayerRange, Model, ModelOptions, Output, Row};
+use model::{Batch, KvCache, KvPool, LayerRange, Model, ModelOptions, Output, Row};
 use proto::v1::{
     Budgets, CacheRecipe, Fragment, SessionError, SessionOutput, ShardInfo, ShardStats, TopLogprob,
 };
@@ -28,6 +28,9 @@ pub struct Counters {
     pub compute_micros: AtomicU64,
     pub rejected_fragments: AtomicU64,
     pub evictions: AtomicU64,
+    pub kv_blocks_in_use: AtomicU64,
+    pub kv_blocks_total: AtomicU64,
+    pub kv_block_bytes: AtomicU64,
 }
 
 /// One step as the compute thread sees it.
@@ -155,7 +158,7 @@ impl ShardCore {
                 rope_base: c.rope_base,
                 rope_dim: c.rope_dim as u32,
                 rope_freq_scale: c.rope_freq_scale,
-                block_size: 1,
+                block_size: model::BLOCK_POSITIONS as u32,
                 n_ctx: config.n_ctx as u32,
             }),
             budgets: Some(Budgets {
@@ -170,7 +173,9 @@ impl ShardCore {
         drop(file);
         let counters = Arc::new(Counters::default());
         let (tx, rx) = std::sync::mpsc::channel();
+        let kv_pool = model.new_pool(config.kv_budget_bytes);
         let mut worker = Worker {
+            kv_pool,
             model,
             sessions: HashMap::new(),
             counters: Arc::clone(&counters),
@@ -239,6 +244,9 @@ impl ShardCore {
             weight_bytes: self.info.budgets.as_ref().map_or(0, |b| b.weight_bytes),
             rejected_fragments: c.rejected_fragments.load(Ordering::Relaxed),
             evictions: c.evictions.load(Ordering::Relaxed),
+            kv_blocks_in_use: c.kv_blocks_in_use.load(Ordering::Relaxed),
+            kv_blocks_total: c.kv_blocks_total.load(Ordering::Relaxed),
+            kv_block_bytes: c.kv_block_bytes.load(Ordering::Relaxed),
         }
     }
 }
@@ -246,6 +254,8 @@ impl ShardCore {
 /// The state owned by the compute thread.
 struct Worker {
     model: Model,
+    /// Every session's KV blocks come from here; its capacity is the KV budget.
+    kv_pool: KvPool,
     sessions: HashMap<u64, Session>,
     counters: Arc<Counters>,
     config: ShardConfig,
@@ -290,10 +300,16 @@ impl Worker {
     }
 
     fn publish_gauges(&self) {
-        let kv: usize = self.sessions.values().map(|s| s.kv.n_bytes()).sum();
-        self.counters
-            .kv_bytes_in_use
-            .store(kv as u64, Ordering::Relaxed);
+        let c = &self.counters;
+        let p = &self.kv_pool;
+        c.kv_bytes_in_use
+            .store(p.bytes_in_use() as u64, Ordering::Relaxed);
+        c.kv_blocks_in_use
+            .store(p.blocks_in_use() as u64, Ordering::Relaxed);
+        c.kv_blocks_total
+            .store(p.capacity_blocks() as u64, Ordering::Relaxed);
+        c.kv_block_bytes
+            .store(p.block_bytes() as u64, Ordering::Relaxed);
         self.counters
             .sessions
             .store(self.sessions.len() as u64, Ordering::Relaxed);
@@ -330,8 +346,9 @@ impl Worker {
     /// Decides, fragment by fragment, what can run; creates sessions for new fragments.
     fn admit(&mut self, job: &StepJob, out: &mut StepOutcome) -> Vec<usize> {
         let label = &self.config.label;
-        let per_pos = self.model.kv_bytes_per_position();
-        let mut kv_in_use: usize = self.sessions.values().map(|s| s.kv.n_bytes()).sum();
+        let budget = self.kv_pool.budget_bytes();
+        // Bytes of blocks the fragments accepted so far will take when the step runs.
+        let mut planned = 0usize;
         let mut accepted = Vec::new();
         for (i, f) in job.fragments.iter().enumerate() {
             let id = f.session_id;
@@ -374,11 +391,10 @@ impl Worker {
                     continue;
                 }
                 Some(s) => {
-                    // A fragment that starts inside the cache rewinds it (replay after a retry).
-                    kv_in_use -= s.kv.n_bytes();
+                    // A fragment that starts inside the cache rewinds it (replay after a retry);
+                    // whole blocks past the new end go back to the pool.
                     s.kv.truncate(start);
                     s.tokens.truncate(start);
-                    kv_in_use += s.kv.n_bytes();
                 }
                 None if start != 0 => {
                     out.errors.push(refusal(
@@ -409,7 +425,7 @@ impl Worker {
                         Session {
                             epoch: job.epoch,
                             stream_id: job.stream_id,
-                            kv: self.model.new_cache(self.config.n_ctx),
+                            kv: self.kv_pool.new_cache(self.config.n_ctx),
                             tokens: Vec::new(),
                             sampler,
                             n_top: f.n_top_logprobs,
@@ -418,25 +434,25 @@ impl Worker {
                     );
                 }
             }
-            let need = f.tokens.len() * per_pos;
-            if kv_in_use + need > self.config.kv_budget_bytes {
+            let need = self.sessions[&id].kv.extra_bytes_for(end);
+            let in_use = |w: &Self| w.kv_pool.bytes_in_use() + planned;
+            if in_use(self) + need > budget {
                 // Make room from idle sessions, least recently used first, if that is enough.
                 let residents = self.residents(job);
-                if let Some(victims) = self.policy().make_room(
-                    &residents,
-                    kv_in_use,
-                    self.config.kv_budget_bytes,
-                    need,
-                ) {
+                if let Some(victims) =
+                    self.policy()
+                        .make_room(&residents, in_use(self), budget, need)
+                {
                     for v in victims {
-                        if let Some(s) = self.sessions.remove(&v) {
-                            kv_in_use -= s.kv.n_bytes();
+                        // Dropping the session returns its blocks to the pool.
+                        if self.sessions.remove(&v).is_some() {
                             self.counters.evictions.fetch_add(1, Ordering::Relaxed);
                         }
                     }
                 }
             }
-            if kv_in_use + need > self.config.kv_budget_bytes {
+            let kv_in_use = in_use(self);
+            if kv_in_use + need > budget {
                 let mib = |b: usize| b as f64 / (1 << 20) as f64;
                 out.errors.push(refusal(
                     id,
@@ -444,8 +460,8 @@ impl Worker {
                     format!(
                         "kv_budget on shard {label}: need {:.1} MiB, free {:.1} MiB of {:.1} MiB",
                         mib(need),
-                        mib(self.config.kv_budget_bytes.saturating_sub(kv_in_use)),
-                        mib(self.config.kv_budget_bytes)
+                        mib(budget.saturating_sub(kv_in_use)),
+                        mib(budget)
                     ),
                 ));
                 if self.sessions.get(&id).is_some_and(|s| s.kv.is_empty()) {
@@ -453,7 +469,7 @@ impl Worker {
                 }
                 continue;
             }
-            kv_in_use += need;
+            planned += need;
             accepted.push(i);
         }
         accepted
@@ -509,27 +525,24 @@ impl Worker {
                 hidden.extend_from_slice(&h[start..start + f.tokens.len() * n_embd]);
             }
         }
-        // Temporarily move the caches out of the map so forward can borrow them all.
-        let mut caches: Vec<KvCache> = ids
-            .iter()
-            .map(|id| {
-                std::mem::replace(
-                    &mut self.sessions.get_mut(id).expect("admitted").kv,
-                    KvCache::new(self.model.range(), 0, 0),
-                )
-            })
-            .collect();
+        // Borrow every accepted session's cache at once, in the order of `ids`.
         let result = {
-            let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+            let mut by_id: HashMap<u64, &mut KvCache> = self
+                .sessions
+                .iter_mut()
+                .filter(|(id, _)| ids.contains(id))
+                .map(|(id, s)| (*id, &mut s.kv))
+                .collect();
+            let mut refs: Vec<&mut KvCache> = ids
+                .iter()
+                .map(|id| by_id.remove(id).expect("admitted"))
+                .collect();
             let batch = Batch {
                 rows: &rows,
                 hidden: job.hidden.as_ref().map(|_| hidden.as_slice()),
             };
             self.model.forward(batch, &mut refs)
         };
-        for (id, kv) in ids.iter().zip(caches) {
-            self.sessions.get_mut(id).expect("admitted").kv = kv;
-        }
         match result {
             Err(e) => {
                 for id in &ids {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use proto::v1::{
-    route_msg, HopTiming, RouteMsg, RouteReply, RouteSetup, SeamDtype, Step, StepError,
+    route_msg, CacheRecipe, HopTiming, RouteMsg, RouteReply, RouteSetup, SeamDtype, Step, StepError,
 };
 use proto::{ReplyStream, ShardTransport};
 use tokio::sync::{mpsc, watch};
@@ -59,6 +59,17 @@ where
             core.config.label, core.info.model_digest, setup.model_digest
         )));
     }
+    if let Some(expected) = setup.recipes.first() {
+        let own = core.info.recipe.clone().unwrap_or_default();
+        if let Some(field) = recipe_difference(&own, expected) {
+            return Err(Status::failed_precondition(format!(
+                "recipe_mismatch: shard {} has {field} {} but the route expects {}",
+                core.config.label,
+                field_value(&own, field),
+                field_value(expected, field)
+            )));
+        }
+    }
     let has_downstream = !setup.downstream.is_empty();
     if has_downstream == core.is_last() {
         return Err(Status::failed_precondition(format!(
@@ -83,6 +94,7 @@ where
             downstream: setup.downstream[1..].to_vec(),
             seam_dtype: setup.seam_dtype,
             model_digest: setup.model_digest.clone(),
+            recipes: setup.recipes.get(1..).unwrap_or_default().to_vec(),
         };
         let _ = dn_tx
             .send(RouteMsg {
@@ -299,4 +311,36 @@ async fn relay(
         let _ = up_tx.send(Ok(shard_failed(0, &next_addr, failure))).await;
     }
     let _ = stop_tx.send(true);
+}
+
+/// The first field in which two cache recipes differ, if any.
+fn recipe_difference(a: &CacheRecipe, b: &CacheRecipe) -> Option<&'static str> {
+    [
+        "model_digest",
+        "layer_start",
+        "layer_end",
+        "kv_dtype",
+        "rope_base",
+        "rope_dim",
+        "rope_freq_scale",
+        "block_size",
+        "n_ctx",
+    ]
+    .into_iter()
+    .find(|f| field_value(a, f) != field_value(b, f))
+}
+
+fn field_value(r: &CacheRecipe, field: &str) -> String {
+    match field {
+        "model_digest" => r.model_digest.clone(),
+        "layer_start" => r.layer_start.to_string(),
+        "layer_end" => r.layer_end.to_string(),
+        "kv_dtype" => r.kv_dtype.clone(),
+        "rope_base" => r.rope_base.to_string(),
+        "rope_dim" => r.rope_dim.to_string(),
+        "rope_freq_scale" => r.rope_freq_scale.to_string(),
+        "block_size" => r.block_size.to_string(),
+        "n_ctx" => r.n_ctx.to_string(),
+        _ => String::new(),
+    }
 }

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use proto::v1::{route_msg, Fragment, RouteMsg, RouteReply, RouteSetup, Sampling, Step};
+use proto::v1::{
+    route_msg, CacheRecipe, Fragment, RouteMsg, RouteReply, RouteSetup, Sampling, Step,
+};
 use proto::{ReplyStream, ShardTransport};
 use shard::{LocalShard, ShardConfig, ShardCore};
 use testkit::TinySpec;
@@ -38,12 +40,22 @@ struct Route {
 }
 
 async fn open(core: &Arc<ShardCore>, epoch: u64, digest: &str) -> Result<Route, tonic::Status> {
+    open_with(core, epoch, digest, vec![]).await
+}
+
+async fn open_with(
+    core: &Arc<ShardCore>,
+    epoch: u64,
+    digest: &str,
+    recipes: Vec<CacheRecipe>,
+) -> Result<Route, tonic::Status> {
     let (tx, rx) = mpsc::channel(8);
     let setup = RouteSetup {
         epoch,
         downstream: vec![],
         seam_dtype: 0,
         model_digest: digest.into(),
+        recipes,
     };
     tx.send(RouteMsg {
         msg: Some(route_msg::Msg::Setup(setup)),
@@ -140,6 +152,39 @@ async fn unknown_sessions_stale_epochs_and_wrong_models_are_refused_with_their_r
 }
 
 #[tokio::test]
+async fn a_route_expecting_another_cache_recipe_is_refused_naming_the_field() {
+    let core = core(64 << 20);
+    let digest = core.info.model_digest.clone();
+    let own = core.info.recipe.clone().unwrap();
+    assert_eq!(own.block_size as usize, model::BLOCK_POSITIONS);
+    type Change = fn(&mut CacheRecipe);
+    let changes: [(&str, Change); 5] = [
+        ("n_ctx", |r| r.n_ctx += 1),
+        ("block_size", |r| r.block_size *= 2),
+        ("kv_dtype", |r| r.kv_dtype = "q8_0".into()),
+        ("rope_base", |r| r.rope_base *= 2.0),
+        ("layer_end", |r| r.layer_end -= 1),
+    ];
+    for (field, change) in changes {
+        let mut expected = own.clone();
+        change(&mut expected);
+        let err = open_with(&core, 1, &digest, vec![expected])
+            .await
+            .err()
+            .expect("a different recipe is refused");
+        assert!(
+            err.message().contains("recipe_mismatch") && err.message().contains(field),
+            "{field}: {}",
+            err.message()
+        );
+    }
+    // The recipe the shard describes is accepted.
+    let mut route = open_with(&core, 1, &digest, vec![own]).await.unwrap();
+    let r = route.step(1, vec![frag(1, 0, &[1, 2])], vec![]).await;
+    assert!(r.errors.is_empty() && r.outputs.len() == 1);
+}
+
+#[tokio::test]
 async fn releasing_a_session_returns_kv_bytes_exactly_and_leaves_others_unchanged() {
     let core = core(64 << 20);
     let digest = core.info.model_digest.clone();
@@ -157,13 +202,19 @@ async fn releasing_a_session_returns_kv_bytes_exactly_and_leaves_others_unchange
                 .token,
         );
     }
-    let before = core.stats().kv_bytes_in_use;
+    let before = core.stats();
+    assert_eq!(before.kv_blocks_in_use, 3, "one block per 6-token session");
+    assert_eq!(
+        before.kv_bytes_in_use,
+        before.kv_blocks_in_use * before.kv_block_bytes
+    );
     let r = route.step(1, vec![frag(4, 0, &prompts[3])], vec![]).await;
     assert_eq!(r.outputs.len(), 1);
-    assert!(core.stats().kv_bytes_in_use > before);
+    assert!(core.stats().kv_bytes_in_use > before.kv_bytes_in_use);
     // Release the fourth: KV goes back exactly to what it was before it started.
     route.step(1, vec![], vec![4]).await;
-    assert_eq!(core.stats().kv_bytes_in_use, before);
+    assert_eq!(core.stats().kv_bytes_in_use, before.kv_bytes_in_use);
+    assert_eq!(core.stats().kv_blocks_in_use, before.kv_blocks_in_use);
     assert_eq!(core.stats().sessions, 3);
     // The other three continue exactly as a fresh shard computes them alone.
     let fresh = self::core(64 << 20);
@@ -193,8 +244,8 @@ async fn releasing_a_session_returns_kv_bytes_exactly_and_leaves_others_unchange
 
 #[tokio::test]
 async fn work_over_the_kv_budget_is_refused_with_the_numbers() {
-    // Room for a little more than one 6-token session on this model.
-    let core = core(PER_POSITION * 8);
+    // Room for one block (16 positions) and a half: one 6-token session.
+    let core = core(BLOCK_BYTES * 3 / 2);
     let digest = core.info.model_digest.clone();
     let mut route = open(&core, 1, &digest).await.unwrap();
     let r = route
@@ -240,10 +291,13 @@ async fn closing_the_route_stream_releases_its_sessions() {
 
 /// Bytes one position of the tiny model costs: K and V, 4 layers, kv_dim 128, f16.
 const PER_POSITION: usize = 2 * 4 * 128 * 2;
+/// Bytes of one KV block.
+const BLOCK_BYTES: usize = PER_POSITION * model::BLOCK_POSITIONS;
 
 #[tokio::test]
 async fn under_pressure_the_least_recently_used_idle_session_is_evicted_and_then_misses() {
-    let core = core(PER_POSITION * 13);
+    // Two blocks: two short sessions.
+    let core = core(BLOCK_BYTES * 5 / 2);
     let digest = core.info.model_digest.clone();
     let mut route = open(&core, 1, &digest).await.unwrap();
     let t1 = route

@@ -176,19 +176,23 @@ fn resident_weight_memory_follows_the_layer_range() {
         let held = out["weight_bytes"].as_f64().unwrap();
         let rss_growth = out["rss_after_load_bytes"].as_f64().unwrap()
             - out["rss_before_load_bytes"].as_f64().unwrap();
-        assert_eq!(
-            held, own,
-            "{layers}: held bytes differ from the range's tensors"
+        // Weights are held in the kernels' packed layout (f32 block scales: at most a quarter
+        // more than the file's bytes), and resident memory follows what is held.
+        let packing = held / own;
+        assert!(
+            (1.0..=1.25).contains(&packing),
+            "{layers}: held {held} bytes for {own} bytes of tensors"
         );
-        let ratio = rss_growth / own;
+        let ratio = rss_growth / held;
         eprintln!(
-            "{layers}: tensors {:.1} MiB, rss growth {:.1} MiB ({ratio:.3})",
+            "{layers}: tensors {:.1} MiB, held {:.1} MiB, rss growth {:.1} MiB ({ratio:.3})",
             own / 1048576.0,
+            held / 1048576.0,
             rss_growth / 1048576.0
         );
         assert!(
             (0.9..=1.1).contains(&ratio),
-            "{layers}: rss grew {rss_growth} for {own} bytes of tensors"
+            "{layers}: rss grew {rss_growth} for {held} bytes held"
         );
     }
 }

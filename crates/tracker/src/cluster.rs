@@ -193,6 +193,11 @@ impl Cluster {
             downstream: self.addresses()[1..].to_vec(),
             seam_dtype: seam as i32,
             model_digest: self.model_digest.clone(),
+            recipes: self
+                .infos
+                .iter()
+                .map(|i| i.recipe.clone().unwrap_or_default())
+                .collect(),
         };
         tx.send(RouteMsg {
             msg: Some(route_msg::Msg::Setup(setup)),
@@ -251,6 +256,12 @@ pub async fn monitor(
                         "strata_shard_kv_budget_bytes",
                         &l,
                         st.kv_bytes_budget as f64,
+                    );
+                    metrics.set("strata_shard_kv_blocks", &l, st.kv_blocks_in_use as f64);
+                    metrics.set(
+                        "strata_shard_kv_blocks_total",
+                        &l,
+                        st.kv_blocks_total as f64,
                     );
                     metrics.set("strata_shard_sessions", &l, st.sessions as f64);
                     metrics.set("strata_shard_rss_bytes", &l, st.rss_bytes as f64);

@@ -140,6 +140,16 @@ fn declare(m: &Metrics) {
             "gauge",
             "KV byte budget per shard",
         ),
+        (
+            "strata_shard_kv_blocks",
+            "gauge",
+            "KV blocks held by sessions per shard",
+        ),
+        (
+            "strata_shard_kv_blocks_total",
+            "gauge",
+            "KV blocks the pool's budget holds per shard",
+        ),
         ("strata_shard_sessions", "gauge", "sessions held per shard"),
         (
             "strata_shard_rss_bytes",

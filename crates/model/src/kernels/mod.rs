@@ -5,6 +5,7 @@
 //! depends on which other rows share a call (batch invariance, DESIGN.md invariant 2).
 
 pub mod act;
+pub mod packed;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
@@ -184,6 +185,93 @@ impl Kernels {
             GgmlType::Q4_1 => (self.q4_1_x4)(n, w, a),
             GgmlType::Q8_0 => (self.q8_0_x4)(n, w, a),
             _ => a.map(|a| self.dot(ty, n, w, a, scratch)),
+        }
+    }
+}
+
+/// Hints the CPU to bring `bytes` into cache (a no-op where there is no such hint).
+#[inline]
+pub fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        // SAFETY: prefetching is a hint; the address is in bounds of a live slice anyway.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr() as *const i8
+            )
+        };
+    }
+}
+
+/// The largest tile of the packed kernel: weight rows by activation rows.
+pub const TILE_W: usize = 4;
+pub const TILE_A: usize = 4;
+
+impl Kernels {
+    /// Whether weights should be repacked at load for [`Kernels::packed_tile`].
+    pub fn packs_weights(&self) -> bool {
+        self.isa == Isa::Avx512Vnni
+    }
+
+    /// Every product of up to [`TILE_W`] packed weight rows with up to [`TILE_A`] packed
+    /// activation rows: `out[i][j] = w[i] . a[j]`. Each element is computed by the same
+    /// instruction sequence whatever the tile's shape (and equals [`packed::dot_reference`]
+    /// bitwise), so grouping never changes a result.
+    pub fn packed_tile(
+        &self,
+        layout: &packed::Layout,
+        w: &[&[u8]],
+        a: &[&[u8]],
+        out: &mut [[f32; TILE_A]; TILE_W],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if self.isa == Isa::Avx512Vnni {
+            use packed::vnni::{kind_id, tile, Q40, Q41, Q8};
+            macro_rules! run {
+                ($k:expr) => {{
+                    const K: u8 = $k;
+                    let w4 = <[&[u8]; TILE_W]>::try_from(w);
+                    let a4 = <[&[u8]; TILE_A]>::try_from(a);
+                    // SAFETY: the isa was checked when these kernels were made; the matrix
+                    // and activation rows were sized by `layout`.
+                    unsafe {
+                        match (w4, a4) {
+                            (Ok(w4), Ok(a4)) => *out = tile::<K, 4, 4>(layout, w4, a4),
+                            (Ok(w4), Err(_)) => {
+                                for (j, a1) in a.iter().enumerate() {
+                                    let v = tile::<K, 4, 1>(layout, w4, [a1]);
+                                    for i in 0..TILE_W {
+                                        out[i][j] = v[i][0];
+                                    }
+                                }
+                            }
+                            (Err(_), Ok(a4)) => {
+                                for (i, w1) in w.iter().enumerate() {
+                                    out[i] = tile::<K, 1, 4>(layout, [w1], a4)[0];
+                                }
+                            }
+                            (Err(_), Err(_)) => {
+                                for (i, w1) in w.iter().enumerate() {
+                                    for (j, a1) in a.iter().enumerate() {
+                                        out[i][j] = tile::<K, 1, 1>(layout, [w1], [a1])[0][0];
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }};
+            }
+            match kind_id(layout.kind) {
+                Q40 => run!(Q40),
+                Q41 => run!(Q41),
+                _ => run!(Q8),
+            }
+            return;
+        }
+        for (i, w1) in w.iter().enumerate() {
+            for (j, a1) in a.iter().enumerate() {
+                out[i][j] = packed::dot_reference(layout, w1, a1);
+            }
         }
     }
 }
