@@ -15,6 +15,11 @@ pub struct SchedulerConfig {
     pub max_prefill_chunk: usize,
     /// Sessions that may be active (admitted to the route) at once.
     pub max_active: usize,
+    /// Steps the caller keeps in flight at once (the route's length: while shard 2 computes one
+    /// micro-batch, shard 1 computes the next). With more than one, a step takes at most its
+    /// share (`active / depth`, rounded up) of the active sessions, so the sessions form that
+    /// many micro-batches instead of one batch that leaves the other shards idle.
+    pub pipeline_depth: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -23,6 +28,7 @@ impl Default for SchedulerConfig {
             max_step_tokens: 512,
             max_prefill_chunk: 512,
             max_active: 64,
+            pipeline_depth: 1,
         }
     }
 }
@@ -161,9 +167,14 @@ impl Scheduler {
         let step_id = self.next_step;
         let mut budget = self.config.max_step_tokens;
         let mut items = Vec::new();
+        let max_sessions = self
+            .active
+            .len()
+            .div_ceil(self.config.pipeline_depth.max(1))
+            .max(1);
         // Decode: sessions whose prompt is computed and whose last token awaits computing.
         for (&id, e) in self.active.iter_mut() {
-            if budget == 0 {
+            if budget == 0 || items.len() >= max_sessions {
                 break;
             }
             if e.in_flight.is_none()
@@ -189,7 +200,7 @@ impl Scheduler {
             .collect();
         prefill.sort();
         for id in prefill {
-            if budget == 0 {
+            if budget == 0 || items.len() >= max_sessions {
                 break;
             }
             let e = self.active.get_mut(&id).expect("listed above");
@@ -322,6 +333,7 @@ mod tests {
             max_step_tokens,
             max_prefill_chunk: chunk,
             max_active: 64,
+            pipeline_depth: 1,
         }
     }
 
@@ -336,6 +348,41 @@ mod tests {
             .collect();
         let events = s.update_from_output(plan.step_id, &outputs, &[]);
         (plan, events)
+    }
+
+    /// With a pipeline of two, decoders split into two micro-batches that alternate: each step
+    /// takes the half not in flight, every session advances once per two steps, and no session
+    /// is ever in two steps at once.
+    #[test]
+    fn a_pipeline_splits_decoders_into_alternating_micro_batches() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            pipeline_depth: 2,
+            ..cfg(64, 64)
+        });
+        for i in 0..8 {
+            s.add(SessionId(i), vec![1, 2], 100);
+        }
+        // Prefill in two micro-batches, then decode.
+        let a = s.schedule().unwrap();
+        let b = s.schedule().unwrap();
+        assert_eq!((a.items.len(), b.items.len()), (4, 4));
+        assert!(s.schedule().is_none(), "everyone is in flight");
+        let mut in_flight = std::collections::VecDeque::from([a, b]);
+        for _ in 0..10 {
+            let done = in_flight.pop_front().unwrap();
+            let outs: Vec<(SessionId, u32)> = done.items.iter().map(|i| (i.session, 5)).collect();
+            s.update_from_output(done.step_id, &outs, &[]);
+            let next = s.schedule().unwrap();
+            let mut got: Vec<SessionId> = next.items.iter().map(|i| i.session).collect();
+            let mut want: Vec<SessionId> = done.items.iter().map(|i| i.session).collect();
+            got.sort();
+            want.sort();
+            assert_eq!(got, want, "the returned micro-batch goes again");
+            for other in &in_flight {
+                assert!(other.items.iter().all(|i| !got.contains(&i.session)));
+            }
+            in_flight.push_back(next);
+        }
     }
 
     #[test]

@@ -45,9 +45,9 @@ pub struct ShardLimits {
     kv_budget_mib: usize,
     #[arg(long, default_value_t = 256)]
     max_sessions: usize,
-    /// Seconds a session may sit idle before its KV is forgotten.
-    #[arg(long, default_value_t = 600)]
-    kv_ttl_secs: u64,
+    /// Milliseconds a session may sit idle before its KV is forgotten.
+    #[arg(long, default_value_t = 600_000)]
+    kv_ttl_ms: u64,
 }
 
 impl ShardLimits {
@@ -65,8 +65,8 @@ impl ShardLimits {
             self.kv_budget_mib.to_string(),
             "--max-sessions".into(),
             self.max_sessions.to_string(),
-            "--kv-ttl-secs".into(),
-            self.kv_ttl_secs.to_string(),
+            "--kv-ttl-ms".into(),
+            self.kv_ttl_ms.to_string(),
         ];
         if let Some(t) = self.threads {
             v.extend(["--threads".to_string(), t.to_string()]);
@@ -103,6 +103,10 @@ pub struct RouteArgs {
     /// Sessions active on the route at once.
     #[arg(long, default_value_t = 64)]
     max_active: usize,
+    /// Steps (micro-batches) in flight along the route at once; 0 = one per shard, so every
+    /// shard computes while the others do.
+    #[arg(long, default_value_t = 0)]
+    pipeline_depth: usize,
     /// How often the tracker probes each shard's health and stats, in milliseconds.
     #[arg(long, default_value_t = 500)]
     health_period_ms: u64,
@@ -123,6 +127,7 @@ impl RouteArgs {
                 max_step_tokens: self.max_step_tokens,
                 max_prefill_chunk: self.prefill_chunk,
                 max_active: self.max_active,
+                pipeline_depth: self.pipeline_depth,
             },
             seam,
             health_period: Duration::from_millis(self.health_period_ms.max(10)),
@@ -189,7 +194,7 @@ fn shard_config(
         n_threads: limits.threads(),
         n_ctx: limits.ctx,
         kv_budget_bytes: limits.kv_budget_mib << 20,
-        kv_ttl: Duration::from_secs(limits.kv_ttl_secs),
+        kv_ttl: Duration::from_millis(limits.kv_ttl_ms),
         max_sessions: limits.max_sessions,
         label,
         cluster_token: token,

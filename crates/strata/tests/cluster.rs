@@ -397,3 +397,122 @@ fn an_f16_seam_carries_half_the_bytes_per_token_and_still_answers() {
         assert_eq!(sent / tokens, bytes_per_token, "seam {seam}");
     }
 }
+
+/// Eight distinct prompts: the four reference prompts and each joined to the next.
+fn eight_prompts() -> Vec<Vec<u32>> {
+    let r = reference_prompts();
+    let mut out = r.clone();
+    for i in 0..4 {
+        out.push([r[i].clone(), r[(i + 1) % 4].clone()].concat());
+    }
+    out
+}
+
+fn concurrently(addr: &str, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<u64>> {
+    let handles: Vec<_> = prompts
+        .iter()
+        .cloned()
+        .map(|p| {
+            let addr = addr.to_string();
+            std::thread::spawn(move || complete_ids(&addr, &p, n))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn tracker_metric(addr: &str, name: &str) -> f64 {
+    get(addr, "/metrics")
+        .body
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// 1, 2, 4 and 8 concurrent sessions through a 2-shard route (two micro-batches in flight) each
+/// give exactly their tokens alone; again with prefill chunked to 16-token steps.
+#[test]
+fn one_to_eight_concurrent_sessions_match_alone_also_with_chunked_prefill() {
+    let _serial = serial();
+    let prompts = eight_prompts();
+    let alone: Vec<Vec<u64>> = prompts.iter().map(|p| one_process(p, 32)).collect();
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let m = model();
+    for tracker_flags in [
+        &[][..],
+        &["--max-step-tokens", "16", "--prefill-chunk", "16"][..],
+    ] {
+        let shards: Vec<Proc> = ["0..15", "15..30"]
+            .iter()
+            .map(|r| procs::shard(exe(), &m, r, &token, &["--threads", "1"]))
+            .collect();
+        let refs: Vec<&Proc> = shards.iter().collect();
+        let mut flags = vec!["--health-period-ms", "100"];
+        flags.extend_from_slice(tracker_flags);
+        let tracker = procs::tracker(exe(), &refs, &token, &flags);
+        for n in [1, 2, 4, 8] {
+            let got = concurrently(&tracker.addr, &prompts[..n], 32);
+            for (i, (g, want)) in got.iter().zip(&alone).enumerate() {
+                assert_eq!(g, want, "{n} concurrent {tracker_flags:?}: prompt {i}");
+            }
+        }
+        let in_flight = tracker_metric(&tracker.addr, "strata_steps_in_flight");
+        assert!(in_flight <= 2.0, "at most one micro-batch per shard");
+    }
+}
+
+/// A shard that forgot sessions (idle past its TTL while the route was stalled) answers
+/// cache_miss; the tracker replays those sessions from their known tokens under the same
+/// route, and every client gets exactly the tokens of an undisturbed run.
+#[test]
+fn evicted_sessions_are_replayed_and_clients_see_identical_output() {
+    let _serial = serial();
+    let prompts = reference_prompts();
+    let alone: Vec<Vec<u64>> = prompts.iter().map(|p| one_process(p, 32)).collect();
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let m = model();
+    let first = procs::shard(exe(), &m, "0..15", &token, &["--threads", "1"]);
+    let second = procs::shard(
+        exe(),
+        &m,
+        "15..30",
+        &token,
+        &["--threads", "1", "--kv-ttl-ms", "300"],
+    );
+    let tracker = procs::tracker(
+        exe(),
+        &[&first, &second],
+        &token,
+        &["--health-period-ms", "100"],
+    );
+    let addr = tracker.addr.clone();
+    let runner = {
+        let prompts = prompts.clone();
+        let addr = addr.clone();
+        std::thread::spawn(move || concurrently(&addr, &prompts, 32))
+    };
+    // Let the sessions start, then stall the route at the first shard for longer than the
+    // second shard's TTL: the micro-batch not in the next step has sat idle there too long.
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            shard_stat(&addr, &second.addr, "sessions") == prompts.len() as u64
+        })
+        .is_some(),
+        "all sessions should reach the second shard"
+    );
+    first.signal(19);
+    std::thread::sleep(Duration::from_millis(600));
+    first.signal(18);
+    let got = runner.join().unwrap();
+    for (i, (g, want)) in got.iter().zip(&alone).enumerate() {
+        assert_eq!(g, want, "prompt {i} after eviction and replay");
+    }
+    let evictions = shard_stat(&addr, &second.addr, "evictions");
+    let replays = tracker_metric(&addr, "strata_replays_total");
+    eprintln!("second shard evictions {evictions}, tracker replays {replays}");
+    assert!(evictions >= 1, "the stall should have evicted a session");
+    assert!(
+        replays >= 1.0,
+        "an evicted session should have been replayed"
+    );
+}

@@ -446,6 +446,9 @@ async fn health(State(s): State<Arc<AppState>>) -> Response {
                 "error": sh.last_error,
                 "kv_bytes_in_use": sh.stats.as_ref().map(|st| st.kv_bytes_in_use),
                 "sessions": sh.stats.as_ref().map(|st| st.sessions),
+                "kv_blocks_in_use": sh.stats.as_ref().map(|st| st.kv_blocks_in_use),
+                "kv_blocks_total": sh.stats.as_ref().map(|st| st.kv_blocks_total),
+                "evictions": sh.stats.as_ref().map(|st| st.evictions),
             })
         })
         .collect();

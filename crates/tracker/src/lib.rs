@@ -39,7 +39,10 @@ pub struct TrackerConfig {
 impl Default for TrackerConfig {
     fn default() -> Self {
         TrackerConfig {
-            scheduler: engine::SchedulerConfig::default(),
+            scheduler: engine::SchedulerConfig {
+                pipeline_depth: 0,
+                ..engine::SchedulerConfig::default()
+            },
             seam: SeamDtype::SeamF32,
             startup_wait: Duration::from_secs(60),
             health_period: Duration::from_millis(500),
@@ -106,6 +109,11 @@ fn declare(m: &Metrics) {
         ),
         ("strata_queue_depth", "gauge", "sessions waiting to start"),
         ("strata_active_sessions", "gauge", "sessions on the route"),
+        (
+            "strata_steps_in_flight",
+            "gauge",
+            "steps (micro-batches) sent down the route and not yet answered",
+        ),
         ("strata_route_up", "gauge", "1 when the route is open"),
         ("strata_route_epoch", "gauge", "current route epoch"),
         (
@@ -224,7 +232,14 @@ impl Tracker {
         let (route_tx, mut route_rx) = watch::channel(false);
         let runner = runner::Runner::new(
             runner::RunnerConfig {
-                scheduler: config.scheduler,
+                // Pipeline depth 0 means one micro-batch per shard of the route.
+                scheduler: engine::SchedulerConfig {
+                    pipeline_depth: match config.scheduler.pipeline_depth {
+                        0 => cluster.shards.len(),
+                        n => n,
+                    },
+                    ..config.scheduler
+                },
                 seam: config.seam,
                 step_deadline_base: Duration::from_millis(2000),
                 step_deadline_per_token: Duration::from_millis(10),

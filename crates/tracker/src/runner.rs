@@ -2,7 +2,7 @@
 //! each plan down the route, turns replies into per-session events, and fails sessions with
 //! typed errors when the route breaks. Policy lives in the scheduler, not here.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -111,9 +111,18 @@ pub struct Runner {
     next_id: u64,
     epoch: u64,
     link: Option<Link>,
+    /// Steps sent and not yet answered, oldest first (replies come back in order).
+    in_flight: VecDeque<InFlight>,
     /// Why the route is down, for refusals.
     down_reason: Option<ApiError>,
     next_attempt: Instant,
+}
+
+/// A step sent down the route whose reply has not come back yet.
+struct InFlight {
+    plan: engine::StepPlan,
+    sent: Instant,
+    deadline: Duration,
 }
 
 enum Waited {
@@ -142,6 +151,7 @@ impl Runner {
             next_id: 1,
             epoch: 0,
             link: None,
+            in_flight: VecDeque::new(),
             down_reason: Some(ApiError::unavailable("the route is starting")),
             next_attempt: Instant::now(),
         }
@@ -151,11 +161,17 @@ impl Runner {
         loop {
             self.ensure_route().await;
             self.drop_disconnected();
-            let plan = if self.link.is_some() {
-                self.scheduler.schedule()
-            } else {
-                None
-            };
+            // Keep up to `pipeline_depth` steps in flight: shards process steps in order and
+            // reply in order, so while the last shard finishes one micro-batch the first
+            // already computes the next.
+            while self.link.is_some()
+                && self.in_flight.len() < self.config.scheduler.pipeline_depth.max(1)
+            {
+                let Some(plan) = self.scheduler.schedule() else {
+                    break;
+                };
+                self.send(plan).await;
+            }
             self.metrics
                 .set("strata_queue_depth", &[], self.scheduler.n_waiting() as f64);
             self.metrics.set(
@@ -163,7 +179,9 @@ impl Runner {
                 &[],
                 self.scheduler.n_active() as f64,
             );
-            let Some(plan) = plan else {
+            self.metrics
+                .set("strata_steps_in_flight", &[], self.in_flight.len() as f64);
+            let Some(oldest) = self.in_flight.front() else {
                 tokio::select! {
                     cmd = commands.recv() => match cmd {
                         Some(c) => self.handle(c),
@@ -174,53 +192,43 @@ impl Runner {
                 }
                 continue;
             };
-            tracing::debug!(
-                step = plan.step_id,
-                items = plan.items.len(),
-                release = plan.release.len(),
-                "step"
+            let (due, n_tokens, deadline) = (
+                oldest.sent + oldest.deadline,
+                oldest.plan.n_tokens(),
+                oldest.deadline,
             );
-            let n_tokens = plan.n_tokens();
-            let deadline = self.config.step_deadline_base
-                + self.config.step_deadline_per_token * n_tokens as u32;
-            let step = self.to_wire(&plan, deadline);
-            let sent = Instant::now();
-            let link = self.link.as_mut().expect("a plan is made only with a link");
-            if link
-                .tx
-                .send(RouteMsg {
-                    msg: Some(route_msg::Msg::Step(step)),
-                })
-                .await
-                .is_err()
-            {
-                let shard = self.cluster.addresses()[0].clone();
-                self.route_failed(ApiError::shard_failed(&shard, "the route stream closed"));
-                continue;
-            }
-            if !plan.items.is_empty() {
-                self.metrics
-                    .observe("strata_batch_tokens", &[], COUNT_BUCKETS, n_tokens as f64);
-                self.metrics.observe(
-                    "strata_batch_sessions",
-                    &[],
-                    COUNT_BUCKETS,
-                    plan.items.len() as f64,
-                );
-            }
-            let waited = loop {
-                let link = self.link.as_mut().expect("link held while waiting");
-                tokio::select! {
-                    reply = link.replies.next() => break Waited::Reply(reply),
-                    _ = tokio::time::sleep_until((sent + deadline).into()) => break Waited::Timeout,
-                    cmd = commands.recv() => match cmd {
-                        Some(c) => self.handle(c),
-                        None => return,
-                    },
-                }
+            let link = self
+                .link
+                .as_mut()
+                .expect("steps are in flight only with a link");
+            let waited = tokio::select! {
+                reply = link.replies.next() => Waited::Reply(reply),
+                _ = tokio::time::sleep_until(due.into()) => Waited::Timeout,
+                cmd = commands.recv() => match cmd {
+                    // A new request can join the next step while this one is in flight.
+                    Some(c) => {
+                        self.handle(c);
+                        continue;
+                    }
+                    None => return,
+                },
             };
             match waited {
-                Waited::Reply(Some(Ok(reply))) => self.apply(plan, reply, sent),
+                Waited::Reply(Some(Ok(reply))) => {
+                    let f = self.in_flight.pop_front().expect("oldest step");
+                    if reply.step_id != f.plan.step_id {
+                        let shard = self.cluster.addresses()[0].clone();
+                        self.route_failed(ApiError::shard_failed(
+                            &shard,
+                            format!(
+                                "reply for step {} while step {} was the oldest in flight",
+                                reply.step_id, f.plan.step_id
+                            ),
+                        ));
+                        continue;
+                    }
+                    self.apply(f.plan, reply, f.sent)
+                }
                 Waited::Reply(Some(Err(status))) => {
                     let shard = self.cluster.addresses()[0].clone();
                     self.route_failed(ApiError::shard_failed(&shard, status.message().to_string()));
@@ -245,6 +253,49 @@ impl Runner {
                 }
             }
         }
+    }
+
+    /// Sends one planned step down the route and records it as in flight.
+    async fn send(&mut self, plan: engine::StepPlan) {
+        tracing::debug!(
+            step = plan.step_id,
+            items = plan.items.len(),
+            release = plan.release.len(),
+            in_flight = self.in_flight.len(),
+            "step"
+        );
+        let n_tokens = plan.n_tokens();
+        let deadline =
+            self.config.step_deadline_base + self.config.step_deadline_per_token * n_tokens as u32;
+        let step = self.to_wire(&plan, deadline);
+        let link = self.link.as_mut().expect("a plan is sent only with a link");
+        if link
+            .tx
+            .send(RouteMsg {
+                msg: Some(route_msg::Msg::Step(step)),
+            })
+            .await
+            .is_err()
+        {
+            let shard = self.cluster.addresses()[0].clone();
+            self.route_failed(ApiError::shard_failed(&shard, "the route stream closed"));
+            return;
+        }
+        if !plan.items.is_empty() {
+            self.metrics
+                .observe("strata_batch_tokens", &[], COUNT_BUCKETS, n_tokens as f64);
+            self.metrics.observe(
+                "strata_batch_sessions",
+                &[],
+                COUNT_BUCKETS,
+                plan.items.len() as f64,
+            );
+        }
+        self.in_flight.push_back(InFlight {
+            plan,
+            sent: Instant::now(),
+            deadline,
+        });
     }
 
     /// Opens the route when it is down and every shard answers again.
@@ -378,6 +429,7 @@ impl Runner {
     fn route_failed(&mut self, err: ApiError) {
         tracing::warn!(error = %err.message, "route failed");
         self.link = None;
+        self.in_flight.clear();
         self.metrics.set("strata_route_up", &[], 0.0);
         let _ = self.route_up.send(false);
         self.metrics
