@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Single-stream and concurrent decode of a 2-shard route against the same build in one process
 # (`serve --shards 1`, the embedded route), measured in the same run, over the HTTP API.
-# Usage: bench/cluster.sh [threads per shard] [gen tokens] [concurrency list]
+# Usage: bench/cluster.sh [threads in all] [gen tokens] [concurrency list]
+# Both configurations use the same cores: one process gets all threads, each of the two shards
+# half of them (at least one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 threads=${1:-2}
@@ -12,13 +14,14 @@ cargo build --release --quiet -p strata
 bin=target/release/strata
 
 run() { # $1 = shards, $2 = port
-  $bin serve --model "$model" --shards "$1" --threads "$threads" --listen "127.0.0.1:$2" >/dev/null 2>/tmp/strata-bench-serve.log &
+  local per=$(( threads / $1 )); [ "$per" -ge 1 ] || per=1
+  $bin serve --model "$model" --shards "$1" --threads "$per" --listen "127.0.0.1:$2" >/dev/null 2>/tmp/strata-bench-serve.log &
   local pid=$!
   for _ in $(seq 1 240); do
     python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$2/health', timeout=1)" 2>/dev/null && break
     sleep 0.5
   done
-  echo "== serve --shards $1 (threads $threads per shard)"
+  echo "== serve --shards $1 (threads $per per shard)"
   $bin bench --url "http://127.0.0.1:$2" --gen-tokens "$gen" --prompt-tokens 32 --concurrency "$conc" --requests 3 --json > "/tmp/strata-bench-$1.json"
   $bin bench --url "http://127.0.0.1:$2" --gen-tokens "$gen" --prompt-tokens 32 --concurrency "$conc" --requests 3
   kill $pid; wait $pid 2>/dev/null || true
