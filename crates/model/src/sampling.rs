@@ -57,6 +57,17 @@ impl Sampler {
     /// Picks the next token from `logits`, given the tokens seen so far (prompt and output).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let p = self.params;
+        let penalized = p.repeat_penalty != 1.0 && p.repeat_last_n > 0;
+        if p.temperature <= 0.0 && !penalized {
+            // Greedy without penalties: the first maximum, with no copy of the logits.
+            let mut best = 0;
+            for (i, &l) in logits.iter().enumerate() {
+                if l > logits[best] {
+                    best = i;
+                }
+            }
+            return best as u32;
+        }
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()

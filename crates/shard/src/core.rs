@@ -586,7 +586,11 @@ impl Worker {
                     out.outputs.push(SessionOutput {
                         session_id: f.session_id,
                         token,
-                        logprob: log_probs(l, &[token])[0],
+                        logprob: if f.want_logprob || s.n_top > 0 {
+                            log_probs(l, &[token])[0]
+                        } else {
+                            0.0
+                        },
                         top,
                     });
                 }

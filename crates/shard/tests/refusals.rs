@@ -78,6 +78,7 @@ fn frag(session_id: u64, start_pos: u32, tokens: &[u32]) -> Fragment {
         want_output: true,
         sampling: (start_pos == 0).then(Sampling::default),
         n_top_logprobs: 0,
+        want_logprob: false,
     }
 }
 

@@ -413,6 +413,7 @@ impl Runner {
                         None
                     },
                     n_top_logprobs: live.and_then(|l| l.logprobs).unwrap_or(0),
+                    want_logprob: live.is_some_and(|l| l.logprobs.is_some()),
                 }
             })
             .collect();
