@@ -138,11 +138,7 @@ impl Model {
 
     /// A pool of KV blocks for this range holding at most `budget_bytes`.
     pub fn new_pool(&self, budget_bytes: usize) -> KvPool {
-        if budget_bytes == usize::MAX {
-            KvPool::unbounded(self.range, self.config.kv_dim())
-        } else {
-            KvPool::new(self.range, self.config.kv_dim(), budget_bytes)
-        }
+        KvPool::new(self.range, self.config.kv_dim(), budget_bytes)
     }
 
     /// Runs `batch` through this range, appending each row's K and V to its session's cache.

@@ -54,21 +54,13 @@ pub struct KvPool {
 }
 
 impl KvPool {
-    /// A pool holding at most `budget_bytes` of blocks (whole blocks only).
+    /// A pool holding at most `budget_bytes` of blocks (whole blocks only); `usize::MAX` for
+    /// a pool without a practical budget.
     pub fn new(range: LayerRange, kv_dim: usize, budget_bytes: usize) -> KvPool {
         let block = BLOCK_POSITIONS * position_bytes(range, kv_dim);
-        Self::with_capacity(range, kv_dim, budget_bytes / block.max(1))
-    }
-
-    /// A pool without a budget (tools and tests that hold one session).
-    pub fn unbounded(range: LayerRange, kv_dim: usize) -> KvPool {
-        Self::with_capacity(range, kv_dim, usize::MAX)
-    }
-
-    fn with_capacity(range: LayerRange, kv_dim: usize, capacity: usize) -> KvPool {
         KvPool {
             state: Arc::new(Mutex::new(PoolState {
-                capacity,
+                capacity: budget_bytes / block.max(1),
                 in_use: 0,
                 spare: Vec::new(),
                 spare_ids: Vec::new(),
@@ -120,7 +112,7 @@ impl KvPool {
         self.blocks_in_use() * self.block_bytes()
     }
 
-    /// The budget in bytes (whole blocks), or `usize::MAX` for an unbounded pool.
+    /// The budget in bytes (whole blocks).
     pub fn budget_bytes(&self) -> usize {
         self.capacity_blocks().saturating_mul(self.block_bytes())
     }
@@ -357,7 +349,7 @@ mod tests {
 
     #[test]
     fn positions_land_in_their_block() {
-        let pool = KvPool::unbounded(range(), 4);
+        let pool = KvPool::new(range(), 4, usize::MAX);
         let mut c = pool.new_cache(100);
         c.reserve(40).unwrap();
         c.set_len(40);

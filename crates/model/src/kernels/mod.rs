@@ -296,7 +296,8 @@ fn dot_dequant_quantized(
 mod tests {
     use super::*;
 
-    fn data(n: usize, seed: u32) -> Vec<f32> {
+    /// Deterministic test values in [-1, 1] (also used by `packed`'s tests).
+    pub(super) fn data(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
         (0..n)
             .map(|_| {

@@ -472,17 +472,7 @@ pub mod vnni {
 mod tests {
     use super::*;
 
-    fn data(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2654435761).wrapping_add(7);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 2001) as f32 / 1000.0 - 1.0
-            })
-            .collect()
-    }
+    use super::super::tests::data;
 
     const KINDS: [PackKind; 3] = [PackKind::Q4_0, PackKind::Q4_1, PackKind::Q8_0];
 
