@@ -2,7 +2,6 @@
 
 use gguf::GgufFile;
 use half::f16;
-use half::slice::HalfFloatSliceExt;
 
 use crate::config::LlamaConfig;
 use crate::kernels::{Isa, Kernels};
@@ -385,41 +384,58 @@ impl Model {
         let group = c.n_head / c.n_head_kv;
         let scale = 1.0 / (hd as f32).sqrt();
         let out_ptr = SharedMut::new(out);
-        self.pool.run(rows.len() * c.n_head, &|task| {
-            let (i, head) = (task / c.n_head, task % c.n_head);
+        // A task takes every query head sharing one KV head, so each K and V row is decoded once
+        // for all of them; with few rows, one task per query head keeps every thread busy. The
+        // arithmetic of each head is the same either way.
+        let per_task = if rows.len() * c.n_head_kv >= 4 * self.pool.n_threads() {
+            group
+        } else {
+            1
+        };
+        let tasks_per_row = c.n_head / per_task;
+        self.pool.run(rows.len() * tasks_per_row, &|task| {
+            let (i, first) = (task / tasks_per_row, (task % tasks_per_row) * per_task);
             let row = rows[i];
             let cache: &KvCache = caches[row.seq];
-            let kvh = head / group;
+            let kvh = first / group;
             let n_pos = row.pos + 1;
             SCRATCH.with(|scratch| {
                 let mut scratch = scratch.borrow_mut();
-                scratch.resize(2 * hd + n_pos, 0.0);
-                let (qh, rest) = scratch.split_at_mut(hd);
-                let (kf, scores) = rest.split_at_mut(hd);
+                scratch.resize(per_task * (hd + n_pos + 1), 0.0);
+                let (qs, rest) = scratch.split_at_mut(per_task * hd);
+                let (scores, inv) = rest.split_at_mut(per_task * n_pos);
                 // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity.
-                for (d, &x) in qh.iter_mut().zip(&q[i * c.n_embd + head * hd..][..hd]) {
+                for (d, &x) in qs
+                    .iter_mut()
+                    .zip(&q[i * c.n_embd + first * hd..][..per_task * hd])
+                {
                     *d = f16::from_f32(x).to_f32();
                 }
                 // K and V are read from the session's blocks in place, one head row at a time.
-                let mut max = f32::NEG_INFINITY;
-                for (t, s) in scores.iter_mut().enumerate() {
-                    cache.row(li, 0, t)[kvh * hd..][..hd].convert_to_f32_slice(kf);
-                    *s = dot_f32(qh, kf) * scale;
-                    max = max.max(*s);
+                for t in 0..n_pos {
+                    let k = &cache.row(li, 0, t)[kvh * hd..][..hd];
+                    for (h, qh) in qs.chunks_exact(hd).enumerate() {
+                        scores[h * n_pos + t] = self.kernels.dot_f16(qh, k) * scale;
+                    }
                 }
-                let mut sum = 0f64;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s as f64;
+                for (h, s) in scores.chunks_exact_mut(n_pos).enumerate() {
+                    let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                    let mut sum = 0f64;
+                    for v in s.iter_mut() {
+                        *v = (*v - max).exp();
+                        sum += *v as f64;
+                    }
+                    inv[h] = (1.0 / sum) as f32;
                 }
-                let inv = (1.0 / sum) as f32;
-                // SAFETY: each (row, head) task writes its own head_dim slice of `out`.
-                let o = unsafe { out_ptr.slice(i * c.n_embd + head * hd, hd) };
+                // SAFETY: each task writes its own heads' head_dim slices of `out`.
+                let o = unsafe { out_ptr.slice(i * c.n_embd + first * hd, per_task * hd) };
                 o.fill(0.0);
-                for (t, s) in scores.iter().enumerate() {
-                    let p = f16::from_f32(*s * inv).to_f32();
-                    cache.row(li, 1, t)[kvh * hd..][..hd].convert_to_f32_slice(kf);
-                    o.iter_mut().zip(kf.iter()).for_each(|(a, b)| *a += p * b);
+                for t in 0..n_pos {
+                    let v = &cache.row(li, 1, t)[kvh * hd..][..hd];
+                    for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
+                        let p = f16::from_f32(scores[h * n_pos + t] * inv[h]).to_f32();
+                        self.kernels.axpy_f16(p, v, oh);
+                    }
                 }
             });
         });
@@ -429,23 +445,6 @@ impl Model {
 thread_local! {
     /// Per-thread attention scratch (query, one decoded K or V row, scores), reused across steps.
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// A dot product with a fixed reduction order (eight interleaved partial sums).
-#[inline]
-fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for ch in 0..chunks {
-        for l in 0..8 {
-            acc[l] += a[ch * 8 + l] * b[ch * 8 + l];
-        }
-    }
-    let mut tail = 0f32;
-    for i in chunks * 8..a.len() {
-        tail += a[i] * b[i];
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
 /// RMS norm of each row, times `weight` (as llama.cpp: sum of squares in f64).

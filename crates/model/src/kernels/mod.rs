@@ -5,6 +5,7 @@
 //! depends on which other rows share a call (batch invariance, DESIGN.md invariant 2).
 
 pub mod act;
+pub mod attn;
 pub mod packed;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
@@ -186,6 +187,30 @@ impl Kernels {
             GgmlType::Q8_0 => (self.q8_0_x4)(n, w, a),
             _ => a.map(|a| self.dot(ty, n, w, a, scratch)),
         }
+    }
+}
+
+impl Kernels {
+    /// `q . k` over an f16 row, with [`attn::dot_f16`]'s arithmetic.
+    #[inline]
+    pub fn dot_f16(&self, q: &[f32], k: &[half::f16]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if self.isa != Isa::Scalar {
+            // SAFETY: both SIMD isas are detected only with AVX2 and F16C.
+            return unsafe { attn::f16c::dot_f16(q, k) };
+        }
+        attn::dot_f16(q, k)
+    }
+
+    /// `o += p * v` over an f16 row, with [`attn::axpy_f16`]'s arithmetic.
+    #[inline]
+    pub fn axpy_f16(&self, p: f32, v: &[half::f16], o: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.isa != Isa::Scalar {
+            // SAFETY: as in `dot_f16`.
+            return unsafe { attn::f16c::axpy_f16(p, v, o) };
+        }
+        attn::axpy_f16(p, v, o)
     }
 }
 

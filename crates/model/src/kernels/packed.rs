@@ -106,17 +106,25 @@ impl Layout {
         self.w_quants() + n_arrays * 4 * self.scales()
     }
 
-    /// Offsets in an activation row: quants, expanded d, corrections, s.
-    pub fn a_dexp(&self) -> usize {
+    /// Offsets in an activation row: quants (64 bytes per pair), d (one f32 per block),
+    /// per-lane corrections (kinds with an offset only: 64 bytes per pair), s (kinds with
+    /// minimums only: one f32 per block). Kept compact so a step's activation rows stay in cache
+    /// while every weight row group streams past them.
+    pub fn a_d(&self) -> usize {
         64 * self.n_pairs
     }
 
     pub fn a_corr(&self) -> usize {
-        self.a_dexp() + 64 * self.n_pairs
+        self.a_d() + 4 * self.scales()
     }
 
     pub fn a_sums(&self) -> usize {
-        self.a_corr() + 64 * self.n_pairs
+        let corr = if self.kind.offset() != 0 {
+            64 * self.n_pairs
+        } else {
+            0
+        };
+        self.a_corr() + corr
     }
 
     pub fn a_row_bytes(&self) -> usize {
@@ -233,14 +241,14 @@ pub fn quantize_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
     let offset = layout.kind.offset();
     for (b, xb) in x.chunks_exact(QK).enumerate() {
         let (d, q) = super::act::q8_block(xb);
-        let d16 = f16::from_f32(d).to_f32();
         out[b * QK..(b + 1) * QK].copy_from_slice(&q.map(|v| v as u8));
-        for l in 0..8 {
-            let lane = 8 * b + l;
-            put_f32(out, layout.a_dexp() + 4 * lane, d16);
-            let sum4: i32 = q[4 * l..4 * l + 4].iter().map(|&v| v as i32).sum();
-            let corr = -offset * sum4;
-            out[layout.a_corr() + 4 * lane..][..4].copy_from_slice(&corr.to_le_bytes());
+        put_f32(out, layout.a_d() + 4 * b, f16::from_f32(d).to_f32());
+        if offset != 0 {
+            for l in 0..8 {
+                let sum4: i32 = q[4 * l..4 * l + 4].iter().map(|&v| v as i32).sum();
+                let corr = -offset * sum4;
+                out[layout.a_corr() + 4 * (8 * b + l)..][..4].copy_from_slice(&corr.to_le_bytes());
+            }
         }
         if layout.kind.has_mins() {
             let sum: i32 = q.iter().map(|&v| v as i32).sum();
@@ -286,12 +294,16 @@ pub fn dot_reference(layout: &Layout, w: &[u8], a: &[u8]) -> f32 {
         let wd = get_f32(w, d_at + 4 * b);
         for (lane, acc) in acc.iter_mut().enumerate() {
             let at = 16 * p + 8 * h + lane;
-            let mut dot = get_i32(a, layout.a_corr() + 4 * at);
+            let mut dot = if kind.offset() != 0 {
+                get_i32(a, layout.a_corr() + 4 * at)
+            } else {
+                0
+            };
             for j in 0..4 {
                 let i = 4 * lane + j;
                 dot += wv(i) * a[64 * p + 32 * h + i] as i8 as i32;
             }
-            let ad = get_f32(a, layout.a_dexp() + 4 * at);
+            let ad = get_f32(a, layout.a_d() + 4 * b);
             *acc = (dot as f32).mul_add(wd * ad, *acc);
         }
     }
@@ -413,7 +425,9 @@ pub mod vnni {
                 let (x, xd, corr) = unsafe {
                     (
                         _mm256_loadu_si256(ap[j].add(at) as *const __m256i),
-                        _mm256_loadu_ps(ap[j].add(layout.a_dexp() + at) as *const f32),
+                        _mm256_set1_ps(
+                            (ap[j].add(layout.a_d() + 4 * b) as *const f32).read_unaligned(),
+                        ),
                         if KIND == Q41 {
                             _mm256_setzero_si256()
                         } else {
