@@ -7,11 +7,13 @@
 //! synchronous state machine with no I/O and no clock: the tracker's async loop asks it for a
 //! plan, sends the plan down the route, and feeds the result back.
 
+mod admission;
 mod kv;
 mod scheduler;
 
+pub use admission::{Admission, AdmissionConfig, Demand, Refusal, RefusalKind, ShardBudget};
 pub use kv::{EvictionPolicy, Resident};
 
 pub use scheduler::{
-    Event, FinishReason, PlanItem, Scheduler, SchedulerConfig, SessionId, StepPlan,
+    Event, FinishReason, PlanItem, Priority, Scheduler, SchedulerConfig, SessionId, StepPlan,
 };

@@ -1,6 +1,7 @@
 //! The step scheduler.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
 
 /// A session's id (unique per tracker).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -20,6 +21,15 @@ pub struct SchedulerConfig {
     /// share (`active / depth`, rounded up) of the active sessions, so the sessions form that
     /// many micro-batches instead of one batch that leaves the other shards idle.
     pub pipeline_depth: usize,
+    /// Active sessions grading work may hold; the rest of `max_active` stays free for agent work.
+    pub grading_max_active: usize,
+    /// Tokens grading work may take in one step while agent work runs or ran within
+    /// `agent_guard`: a step agent work may have to wait behind stays short.
+    pub grading_step_tokens: usize,
+    pub agent_guard: Duration,
+    /// Grading work that got nothing for this long joins the next step even beside agent work
+    /// (within `grading_step_tokens`), so it is never starved.
+    pub grading_max_wait: Duration,
 }
 
 impl Default for SchedulerConfig {
@@ -29,7 +39,41 @@ impl Default for SchedulerConfig {
             max_prefill_chunk: 512,
             max_active: 64,
             pipeline_depth: 1,
+            grading_max_active: 48,
+            grading_step_tokens: 16,
+            agent_guard: Duration::from_secs(2),
+            grading_max_wait: Duration::from_secs(2),
         }
+    }
+}
+
+/// Priority class of a session: latency-critical agent work or background grading work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Priority {
+    Agent,
+    Grading,
+}
+
+impl Priority {
+    pub const ALL: [Priority; 2] = [Priority::Agent, Priority::Grading];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Priority::Agent => "agent",
+            Priority::Grading => "grading",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Priority> {
+        match s {
+            "agent" => Some(Priority::Agent),
+            "grading" => Some(Priority::Grading),
+            _ => None,
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
     }
 }
 
@@ -86,6 +130,7 @@ struct Entry {
     n_prompt: usize,
     max_new: usize,
     in_flight: Option<u64>,
+    priority: Priority,
 }
 
 impl Entry {
@@ -94,11 +139,17 @@ impl Entry {
     }
 }
 
-/// The scheduler: waiting sessions in arrival order, active sessions, steps in flight.
+/// The scheduler: waiting sessions in arrival order per priority class, active sessions, steps
+/// in flight.
 #[derive(Debug)]
 pub struct Scheduler {
     config: SchedulerConfig,
-    waiting: VecDeque<SessionId>,
+    /// Indexed by [`Priority`].
+    waiting: [VecDeque<SessionId>; 2],
+    /// When agent work last took part in a step.
+    last_agent: Option<Instant>,
+    /// Since when grading work has been runnable without being served.
+    grading_unserved_since: Option<Instant>,
     active: BTreeMap<SessionId, Entry>,
     pending_new: BTreeMap<SessionId, Entry>,
     in_flight: BTreeMap<u64, Vec<PlanItem>>,
@@ -110,7 +161,9 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Self {
         Scheduler {
             config,
-            waiting: VecDeque::new(),
+            waiting: [VecDeque::new(), VecDeque::new()],
+            last_agent: None,
+            grading_unserved_since: None,
             active: BTreeMap::new(),
             pending_new: BTreeMap::new(),
             in_flight: BTreeMap::new(),
@@ -120,7 +173,13 @@ impl Scheduler {
     }
 
     /// Queues a session with its prompt; it generates at most `max_new` tokens.
-    pub fn add(&mut self, session: SessionId, prompt: Vec<u32>, max_new: usize) {
+    pub fn add(
+        &mut self,
+        session: SessionId,
+        prompt: Vec<u32>,
+        max_new: usize,
+        priority: Priority,
+    ) {
         let n_prompt = prompt.len();
         self.pending_new.insert(
             session,
@@ -130,13 +189,54 @@ impl Scheduler {
                 n_prompt,
                 max_new,
                 in_flight: None,
+                priority,
             },
         );
-        self.waiting.push_back(session);
+        self.waiting[priority.index()].push_back(session);
+        self.activate();
     }
 
+    /// Sessions waiting to become active, in every class.
     pub fn n_waiting(&self) -> usize {
-        self.waiting.len()
+        self.waiting.iter().map(VecDeque::len).sum()
+    }
+
+    /// Sessions of one class waiting to become active.
+    pub fn n_waiting_of(&self, priority: Priority) -> usize {
+        self.waiting[priority.index()].len()
+    }
+
+    /// Active sessions of one class.
+    pub fn n_active_of(&self, priority: Priority) -> usize {
+        self.active
+            .values()
+            .filter(|e| e.priority == priority)
+            .count()
+    }
+
+    /// Moves waiting sessions to active while there is room: agent work first; grading work
+    /// only within its own limit, so agent work always finds a free place.
+    fn activate(&mut self) {
+        while self.active.len() < self.config.max_active {
+            let Some(id) = self.waiting[Priority::Agent.index()].pop_front() else {
+                break;
+            };
+            if let Some(e) = self.pending_new.remove(&id) {
+                self.active.insert(id, e);
+            }
+        }
+        let mut n_grading = self.n_active_of(Priority::Grading);
+        while self.active.len() < self.config.max_active
+            && n_grading < self.config.grading_max_active
+        {
+            let Some(id) = self.waiting[Priority::Grading.index()].pop_front() else {
+                break;
+            };
+            if let Some(e) = self.pending_new.remove(&id) {
+                self.active.insert(id, e);
+                n_grading += 1;
+            }
+        }
     }
 
     pub fn n_active(&self) -> usize {
@@ -144,7 +244,7 @@ impl Scheduler {
     }
 
     pub fn is_idle(&self) -> bool {
-        self.waiting.is_empty() && self.active.is_empty() && self.to_release.is_empty()
+        self.n_waiting() == 0 && self.active.is_empty() && self.to_release.is_empty()
     }
 
     /// Sessions known to the scheduler (waiting or active).
@@ -152,18 +252,14 @@ impl Scheduler {
         self.active.contains_key(&session) || self.pending_new.contains_key(&session)
     }
 
-    /// The next step: running sessions' decode tokens first (each gets its one token), then
-    /// prefill chunks in arrival order within what is left of the token budget. `None` when
-    /// there is nothing to send.
-    pub fn schedule(&mut self) -> Option<StepPlan> {
-        while self.active.len() < self.config.max_active {
-            let Some(id) = self.waiting.pop_front() else {
-                break;
-            };
-            if let Some(e) = self.pending_new.remove(&id) {
-                self.active.insert(id, e);
-            }
-        }
+    /// The next step at time `now`. Agent work first: its running sessions' decode tokens
+    /// (each gets its one token), then its prefill chunks in arrival order within what is left
+    /// of the token budget. Grading work then fills the step in the same order, except that
+    /// it stays out of steps that carry agent work (unless it has waited `grading_max_wait`)
+    /// and takes at most `grading_step_tokens` while agent work is about. `None` when there
+    /// is nothing to send.
+    pub fn schedule(&mut self, now: Instant) -> Option<StepPlan> {
+        self.activate();
         let step_id = self.next_step;
         let mut budget = self.config.max_step_tokens;
         let mut items = Vec::new();
@@ -172,50 +268,49 @@ impl Scheduler {
             .len()
             .div_ceil(self.config.pipeline_depth.max(1))
             .max(1);
-        // Decode: sessions whose prompt is computed and whose last token awaits computing.
-        for (&id, e) in self.active.iter_mut() {
-            if budget == 0 || items.len() >= max_sessions {
-                break;
-            }
-            if e.in_flight.is_none()
-                && e.n_computed >= e.n_prompt
-                && e.n_computed + 1 == e.tokens.len()
-            {
-                items.push(PlanItem {
-                    session: id,
-                    start_pos: e.n_computed,
-                    tokens: vec![e.tokens[e.n_computed]],
-                    want_output: true,
-                });
-                e.in_flight = Some(step_id);
-                budget -= 1;
-            }
+        self.take(
+            Priority::Agent,
+            step_id,
+            &mut budget,
+            max_sessions,
+            &mut items,
+        );
+        let with_agent = !items.is_empty();
+        if with_agent {
+            self.last_agent = Some(now);
         }
-        // Prefill, oldest first.
-        let mut prefill: Vec<SessionId> = self
-            .active
-            .iter()
-            .filter(|(_, e)| e.in_flight.is_none() && e.n_computed < e.n_prompt)
-            .map(|(&id, _)| id)
-            .collect();
-        prefill.sort();
-        for id in prefill {
-            if budget == 0 || items.len() >= max_sessions {
-                break;
-            }
-            let e = self.active.get_mut(&id).expect("listed above");
-            let n = (e.tokens.len() - e.n_computed)
-                .min(budget)
-                .min(self.config.max_prefill_chunk);
-            let end = e.n_computed + n;
-            items.push(PlanItem {
-                session: id,
-                start_pos: e.n_computed,
-                tokens: e.tokens[e.n_computed..end].to_vec(),
-                want_output: end == e.tokens.len(),
-            });
-            e.in_flight = Some(step_id);
-            budget -= n;
+        let agent_about = self.n_waiting_of(Priority::Agent) > 0
+            || self.active.values().any(|e| e.priority == Priority::Agent)
+            || self
+                .last_agent
+                .is_some_and(|t| now.saturating_duration_since(t) < self.config.agent_guard);
+        let starving = self
+            .grading_unserved_since
+            .is_some_and(|t| now.saturating_duration_since(t) >= self.config.grading_max_wait);
+        let n_before = items.len();
+        if !with_agent || starving {
+            let mut grading_budget = if agent_about {
+                budget.min(self.config.grading_step_tokens)
+            } else {
+                budget
+            };
+            self.take(
+                Priority::Grading,
+                step_id,
+                &mut grading_budget,
+                max_sessions,
+                &mut items,
+            );
+        }
+        let grading_runnable = self.active.values().any(|e| {
+            e.priority == Priority::Grading
+                && e.in_flight.is_none()
+                && e.n_computed < e.tokens.len()
+        }) || self.n_waiting_of(Priority::Grading) > 0;
+        if items.len() > n_before || !grading_runnable {
+            self.grading_unserved_since = None;
+        } else if self.grading_unserved_since.is_none() {
+            self.grading_unserved_since = Some(now);
         }
         let release = std::mem::take(&mut self.to_release);
         if items.is_empty() && release.is_empty() {
@@ -228,6 +323,65 @@ impl Scheduler {
             items,
             release,
         })
+    }
+
+    /// Adds one class's work to a step: decode tokens first, then prefill chunks oldest first,
+    /// within `budget` tokens and `max_sessions` items in all.
+    fn take(
+        &mut self,
+        priority: Priority,
+        step_id: u64,
+        budget: &mut usize,
+        max_sessions: usize,
+        items: &mut Vec<PlanItem>,
+    ) {
+        // Decode: sessions whose prompt is computed and whose last token awaits computing.
+        for (&id, e) in self.active.iter_mut() {
+            if *budget == 0 || items.len() >= max_sessions {
+                break;
+            }
+            if e.priority == priority
+                && e.in_flight.is_none()
+                && e.n_computed >= e.n_prompt
+                && e.n_computed + 1 == e.tokens.len()
+            {
+                items.push(PlanItem {
+                    session: id,
+                    start_pos: e.n_computed,
+                    tokens: vec![e.tokens[e.n_computed]],
+                    want_output: true,
+                });
+                e.in_flight = Some(step_id);
+                *budget -= 1;
+            }
+        }
+        // Prefill, oldest first (ids grow with arrival).
+        let prefill: Vec<SessionId> = self
+            .active
+            .iter()
+            .filter(|(_, e)| {
+                e.priority == priority && e.in_flight.is_none() && e.n_computed < e.n_prompt
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in prefill {
+            if *budget == 0 || items.len() >= max_sessions {
+                break;
+            }
+            let e = self.active.get_mut(&id).expect("listed above");
+            let n = (e.tokens.len() - e.n_computed)
+                .min(*budget)
+                .min(self.config.max_prefill_chunk);
+            let end = e.n_computed + n;
+            items.push(PlanItem {
+                session: id,
+                start_pos: e.n_computed,
+                tokens: e.tokens[e.n_computed..end].to_vec(),
+                want_output: end == e.tokens.len(),
+            });
+            e.in_flight = Some(step_id);
+            *budget -= n;
+        }
     }
 
     /// Applies a step's result: `outputs` are sampled tokens, `failed` the sessions whose
@@ -300,8 +454,8 @@ impl Scheduler {
 
     /// Cancels a session wherever it is.
     pub fn abort(&mut self, session: SessionId) {
-        if self.pending_new.remove(&session).is_some() {
-            self.waiting.retain(|s| *s != session);
+        if let Some(e) = self.pending_new.remove(&session) {
+            self.waiting[e.priority.index()].retain(|s| *s != session);
             return;
         }
         self.finish(session);
@@ -315,7 +469,9 @@ impl Scheduler {
     /// Drops everything (the route broke): returns every session that was waiting or active.
     pub fn reset(&mut self) -> Vec<SessionId> {
         let mut all: Vec<SessionId> = self.active.keys().copied().collect();
-        all.extend(self.waiting.drain(..));
+        for w in &mut self.waiting {
+            all.extend(w.drain(..));
+        }
         self.active.clear();
         self.pending_new.clear();
         self.in_flight.clear();
@@ -334,12 +490,13 @@ mod tests {
             max_prefill_chunk: chunk,
             max_active: 64,
             pipeline_depth: 1,
+            ..SchedulerConfig::default()
         }
     }
 
     /// Runs a step with a fake model that always samples `7`.
     fn run(s: &mut Scheduler) -> (StepPlan, Vec<Event>) {
-        let plan = s.schedule().expect("work to do");
+        let plan = s.schedule(Instant::now()).expect("work to do");
         let outputs: Vec<(SessionId, u32)> = plan
             .items
             .iter()
@@ -360,19 +517,22 @@ mod tests {
             ..cfg(64, 64)
         });
         for i in 0..8 {
-            s.add(SessionId(i), vec![1, 2], 100);
+            s.add(SessionId(i), vec![1, 2], 100, Priority::Agent);
         }
         // Prefill in two micro-batches, then decode.
-        let a = s.schedule().unwrap();
-        let b = s.schedule().unwrap();
+        let a = s.schedule(Instant::now()).unwrap();
+        let b = s.schedule(Instant::now()).unwrap();
         assert_eq!((a.items.len(), b.items.len()), (4, 4));
-        assert!(s.schedule().is_none(), "everyone is in flight");
+        assert!(
+            s.schedule(Instant::now()).is_none(),
+            "everyone is in flight"
+        );
         let mut in_flight = std::collections::VecDeque::from([a, b]);
         for _ in 0..10 {
             let done = in_flight.pop_front().unwrap();
             let outs: Vec<(SessionId, u32)> = done.items.iter().map(|i| (i.session, 5)).collect();
             s.update_from_output(done.step_id, &outs, &[]);
-            let next = s.schedule().unwrap();
+            let next = s.schedule(Instant::now()).unwrap();
             let mut got: Vec<SessionId> = next.items.iter().map(|i| i.session).collect();
             let mut want: Vec<SessionId> = done.items.iter().map(|i| i.session).collect();
             got.sort();
@@ -388,7 +548,7 @@ mod tests {
     #[test]
     fn prompt_is_chunked_then_decoded_until_max_tokens() {
         let mut s = Scheduler::new(cfg(4, 4));
-        s.add(SessionId(1), (0..10).collect(), 3);
+        s.add(SessionId(1), (0..10).collect(), 3, Priority::Agent);
         let (p, e) = run(&mut s);
         assert_eq!(
             (
@@ -426,7 +586,7 @@ mod tests {
             session: SessionId(1),
             reason: FinishReason::Length
         }));
-        let p = s.schedule().unwrap();
+        let p = s.schedule(Instant::now()).unwrap();
         assert_eq!(p.release, vec![SessionId(1)]);
         assert!(p.items.is_empty());
         assert!(s.is_idle());
@@ -435,9 +595,9 @@ mod tests {
     #[test]
     fn a_long_prompt_does_not_stop_decoders_from_advancing_every_step() {
         let mut s = Scheduler::new(cfg(8, 8));
-        s.add(SessionId(1), vec![1, 2], 100);
+        s.add(SessionId(1), vec![1, 2], 100, Priority::Agent);
         run(&mut s);
-        s.add(SessionId(2), (0..1000).collect(), 1);
+        s.add(SessionId(2), (0..1000).collect(), 1, Priority::Agent);
         for _ in 0..20 {
             let (p, _) = run(&mut s);
             assert!(
@@ -454,10 +614,10 @@ mod tests {
     fn decoders_do_not_stop_a_prompt_from_making_progress() {
         let mut s = Scheduler::new(cfg(8, 8));
         for id in 1..=6 {
-            s.add(SessionId(id), vec![1], 1000);
+            s.add(SessionId(id), vec![1], 1000, Priority::Agent);
         }
         run(&mut s);
-        s.add(SessionId(99), (0..40).collect(), 1);
+        s.add(SessionId(99), (0..40).collect(), 1, Priority::Agent);
         let mut prefilled = 0;
         for _ in 0..30 {
             let (p, _) = run(&mut s);
@@ -474,11 +634,11 @@ mod tests {
     #[test]
     fn aborting_a_running_session_releases_it_on_the_next_plan() {
         let mut s = Scheduler::new(cfg(16, 16));
-        s.add(SessionId(1), vec![1, 2, 3], 10);
-        s.add(SessionId(2), vec![4, 5], 10);
+        s.add(SessionId(1), vec![1, 2, 3], 10, Priority::Agent);
+        s.add(SessionId(2), vec![4, 5], 10, Priority::Agent);
         run(&mut s);
         s.abort(SessionId(1));
-        let p = s.schedule().unwrap();
+        let p = s.schedule(Instant::now()).unwrap();
         assert_eq!(p.release, vec![SessionId(1)]);
         assert!(p.items.iter().all(|i| i.session == SessionId(2)));
     }
@@ -486,9 +646,9 @@ mod tests {
     #[test]
     fn a_refused_fragment_removes_only_its_session() {
         let mut s = Scheduler::new(cfg(16, 16));
-        s.add(SessionId(1), vec![1, 2, 3], 10);
-        s.add(SessionId(2), vec![4, 5], 10);
-        let p = s.schedule().unwrap();
+        s.add(SessionId(1), vec![1, 2, 3], 10, Priority::Agent);
+        s.add(SessionId(2), vec![4, 5], 10, Priority::Agent);
+        let p = s.schedule(Instant::now()).unwrap();
         let ev = s.update_from_output(p.step_id, &[(SessionId(2), 9)], &[SessionId(1)]);
         assert_eq!(
             ev,
@@ -504,7 +664,7 @@ mod tests {
     #[test]
     fn a_replayed_session_prefills_all_its_known_tokens_then_decodes_on() {
         let mut s = Scheduler::new(cfg(64, 64));
-        s.add(SessionId(1), vec![1, 2, 3], 5);
+        s.add(SessionId(1), vec![1, 2, 3], 5, Priority::Agent);
         run(&mut s);
         run(&mut s);
         // Known: 3 prompt tokens + 2 generated (7, 7); the shard lost them.
@@ -525,6 +685,123 @@ mod tests {
         assert!(!s.replay(SessionId(99)));
     }
 
+    /// Runs one step at `now` with a fake model sampling `7`; returns the sessions in it.
+    fn step_at(s: &mut Scheduler, now: Instant) -> Vec<(SessionId, usize)> {
+        let plan = s.schedule(now).expect("work to do");
+        let outputs: Vec<(SessionId, u32)> = plan
+            .items
+            .iter()
+            .filter(|i| i.want_output)
+            .map(|i| (i.session, 7))
+            .collect();
+        s.update_from_output(plan.step_id, &outputs, &[]);
+        plan.items
+            .iter()
+            .map(|i| (i.session, i.tokens.len()))
+            .collect()
+    }
+
+    fn classes() -> SchedulerConfig {
+        SchedulerConfig {
+            max_active: 4,
+            grading_max_active: 3,
+            grading_step_tokens: 4,
+            agent_guard: Duration::from_secs(2),
+            grading_max_wait: Duration::from_secs(5),
+            ..cfg(64, 64)
+        }
+    }
+
+    /// Agent work takes the place grading work cannot hold, and while it runs grading work
+    /// stays out of its steps; grading resumes, capped, once the agent work is done, and at
+    /// full speed once the guard has passed.
+    #[test]
+    fn agent_work_preempts_grading_work_which_waits_and_then_resumes() {
+        let t0 = Instant::now();
+        let mut s = Scheduler::new(classes());
+        for i in 0..5 {
+            s.add(SessionId(i), vec![1; 100], 3, Priority::Grading);
+        }
+        assert_eq!(
+            s.n_active_of(Priority::Grading),
+            3,
+            "grading keeps a place free"
+        );
+        assert_eq!(s.n_waiting_of(Priority::Grading), 2);
+        let first = step_at(&mut s, t0);
+        assert_eq!(
+            first,
+            vec![(SessionId(0), 64)],
+            "no agent about: the whole budget"
+        );
+        s.add(SessionId(10), vec![1; 6], 3, Priority::Agent);
+        assert_eq!(
+            s.n_active_of(Priority::Agent),
+            1,
+            "agent work starts at once"
+        );
+        let mut now = t0;
+        // One prefill step and two decode steps: three tokens.
+        for _ in 0..3 {
+            now += Duration::from_millis(10);
+            let items = step_at(&mut s, now);
+            assert_eq!(
+                items.iter().map(|i| i.0).collect::<Vec<_>>(),
+                vec![SessionId(10)]
+            );
+        }
+        assert_eq!(
+            s.n_active_of(Priority::Agent),
+            0,
+            "the agent session finished"
+        );
+        // Within the guard, grading steps are capped.
+        now += Duration::from_millis(10);
+        let capped = step_at(&mut s, now);
+        assert!(capped.iter().map(|i| i.1).sum::<usize>() <= 4, "{capped:?}");
+        // After it, grading takes the whole budget.
+        now += Duration::from_secs(3);
+        let full = step_at(&mut s, now);
+        assert!(full.iter().map(|i| i.1).sum::<usize>() > 4, "{full:?}");
+    }
+
+    /// A stream of agent work never starves grading work: it joins a step (capped) each time
+    /// it has waited `grading_max_wait`, and every grading session completes.
+    #[test]
+    fn grading_work_is_never_starved_by_continuous_agent_work() {
+        let mut s = Scheduler::new(classes());
+        let mut now = Instant::now();
+        s.add(SessionId(1), vec![1; 4], 2, Priority::Grading);
+        s.add(SessionId(100), vec![1], 1_000_000, Priority::Agent);
+        let mut grading_steps = Vec::new();
+        for n in 0..2000 {
+            now += Duration::from_millis(20);
+            let items = step_at(&mut s, now);
+            assert!(
+                items.iter().any(|i| i.0 == SessionId(100)),
+                "agent decodes every step"
+            );
+            let grading: usize = items
+                .iter()
+                .filter(|i| i.0 == SessionId(1))
+                .map(|i| i.1)
+                .sum();
+            assert!(grading <= 4);
+            if grading > 0 {
+                grading_steps.push(n);
+            }
+            if !s.contains(SessionId(1)) {
+                break;
+            }
+        }
+        assert!(
+            !s.contains(SessionId(1)),
+            "grading completed: served at steps {grading_steps:?}"
+        );
+        // Served once per 5 s of waiting (250 steps of 20 ms), not earlier.
+        assert!(grading_steps[0] >= 249, "{grading_steps:?}");
+    }
+
     proptest::proptest! {
         #[test]
         fn the_token_budget_is_never_exceeded(
@@ -534,10 +811,11 @@ mod tests {
         ) {
             let mut s = Scheduler::new(cfg(budget, chunk));
             for (i, n) in prompts.iter().enumerate() {
-                s.add(SessionId(i as u64), vec![1; *n], 5);
+                let class = if i % 3 == 0 { Priority::Grading } else { Priority::Agent };
+                s.add(SessionId(i as u64), vec![1; *n], 5, class);
             }
             let mut steps = 0;
-            while let Some(p) = s.schedule() {
+            while let Some(p) = s.schedule(Instant::now()) {
                 proptest::prop_assert!(p.n_tokens() <= budget);
                 for i in &p.items {
                     proptest::prop_assert!(i.tokens.len() <= chunk.max(1));

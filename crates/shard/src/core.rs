@@ -140,6 +140,7 @@ impl ShardCore {
             .model_path
             .file_stem()
             .map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned());
+        let kv_pool = model.new_pool(config.kv_budget_bytes);
         let info = ShardInfo {
             protocol_version: proto::PROTOCOL_VERSION,
             model_digest: digest.clone(),
@@ -166,6 +167,7 @@ impl ShardCore {
                 kv_bytes: config.kv_budget_bytes as u64,
                 max_sessions: config.max_sessions as u32,
                 max_step_tokens: 0,
+                kv_block_bytes: kv_pool.block_bytes() as u64,
             }),
             listen: config.label.clone(),
         };
@@ -173,7 +175,6 @@ impl ShardCore {
         drop(file);
         let counters = Arc::new(Counters::default());
         let (tx, rx) = std::sync::mpsc::channel();
-        let kv_pool = model.new_pool(config.kv_budget_bytes);
         let mut worker = Worker {
             kv_pool,
             model,

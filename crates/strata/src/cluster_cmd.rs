@@ -110,6 +110,27 @@ pub struct RouteArgs {
     /// How often the tracker probes each shard's health and stats, in milliseconds.
     #[arg(long, default_value_t = 500)]
     health_period_ms: u64,
+    /// Active sessions grading work may hold (the rest of --max-active stays for agent work).
+    #[arg(long, default_value_t = 48)]
+    grading_max_active: usize,
+    /// Tokens grading work may take per step while agent work runs or ran recently.
+    #[arg(long, default_value_t = 16)]
+    grading_step_tokens: usize,
+    /// How long after agent work grading steps stay capped, in milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    agent_guard_ms: u64,
+    /// Grading work that waited this long joins the next step even beside agent work.
+    #[arg(long, default_value_t = 2000)]
+    grading_max_wait_ms: u64,
+    /// Requests that may wait for a place on the route: agent queue.
+    #[arg(long, default_value_t = 64)]
+    agent_queue: usize,
+    /// Requests that may wait for a place on the route: grading queue.
+    #[arg(long, default_value_t = 256)]
+    grading_queue: usize,
+    /// Largest share of a class's places (active plus queued) one API key may hold.
+    #[arg(long, default_value_t = 0.5)]
+    key_share: f64,
 }
 
 impl RouteArgs {
@@ -122,12 +143,24 @@ impl RouteArgs {
         if self.max_step_tokens == 0 || self.prefill_chunk == 0 || self.max_active == 0 {
             bail!("`--max-step-tokens`, `--prefill-chunk` and `--max-active` must be at least 1");
         }
+        if !(self.key_share > 0.0 && self.key_share <= 1.0) {
+            bail!("`--key-share` must be in (0, 1], got {}", self.key_share);
+        }
         Ok(tracker::TrackerConfig {
             scheduler: engine::SchedulerConfig {
                 max_step_tokens: self.max_step_tokens,
                 max_prefill_chunk: self.prefill_chunk,
                 max_active: self.max_active,
                 pipeline_depth: self.pipeline_depth,
+                grading_max_active: self.grading_max_active.min(self.max_active),
+                grading_step_tokens: self.grading_step_tokens.max(1),
+                agent_guard: Duration::from_millis(self.agent_guard_ms),
+                grading_max_wait: Duration::from_millis(self.grading_max_wait_ms),
+            },
+            admission: engine::AdmissionConfig {
+                queue_slots: [self.agent_queue, self.grading_queue],
+                key_share: self.key_share,
+                ..engine::AdmissionConfig::default()
             },
             seam,
             health_period: Duration::from_millis(self.health_period_ms.max(10)),

@@ -77,6 +77,58 @@ impl ApiError {
         }
     }
 
+    /// A request that could never fit, whatever else ran (terminal).
+    pub fn too_large(limit: &str, message: impl Into<String>) -> Self {
+        ApiError {
+            status: 413,
+            reason: "too_large",
+            message: message.into(),
+            limit: Some(limit.to_string()),
+            retry_after: None,
+            param: Some("max_tokens".into()),
+        }
+    }
+
+    /// A usage budget (API key tokens) that is spent: 429, distinct from capacity.
+    pub fn budget(limit: &str, message: impl Into<String>, retry_after: Option<u64>) -> Self {
+        ApiError {
+            status: 429,
+            reason: "budget",
+            message: message.into(),
+            limit: Some(limit.to_string()),
+            retry_after,
+            param: None,
+        }
+    }
+
+    pub fn retry_after(mut self, secs: Option<u64>) -> Self {
+        self.retry_after = secs;
+        self
+    }
+
+    /// The refusal's class for metrics: `budget` (429), `capacity` (5xx: may fit later),
+    /// `invalid` (other 4xx: never will as sent).
+    pub fn class(&self) -> &'static str {
+        match self.status {
+            429 => "budget",
+            s if s >= 500 => "capacity",
+            _ => "invalid",
+        }
+    }
+
+    /// Counts this refusal in `strata_refusals_total` by reason, class and priority.
+    pub fn count(&self, metrics: &crate::Metrics, priority: engine::Priority) {
+        metrics.inc(
+            "strata_refusals_total",
+            &[
+                ("reason", self.reason),
+                ("class", self.class()),
+                ("priority", priority.name()),
+            ],
+            1.0,
+        );
+    }
+
     /// A refusal a shard sent for one fragment.
     pub fn from_shard_refusal(reason: &str, message: &str) -> Self {
         let (status, reason, retry): (u16, &'static str, Option<u64>) = match reason {

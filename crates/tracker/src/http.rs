@@ -7,7 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -22,6 +22,7 @@ use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::request::{validate, Endpoint, PromptInput, ValidRequest};
 use crate::runner::{Command, Job, SessionEvent, TokenLogprob};
+use engine::Priority;
 
 /// What the handlers share (all immutable or internally synchronized).
 pub struct AppState {
@@ -57,12 +58,47 @@ fn parse_body(bytes: &Bytes) -> Result<Value, ApiError> {
         .map_err(|e| ApiError::invalid("body", format!("the request body is not valid JSON: {e}")))
 }
 
-async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
-    handle(s, Endpoint::Completions, body).await
+async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    handle(s, Endpoint::Completions, &headers, body).await
 }
 
-async fn chat_completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
-    handle(s, Endpoint::Chat, body).await
+async fn chat_completions(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    handle(s, Endpoint::Chat, &headers, body).await
+}
+
+/// The priority class: the request's `priority` field, else the `x-strata-priority` header,
+/// else agent.
+fn priority_of(req: &ValidRequest, headers: &HeaderMap) -> Result<Priority, ApiError> {
+    if let Some(p) = req.priority {
+        return Ok(p);
+    }
+    match headers.get("x-strata-priority") {
+        None => Ok(Priority::Agent),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|v| Priority::parse(v.trim()))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "x-strata-priority",
+                    "the x-strata-priority header must be \"agent\" or \"grading\"",
+                )
+            }),
+    }
+}
+
+/// The API key from `Authorization: Bearer <key>` ("" when there is none).
+fn api_key(headers: &HeaderMap) -> String {
+    headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|k| k.trim().to_string())
+        .unwrap_or_default()
 }
 
 /// Prompt ids for a validated request.
@@ -100,10 +136,17 @@ fn tokenize(s: &AppState, req: &ValidRequest) -> Result<Vec<u32>, ApiError> {
     Ok(ids)
 }
 
-async fn handle(s: Arc<AppState>, endpoint: Endpoint, body: Bytes) -> Response {
+async fn handle(
+    s: Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Response {
+    let mut priority = Priority::Agent;
     let result = async {
         let body = parse_body(&body)?;
         let req = validate(endpoint, &body)?;
+        priority = priority_of(&req, headers)?;
         if let Some(m) = &req.model {
             if m != &s.model_id && m != &s.cluster.model_name {
                 return Err(ApiError::not_found_model(m, &s.model_id));
@@ -144,6 +187,8 @@ async fn handle(s: Arc<AppState>, endpoint: Endpoint, body: Bytes) -> Response {
             stop: req.stop.clone(),
             logprobs: req.logprobs,
             ignore_eos: req.ignore_eos,
+            priority,
+            key: api_key(headers),
         };
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         let (acc_tx, acc_rx) = oneshot::channel();
@@ -166,13 +211,7 @@ async fn handle(s: Arc<AppState>, endpoint: Endpoint, body: Bytes) -> Response {
                 &[("status", &e.status.to_string())],
                 1.0,
             );
-            if e.status == 400 || e.status == 404 {
-                s.metrics.inc(
-                    "strata_refusals_total",
-                    &[("reason", e.reason), ("class", "invalid")],
-                    1.0,
-                );
-            }
+            e.count(&s.metrics, priority);
             e.into_response()
         }
         Ok((req, id, events)) => {

@@ -34,6 +34,9 @@ pub struct TrackerConfig {
     pub startup_wait: Duration,
     pub health_period: Duration,
     pub default_chat_max_tokens: usize,
+    /// Queue places per class, key share and retry hint; the active places per class are the
+    /// scheduler's `max_active` and `grading_max_active`.
+    pub admission: engine::AdmissionConfig,
 }
 
 impl Default for TrackerConfig {
@@ -47,6 +50,7 @@ impl Default for TrackerConfig {
             startup_wait: Duration::from_secs(60),
             health_period: Duration::from_millis(500),
             default_chat_max_tokens: 512,
+            admission: engine::AdmissionConfig::default(),
         }
     }
 }
@@ -177,16 +181,16 @@ fn declare(m: &Metrics) {
     ] {
         m.describe(name, kind, help);
     }
-    m.inc(
-        "strata_refusals_total",
-        &[("reason", "capacity"), ("class", "capacity")],
-        0.0,
-    );
-    m.inc(
-        "strata_refusals_total",
-        &[("reason", "budget"), ("class", "budget")],
-        0.0,
-    );
+    // Both refusal classes exist from the start, for every priority class.
+    for p in engine::Priority::ALL {
+        for class in ["capacity", "budget"] {
+            m.inc(
+                "strata_refusals_total",
+                &[("reason", class), ("class", class), ("priority", p.name())],
+                0.0,
+            );
+        }
+    }
 }
 
 /// A tracker whose route was validated, ready to serve HTTP.
@@ -228,6 +232,29 @@ impl Tracker {
             health_tx,
             Arc::clone(&metrics),
         ));
+        let admission = engine::Admission::new(
+            cluster
+                .infos
+                .iter()
+                .map(|i| {
+                    let b = i.budgets.unwrap_or_default();
+                    engine::ShardBudget {
+                        address: i.listen.clone(),
+                        kv_budget_bytes: b.kv_bytes,
+                        kv_block_bytes: b.kv_block_bytes,
+                        block_positions: i.recipe.as_ref().map_or(16, |r| r.block_size),
+                        max_sessions: b.max_sessions,
+                    }
+                })
+                .collect(),
+            engine::AdmissionConfig {
+                active_slots: [
+                    config.scheduler.max_active,
+                    config.scheduler.grading_max_active,
+                ],
+                ..config.admission.clone()
+            },
+        );
         let (cmd_tx, cmd_rx) = mpsc::channel(1024);
         let (route_tx, mut route_rx) = watch::channel(false);
         let runner = runner::Runner::new(
@@ -249,6 +276,7 @@ impl Tracker {
             Arc::clone(&metrics),
             health_rx.clone(),
             route_tx,
+            admission,
         );
         tokio::spawn(runner.run(cmd_rx));
         // Ready means the route is open end to end, not just that the shards answered.

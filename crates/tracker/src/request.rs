@@ -47,6 +47,8 @@ pub struct ValidRequest {
     pub return_token_ids: bool,
     /// Keep generating past end-of-sequence tokens (vLLM's `ignore_eos`; for benchmarks).
     pub ignore_eos: bool,
+    /// `priority`: `agent` or `grading` (the header `x-strata-priority` is used when absent).
+    pub priority: Option<engine::Priority>,
 }
 
 fn number(body: &Value, key: &str, min: f64, max: f64) -> Result<Option<f64>, ApiError> {
@@ -303,6 +305,19 @@ pub fn validate(endpoint: Endpoint, body: &Value) -> Result<ValidRequest, ApiErr
         logprobs,
         return_token_ids: boolean(body, "return_token_ids")?.unwrap_or(false),
         ignore_eos: boolean(body, "ignore_eos")?.unwrap_or(false),
+        priority: match body.get("priority") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(
+                v.as_str()
+                    .and_then(engine::Priority::parse)
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "priority",
+                            format!("`priority` must be \"agent\" or \"grading\", got {v}"),
+                        )
+                    })?,
+            ),
+        },
     })
 }
 

@@ -6,7 +6,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::{Event, FinishReason, PlanItem, Scheduler, SchedulerConfig, SessionId};
+use engine::{
+    Admission, Demand, Event, FinishReason, PlanItem, Priority, RefusalKind, Scheduler,
+    SchedulerConfig, SessionId,
+};
 use futures::StreamExt;
 use proto::v1::{route_msg, Fragment, RouteMsg, RouteReply, Sampling, SeamDtype, Step};
 use proto::ReplyStream;
@@ -26,6 +29,9 @@ pub struct Job {
     pub stop: Vec<String>,
     pub logprobs: Option<u32>,
     pub ignore_eos: bool,
+    pub priority: Priority,
+    /// The caller's API key ("" when anonymous).
+    pub key: String,
 }
 
 /// One generated token's log-probabilities, as text.
@@ -91,6 +97,7 @@ struct Live {
     logprobs: Option<u32>,
     sampling: Sampling,
     ignore_eos: bool,
+    priority: Priority,
 }
 
 struct Link {
@@ -107,6 +114,8 @@ pub struct Runner {
     /// Published: whether the route is open.
     route_up: watch::Sender<bool>,
     scheduler: Scheduler,
+    /// What admitted sessions reserved on every shard; released when they leave `live`.
+    admission: Admission,
     live: HashMap<SessionId, Live>,
     next_id: u64,
     epoch: u64,
@@ -138,9 +147,11 @@ impl Runner {
         metrics: Arc<Metrics>,
         health: watch::Receiver<Health>,
         route_up: watch::Sender<bool>,
+        admission: Admission,
     ) -> Runner {
         Runner {
             route_up,
+            admission,
             scheduler: Scheduler::new(config.scheduler),
             config,
             cluster,
@@ -167,7 +178,7 @@ impl Runner {
             while self.link.is_some()
                 && self.in_flight.len() < self.config.scheduler.pipeline_depth.max(1)
             {
-                let Some(plan) = self.scheduler.schedule() else {
+                let Some(plan) = self.scheduler.schedule(Instant::now()) else {
                     break;
                 };
                 self.send(plan).await;
@@ -341,19 +352,31 @@ impl Runner {
                 events,
                 accepted,
             } => {
+                // Refusals are counted where they are answered (the HTTP handler).
                 if let Some(reason) = &self.down_reason {
-                    self.metrics.inc(
-                        "strata_refusals_total",
-                        &[("reason", reason.reason), ("class", "capacity")],
-                        1.0,
-                    );
                     let _ = accepted.send(Err(reason.clone()));
                     return;
                 }
                 let id = SessionId(self.next_id);
+                let demand = Demand {
+                    n_positions: job.prompt_ids.len() + job.max_tokens,
+                    priority: job.priority,
+                    key: &job.key,
+                };
+                let queued = self.scheduler.n_waiting_of(job.priority);
+                if let Err(r) = self.admission.admit(id, &demand, queued) {
+                    let err = match r.kind {
+                        RefusalKind::Capacity => {
+                            ApiError::capacity(&r.limit, r.message).retry_after(r.retry_after_secs)
+                        }
+                        RefusalKind::TooLarge => ApiError::too_large(&r.limit, r.message),
+                    };
+                    let _ = accepted.send(Err(err));
+                    return;
+                }
                 self.next_id += 1;
                 self.scheduler
-                    .add(id, job.prompt_ids.clone(), job.max_tokens);
+                    .add(id, job.prompt_ids.clone(), job.max_tokens, job.priority);
                 self.live.insert(
                     id,
                     Live {
@@ -368,6 +391,7 @@ impl Runner {
                         logprobs: job.logprobs,
                         sampling: job.sampling,
                         ignore_eos: job.ignore_eos,
+                        priority: job.priority,
                     },
                 );
                 let _ = accepted.send(Ok(id));
@@ -376,8 +400,14 @@ impl Runner {
         }
     }
 
+    /// Removes a session from the live set and returns what it reserved at admission.
+    fn forget(&mut self, id: SessionId) -> Option<Live> {
+        self.admission.release(id);
+        self.live.remove(&id)
+    }
+
     fn cancel(&mut self, id: SessionId) {
-        if self.live.remove(&id).is_some() {
+        if self.forget(id).is_some() {
             self.scheduler.abort(id);
             self.metrics.inc("strata_cancelled_total", &[], 1.0);
         }
@@ -436,7 +466,8 @@ impl Runner {
         self.metrics
             .inc("strata_failures_total", &[("kind", err.reason)], 1.0);
         self.scheduler.reset();
-        for (_, l) in self.live.drain() {
+        for (id, l) in self.live.drain() {
+            self.admission.release(id);
             let _ = l.events.send(SessionEvent::Error(err.clone()));
         }
         self.down_reason = Some(err);
@@ -474,12 +505,8 @@ impl Runner {
             }
             failed.push(id);
             let err = ApiError::from_shard_refusal(&e.reason, &e.message);
-            self.metrics.inc(
-                "strata_refusals_total",
-                &[("reason", err.reason), ("class", "capacity")],
-                1.0,
-            );
-            if let Some(l) = self.live.remove(&id) {
+            if let Some(l) = self.forget(id) {
+                err.count(&self.metrics, l.priority);
                 let _ = l.events.send(SessionEvent::Error(err));
             }
         }
@@ -593,7 +620,7 @@ impl Runner {
                     logprob,
                 });
                 self.scheduler.finish(id);
-                if let Some(l) = self.live.remove(&id) {
+                if let Some(l) = self.forget(id) {
                     self.done(l, "stop");
                 }
             }
@@ -601,7 +628,7 @@ impl Runner {
     }
 
     fn finish(&mut self, id: SessionId, reason: &'static str) {
-        let Some(mut live) = self.live.remove(&id) else {
+        let Some(mut live) = self.forget(id) else {
             return;
         };
         if reason == "length" {
