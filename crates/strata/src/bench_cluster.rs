@@ -253,7 +253,7 @@ pub fn run(
     };
     println!(
         "  queue depth now {}, route failures {}, refusals {}",
-        counter("strata_queue_depth "),
+        counter("strata_queue_depth"),
         counter("strata_failures_total"),
         counter("strata_refusals_total")
     );

@@ -111,8 +111,31 @@ fn declare(m: &Metrics) {
             "histogram",
             "compute time per shard and step",
         ),
-        ("strata_queue_depth", "gauge", "sessions waiting to start"),
-        ("strata_active_sessions", "gauge", "sessions on the route"),
+        (
+            "strata_queue_depth",
+            "gauge",
+            "sessions admitted and waiting for a place on the route, by priority",
+        ),
+        (
+            "strata_queue_wait_seconds",
+            "histogram",
+            "time from admission to a session's first step, by priority",
+        ),
+        (
+            "strata_active_sessions",
+            "gauge",
+            "sessions on the route, by priority",
+        ),
+        (
+            "strata_admission_kv_reserved_bytes",
+            "gauge",
+            "KV bytes admitted sessions reserved on each shard",
+        ),
+        (
+            "strata_admission_kv_budget_bytes",
+            "gauge",
+            "KV budget of each shard as admission counts it",
+        ),
         (
             "strata_steps_in_flight",
             "gauge",

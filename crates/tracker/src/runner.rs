@@ -98,6 +98,8 @@ struct Live {
     sampling: Sampling,
     ignore_eos: bool,
     priority: Priority,
+    /// Admitted and not yet part of any step.
+    queued: bool,
 }
 
 struct Link {
@@ -183,13 +185,22 @@ impl Runner {
                 };
                 self.send(plan).await;
             }
-            self.metrics
-                .set("strata_queue_depth", &[], self.scheduler.n_waiting() as f64);
-            self.metrics.set(
-                "strata_active_sessions",
-                &[],
-                self.scheduler.n_active() as f64,
-            );
+            for p in Priority::ALL {
+                let labels = [("priority", p.name())];
+                let waiting = self.scheduler.n_waiting_of(p) as f64;
+                self.metrics.set("strata_queue_depth", &labels, waiting);
+                let active = self.scheduler.n_active_of(p) as f64;
+                self.metrics.set("strata_active_sessions", &labels, active);
+            }
+            let reserved = self.admission.reserved_kv_bytes();
+            for (s, r) in self.admission.shards().iter().zip(reserved) {
+                let labels = [("shard", s.address.as_str())];
+                self.metrics
+                    .set("strata_admission_kv_reserved_bytes", &labels, r as f64);
+                let budget = s.kv_budget_bytes as f64;
+                self.metrics
+                    .set("strata_admission_kv_budget_bytes", &labels, budget);
+            }
             self.metrics
                 .set("strata_steps_in_flight", &[], self.in_flight.len() as f64);
             let Some(oldest) = self.in_flight.front() else {
@@ -292,6 +303,17 @@ impl Runner {
             self.route_failed(ApiError::shard_failed(&shard, "the route stream closed"));
             return;
         }
+        for item in &plan.items {
+            if let Some(l) = self.live.get_mut(&item.session).filter(|l| l.queued) {
+                l.queued = false;
+                self.metrics.observe(
+                    "strata_queue_wait_seconds",
+                    &[("priority", l.priority.name())],
+                    LATENCY_BUCKETS,
+                    l.started.elapsed().as_secs_f64(),
+                );
+            }
+        }
         if !plan.items.is_empty() {
             self.metrics
                 .observe("strata_batch_tokens", &[], COUNT_BUCKETS, n_tokens as f64);
@@ -392,6 +414,7 @@ impl Runner {
                         sampling: job.sampling,
                         ignore_eos: job.ignore_eos,
                         priority: job.priority,
+                        queued: true,
                     },
                 );
                 let _ = accepted.send(Ok(id));
