@@ -153,8 +153,18 @@ pub struct SseStream {
 impl SseStream {
     /// Opens a streaming POST.
     pub fn open(addr: &str, path: &str, body: &serde_json::Value) -> std::io::Result<SseStream> {
+        SseStream::open_with(addr, path, body, &[])
+    }
+
+    /// Opens a streaming POST with extra headers.
+    pub fn open_with(
+        addr: &str,
+        path: &str,
+        body: &serde_json::Value,
+        headers: &[(&str, &str)],
+    ) -> std::io::Result<SseStream> {
         let mut s = connect(addr)?;
-        send(&mut s, "POST", addr, path, Some(&body.to_string()), &[])?;
+        send(&mut s, "POST", addr, path, Some(&body.to_string()), headers)?;
         let mut reader = BufReader::new(s);
         let (status, headers) = read_head(&mut reader)?;
         Ok(SseStream {

@@ -131,6 +131,12 @@ pub struct RouteArgs {
     /// Largest share of a class's places (active plus queued) one API key may hold.
     #[arg(long, default_value_t = 0.5)]
     key_share: f64,
+    /// SQLite file recording every accepted request's usage per API key (created if absent).
+    #[arg(long)]
+    ledger: Option<PathBuf>,
+    /// API keys with token budgets, one per line: `NAME SECRET BUDGET_TOKENS` (needs --ledger).
+    #[arg(long)]
+    api_keys: Option<PathBuf>,
 }
 
 impl RouteArgs {
@@ -143,6 +149,21 @@ impl RouteArgs {
         if self.max_step_tokens == 0 || self.prefill_chunk == 0 || self.max_active == 0 {
             bail!("`--max-step-tokens`, `--prefill-chunk` and `--max-active` must be at least 1");
         }
+        let keys = match &self.api_keys {
+            Some(p) => tracker::ledger::parse_keys(
+                &std::fs::read_to_string(p)
+                    .with_context(|| format!("reading API keys from {}", p.display()))?,
+            )
+            .map_err(|e| anyhow!("{}: {e}", p.display()))?,
+            None => Vec::new(),
+        };
+        let ledger = match &self.ledger {
+            Some(p) => Some(Arc::new(
+                tracker::ledger::Ledger::open(p, keys).map_err(|e| anyhow!(e))?,
+            )),
+            None if !keys.is_empty() => bail!("`--api-keys` needs `--ledger` to record usage"),
+            None => None,
+        };
         if !(self.key_share > 0.0 && self.key_share <= 1.0) {
             bail!("`--key-share` must be in (0, 1], got {}", self.key_share);
         }
@@ -164,6 +185,7 @@ impl RouteArgs {
             },
             seam,
             health_period: Duration::from_millis(self.health_period_ms.max(10)),
+            ledger,
             ..tracker::TrackerConfig::default()
         })
     }

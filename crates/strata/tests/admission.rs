@@ -319,3 +319,99 @@ fn agent_latency_holds_under_a_grading_burst() {
     );
     assert_eq!(metric_sum(&t.addr, "strata_swaps_total"), 0.0);
 }
+
+/// API keys with token budgets and a durable usage ledger: unknown keys are refused (401), a
+/// key over its budget gets `budget` (429, terminal), distinct from `capacity`; after the
+/// tracker is killed with SIGKILL mid-request and restarted on the same ledger, every accepted
+/// request is there: the finished ones charged what they used, the interrupted one its
+/// reservation.
+#[test]
+fn the_usage_ledger_survives_kill_9_and_budgets_are_refused_as_budget() {
+    let _serial = serial();
+    let dir = std::env::temp_dir().join(format!("strata-ledger-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let db = dir.join("ledger.sqlite");
+    let keys = dir.join("keys");
+    std::fs::write(&keys, "alice sk-alice-0123 100000\nbob sk-bob-4567 50\n").unwrap();
+    let flags = [
+        "--ledger",
+        db.to_str().unwrap(),
+        "--api-keys",
+        keys.to_str().unwrap(),
+    ];
+    let t = serve(1, &flags);
+    let alice = [("authorization", "Bearer sk-alice-0123")];
+    let bob = [("authorization", "Bearer sk-bob-4567")];
+    let short = json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0});
+
+    let (status, body, _) = complete(&t.addr, &short, &[]);
+    assert_eq!(
+        (status, body["error"]["reason"].as_str()),
+        (401, Some("unauthorized"))
+    );
+
+    let mut used = 0;
+    let mut prompt_tokens = 0;
+    for _ in 0..3 {
+        let (status, body, _) = complete(&t.addr, &short, &alice);
+        assert_eq!(status, 200, "{body}");
+        used += body["usage"]["total_tokens"].as_u64().unwrap();
+        prompt_tokens = body["usage"]["prompt_tokens"].as_u64().unwrap();
+    }
+    let (status, body, retry) = complete(
+        &t.addr,
+        &json!({"prompt": "The capital of France is", "max_tokens": 60}),
+        &bob,
+    );
+    let e = &body["error"];
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(e["reason"], "budget");
+    assert_eq!(e["limit"], "token_budget[bob]");
+    assert_eq!(e["retryable"], false);
+    assert!(retry.is_none());
+    assert!(
+        metric_sum(
+            &t.addr,
+            "strata_refusals_total{reason=\"budget\",class=\"budget\""
+        ) >= 1.0
+    );
+    assert_eq!(
+        metric_sum(
+            &t.addr,
+            "strata_refusals_total{reason=\"capacity\",class=\"capacity\""
+        ),
+        0.0,
+        "a budget refusal is not a capacity refusal"
+    );
+
+    // A long request is in flight when the tracker dies.
+    let mut long = SseStream::open_with(
+        &t.addr,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 200, "ignore_eos": true, "stream": true}),
+        &alice,
+    )
+    .unwrap();
+    assert_eq!(long.status, 200);
+    for _ in 0..3 {
+        assert!(long.next_data().is_some());
+    }
+    t.signal(9);
+    drop(t);
+    drop(long);
+
+    let t = serve(1, &flags);
+    let r = request("GET", &t.addr, "/v1/usage", None, &alice).unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let u = r.json();
+    println!("alice after the restart: {u}");
+    assert_eq!(u["requests"], json!({"done": 3, "interrupted": 1}));
+    assert_eq!(
+        u["charged_tokens"].as_u64().unwrap(),
+        used + prompt_tokens + 200,
+        "finished requests charged what they used, the interrupted one its reservation"
+    );
+    assert_eq!(u["reserved_tokens"], 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -89,14 +89,27 @@ impl ApiError {
         }
     }
 
-    /// A usage budget (API key tokens) that is spent: 429, distinct from capacity.
-    pub fn budget(limit: &str, message: impl Into<String>, retry_after: Option<u64>) -> Self {
+    /// A usage budget (API key tokens) that is spent: 429, distinct from capacity, and
+    /// terminal until an operator raises the budget.
+    pub fn budget(limit: &str, message: impl Into<String>) -> Self {
         ApiError {
             status: 429,
             reason: "budget",
             message: message.into(),
             limit: Some(limit.to_string()),
-            retry_after,
+            retry_after: None,
+            param: None,
+        }
+    }
+
+    /// No or an unknown API key where keys are configured.
+    pub fn unauthorized() -> Self {
+        ApiError {
+            status: 401,
+            reason: "unauthorized",
+            message: "a valid API key is required (Authorization: Bearer <key>)".into(),
+            limit: None,
+            retry_after: None,
             param: None,
         }
     }
@@ -150,13 +163,15 @@ impl ApiError {
         }
     }
 
+    /// Whether the same request may succeed later; a spent budget stays spent.
     pub fn retryable(&self) -> bool {
-        matches!(self.status, 409 | 429 | 503)
+        matches!(self.status, 409 | 503) || (self.status == 429 && self.reason != "budget")
     }
 
     fn error_type(&self) -> &'static str {
         match self.status {
             400 | 404 | 413 => "invalid_request_error",
+            401 => "authentication_error",
             429 => "rate_limit_error",
             _ => "server_error",
         }

@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::cluster::{Cluster, Health};
 use crate::error::ApiError;
+use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::request::{validate, Endpoint, PromptInput, ValidRequest};
 use crate::runner::{Command, Job, SessionEvent, TokenLogprob};
@@ -35,6 +36,7 @@ pub struct AppState {
     pub model_id: String,
     /// `max_tokens` when a chat request gives none.
     pub default_chat_max_tokens: usize,
+    pub ledger: Option<Arc<Ledger>>,
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -42,6 +44,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/usage", get(usage_of_key))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .with_state(state)
@@ -91,8 +94,8 @@ fn priority_of(req: &ValidRequest, headers: &HeaderMap) -> Result<Priority, ApiE
     }
 }
 
-/// The API key from `Authorization: Bearer <key>` ("" when there is none).
-fn api_key(headers: &HeaderMap) -> String {
+/// The secret from `Authorization: Bearer <key>` ("" when there is none).
+fn bearer(headers: &HeaderMap) -> String {
     headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
@@ -152,6 +155,11 @@ async fn handle(
                 return Err(ApiError::not_found_model(m, &s.model_id));
             }
         }
+        // Without a ledger there are no keys; with one, the key must be known.
+        let key = match &s.ledger {
+            Some(l) => Some(l.authenticate(&bearer(headers))?),
+            None => None,
+        };
         let prompt_ids = tokenize(&s, &req)?;
         let n_ctx = s.cluster.n_ctx;
         let max_tokens = match (req.max_tokens, endpoint) {
@@ -188,8 +196,23 @@ async fn handle(
             logprobs: req.logprobs,
             ignore_eos: req.ignore_eos,
             priority,
-            key: api_key(headers),
+            key: key.as_ref().map(|k| k.name.clone()).unwrap_or_default(),
+            ledger_row: None,
         };
+        // The ledger row is committed before the request is submitted: an accepted request
+        // is never lost, whatever happens to this process afterwards.
+        let (ledger_row, ledger) = match (&s.ledger, key) {
+            (Some(l), Some(k)) => {
+                let (l2, prompt, max) = (Arc::clone(l), job.prompt_ids.len() as u64, job.max_tokens as u64);
+                let row = tokio::task::spawn_blocking(move || l2.reserve(&k, prompt, max))
+                    .await
+                    .map_err(|_| ApiError::unavailable("the usage ledger stopped"))??;
+                (Some(row), Some(Arc::clone(l)))
+            }
+            _ => (None, None),
+        };
+        let job = Job { ledger_row, ..job };
+        let n_prompt = job.prompt_ids.len() as u64;
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         let (acc_tx, acc_rx) = oneshot::channel();
         s.commands
@@ -200,7 +223,16 @@ async fn handle(
             })
             .await
             .map_err(|_| ApiError::unavailable("the scheduler is shutting down"))?;
-        let id = acc_rx.await.map_err(|_| ApiError::unavailable("the scheduler is shutting down"))??;
+        let accepted = acc_rx.await.map_err(|_| ApiError::unavailable("the scheduler is shutting down"));
+        let id = match accepted.and_then(|a| a) {
+            Ok(id) => id,
+            Err(e) => {
+                if let (Some(l), Some(row)) = (ledger, ledger_row) {
+                    l.settle(row, n_prompt, 0, "refused");
+                }
+                return Err(e);
+            }
+        };
         Ok((req, id, events_rx))
     }
     .await;
@@ -462,6 +494,34 @@ fn stream_response(
         Some((Ok(ev), st))
     });
     Sse::new(body).keep_alive(KeepAlive::default())
+}
+
+/// A key's usage and budget: `GET /v1/usage` with its bearer secret.
+async fn usage_of_key(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let Some(ledger) = &s.ledger else {
+        return ApiError::invalid(
+            "ledger",
+            "this tracker keeps no usage ledger (start it with --ledger)",
+        )
+        .into_response();
+    };
+    let key = match ledger.authenticate(&bearer(&headers)) {
+        Ok(k) => k,
+        Err(e) => return e.into_response(),
+    };
+    let l = Arc::clone(ledger);
+    match tokio::task::spawn_blocking(move || l.usage(&key)).await {
+        Ok(Ok(u)) => Json(json!({
+            "key": u.key,
+            "budget_tokens": (u.budget_tokens != u64::MAX).then_some(u.budget_tokens),
+            "charged_tokens": u.charged_tokens,
+            "reserved_tokens": u.reserved_tokens,
+            "requests": u.requests.into_iter().map(|(k, v)| (k, json!(v))).collect::<serde_json::Map<_, _>>(),
+        }))
+        .into_response(),
+        Ok(Err(e)) => ApiError::unavailable(e).into_response(),
+        Err(_) => ApiError::unavailable("the usage ledger stopped").into_response(),
+    }
 }
 
 async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {

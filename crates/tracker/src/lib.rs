@@ -9,6 +9,7 @@
 mod cluster;
 mod error;
 mod http;
+pub mod ledger;
 mod metrics;
 mod request;
 mod runner;
@@ -37,6 +38,8 @@ pub struct TrackerConfig {
     /// Queue places per class, key share and retry hint; the active places per class are the
     /// scheduler's `max_active` and `grading_max_active`.
     pub admission: engine::AdmissionConfig,
+    /// The durable usage ledger with API keys and budgets, when one is configured.
+    pub ledger: Option<Arc<ledger::Ledger>>,
 }
 
 impl Default for TrackerConfig {
@@ -51,6 +54,7 @@ impl Default for TrackerConfig {
             health_period: Duration::from_millis(500),
             default_chat_max_tokens: 512,
             admission: engine::AdmissionConfig::default(),
+            ledger: None,
         }
     }
 }
@@ -300,6 +304,7 @@ impl Tracker {
             health_rx.clone(),
             route_tx,
             admission,
+            config.ledger.clone(),
         );
         tokio::spawn(runner.run(cmd_rx));
         // Ready means the route is open end to end, not just that the shards answered.
@@ -317,6 +322,7 @@ impl Tracker {
             health: health_rx,
             model_id,
             default_chat_max_tokens: config.default_chat_max_tokens,
+            ledger: config.ledger,
         });
         Ok(Tracker { state })
     }

@@ -30,8 +30,10 @@ pub struct Job {
     pub logprobs: Option<u32>,
     pub ignore_eos: bool,
     pub priority: Priority,
-    /// The caller's API key ("" when anonymous).
+    /// The caller's API key name ("" when there is no ledger).
     pub key: String,
+    /// The request's row in the usage ledger, settled when the session ends.
+    pub ledger_row: Option<i64>,
 }
 
 /// One generated token's log-probabilities, as text.
@@ -100,6 +102,7 @@ struct Live {
     priority: Priority,
     /// Admitted and not yet part of any step.
     queued: bool,
+    ledger_row: Option<i64>,
 }
 
 struct Link {
@@ -118,6 +121,7 @@ pub struct Runner {
     scheduler: Scheduler,
     /// What admitted sessions reserved on every shard; released when they leave `live`.
     admission: Admission,
+    ledger: Option<Arc<crate::ledger::Ledger>>,
     live: HashMap<SessionId, Live>,
     next_id: u64,
     epoch: u64,
@@ -150,10 +154,12 @@ impl Runner {
         health: watch::Receiver<Health>,
         route_up: watch::Sender<bool>,
         admission: Admission,
+        ledger: Option<Arc<crate::ledger::Ledger>>,
     ) -> Runner {
         Runner {
             route_up,
             admission,
+            ledger,
             scheduler: Scheduler::new(config.scheduler),
             config,
             cluster,
@@ -415,6 +421,7 @@ impl Runner {
                         ignore_eos: job.ignore_eos,
                         priority: job.priority,
                         queued: true,
+                        ledger_row: job.ledger_row,
                     },
                 );
                 let _ = accepted.send(Ok(id));
@@ -423,14 +430,23 @@ impl Runner {
         }
     }
 
-    /// Removes a session from the live set and returns what it reserved at admission.
-    fn forget(&mut self, id: SessionId) -> Option<Live> {
+    /// Removes a session from the live set, returns what it reserved at admission and settles
+    /// its usage (`status`: done, cancelled or failed).
+    fn forget(&mut self, id: SessionId, status: &'static str) -> Option<Live> {
         self.admission.release(id);
-        self.live.remove(&id)
+        let live = self.live.remove(&id)?;
+        self.settle(&live, status);
+        Some(live)
+    }
+
+    fn settle(&self, live: &Live, status: &'static str) {
+        if let (Some(ledger), Some(row)) = (&self.ledger, live.ledger_row) {
+            ledger.settle(row, live.n_prompt as u64, live.n_generated as u64, status);
+        }
     }
 
     fn cancel(&mut self, id: SessionId) {
-        if self.forget(id).is_some() {
+        if self.forget(id, "cancelled").is_some() {
             self.scheduler.abort(id);
             self.metrics.inc("strata_cancelled_total", &[], 1.0);
         }
@@ -489,8 +505,9 @@ impl Runner {
         self.metrics
             .inc("strata_failures_total", &[("kind", err.reason)], 1.0);
         self.scheduler.reset();
-        for (id, l) in self.live.drain() {
+        for (id, l) in std::mem::take(&mut self.live) {
             self.admission.release(id);
+            self.settle(&l, "failed");
             let _ = l.events.send(SessionEvent::Error(err.clone()));
         }
         self.down_reason = Some(err);
@@ -528,7 +545,7 @@ impl Runner {
             }
             failed.push(id);
             let err = ApiError::from_shard_refusal(&e.reason, &e.message);
-            if let Some(l) = self.forget(id) {
+            if let Some(l) = self.forget(id, "failed") {
                 err.count(&self.metrics, l.priority);
                 let _ = l.events.send(SessionEvent::Error(err));
             }
@@ -643,7 +660,7 @@ impl Runner {
                     logprob,
                 });
                 self.scheduler.finish(id);
-                if let Some(l) = self.forget(id) {
+                if let Some(l) = self.forget(id, "done") {
                     self.done(l, "stop");
                 }
             }
@@ -651,7 +668,7 @@ impl Runner {
     }
 
     fn finish(&mut self, id: SessionId, reason: &'static str) {
-        let Some(mut live) = self.forget(id) else {
+        let Some(mut live) = self.forget(id, "done") else {
             return;
         };
         if reason == "length" {
