@@ -79,13 +79,18 @@ fn shard_gauge(metrics: &str, name: &str, shard: &str) -> f64 {
 fn seam_quantiles(metrics: &str) -> Vec<(String, f64, f64, u64)> {
     let mut hops: Vec<(String, Vec<(f64, u64)>)> = Vec::new();
     for line in metrics.lines() {
-        let Some(rest) = line.strip_prefix("strata_seam_latency_seconds_bucket{hop=\"") else {
+        let Some(rest) = line.strip_prefix("strata_seam_latency_seconds_bucket{") else {
             continue;
         };
-        let Some((hop, rest)) = rest.split_once("\",le=\"") else {
+        let Some((labels, count)) = rest.split_once("} ") else {
             continue;
         };
-        let Some((le, count)) = rest.split_once("\"} ") else {
+        let label = |k: &str| {
+            labels
+                .split(',')
+                .find_map(|kv| kv.strip_prefix(k)?.strip_prefix("=\"")?.strip_suffix('"'))
+        };
+        let (Some(hop), Some(le)) = (label("hop"), label("le")) else {
             continue;
         };
         let le = if le == "+Inf" {

@@ -77,9 +77,14 @@ impl ShardLimits {
 
 #[derive(Args)]
 pub struct TrackerArgs {
-    /// Shard addresses, comma separated (any order; they are sorted by layer range).
-    #[arg(long, value_delimiter = ',', required = true)]
+    /// Shard addresses of one route, comma separated (any order; they are sorted by layer
+    /// range).
+    #[arg(long, value_delimiter = ',')]
     shards: Vec<String>,
+    /// A named route, `NAME=ADDR,ADDR,...` (repeatable): one node's shards of one model. A
+    /// tracker may front several models; each request goes only to routes holding its model.
+    #[arg(long = "route")]
+    routes: Vec<String>,
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: String,
     #[arg(long)]
@@ -279,26 +284,32 @@ pub fn shard(a: ShardArgs) -> Result<()> {
 
 async fn run_tracker(
     config: tracker::TrackerConfig,
-    shards: Vec<Arc<dyn ShardTransport>>,
+    routes: Vec<tracker::RouteSpec>,
     listen: &str,
     extra_shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    let t = tracker::Tracker::start(config, shards)
+    let t = tracker::Tracker::start(config, routes)
         .await
         .map_err(|e| anyhow!("the tracker refuses to start: {e}"))?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("binding {listen}"))?;
     let addr = listener.local_addr()?;
-    let route: Vec<String> = t
-        .route()
+    let routes: Vec<String> = t
+        .routes()
         .iter()
-        .map(|(a, s, e)| format!("{a} [{s}..{e})"))
+        .map(|r| {
+            let hops: Vec<String> = r
+                .shards
+                .iter()
+                .map(|(a, s, e)| format!("{a} [{s}..{e})"))
+                .collect();
+            format!("model {} route {}: {}", r.model, r.name, hops.join(" -> "))
+        })
         .collect();
     println!(
-        "strata tracker listening on http://{addr} model {} route {}",
-        t.model_id(),
-        route.join(" -> ")
+        "strata tracker listening on http://{addr} {}",
+        routes.join("; ")
     );
     std::io::stdout().flush()?;
     t.serve(listener, async move {
@@ -314,17 +325,38 @@ async fn run_tracker(
 pub fn tracker(a: TrackerArgs) -> Result<()> {
     let token = read_token(&a.cluster_token_file)?;
     let config = a.route.config()?;
+    let mut named: Vec<(String, Vec<String>)> = Vec::new();
+    if !a.shards.is_empty() {
+        named.push(("default".into(), a.shards.clone()));
+    }
+    for r in &a.routes {
+        let (name, addrs) = r
+            .split_once('=')
+            .ok_or_else(|| anyhow!("`--route {r}`: expected NAME=ADDR,ADDR,..."))?;
+        if named.iter().any(|(n, _)| n == name) {
+            bail!("route `{name}` is given twice");
+        }
+        named.push((name.into(), addrs.split(',').map(str::to_string).collect()));
+    }
+    if named.is_empty() {
+        bail!("give the shards of at least one route: `--shards A,B` or `--route NAME=A,B`");
+    }
     let rt = runtime()?;
     rt.block_on(async {
-        let shards = a
-            .shards
-            .iter()
-            .map(|addr| {
-                proto::connect(addr, &token).map(|s| Arc::new(s) as Arc<dyn ShardTransport>)
+        let routes = named
+            .into_iter()
+            .map(|(name, addrs)| {
+                let shards = addrs
+                    .iter()
+                    .map(|addr| {
+                        proto::connect(addr, &token).map(|s| Arc::new(s) as Arc<dyn ShardTransport>)
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| anyhow!(e.message().to_string()))?;
+                Ok(tracker::RouteSpec { name, shards })
             })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| anyhow!(e.message().to_string()))?;
-        run_tracker(config, shards, &a.listen, std::future::pending()).await
+            .collect::<Result<Vec<_>>>()?;
+        run_tracker(config, routes, &a.listen, std::future::pending()).await
     })
 }
 
@@ -397,7 +429,11 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             let cfg = shard_config(&a.model, None, &a.limits, "embedded".into(), fresh_token()?);
             let core = tokio::task::spawn_blocking(move || shard::ShardCore::load(cfg)).await??;
             let shards: Vec<Arc<dyn ShardTransport>> = vec![Arc::new(shard::LocalShard::new(core))];
-            return run_tracker(config, shards, &a.listen, std::future::pending()).await;
+            let routes = vec![tracker::RouteSpec {
+                name: "local".into(),
+                shards,
+            }];
+            return run_tracker(config, routes, &a.listen, std::future::pending()).await;
         }
         let token = fresh_token()?;
         let dir = std::env::temp_dir().join(format!("strata-serve-{}", std::process::id()));
@@ -468,7 +504,11 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| anyhow!(e.message().to_string()))?;
-        let result = run_tracker(config, shards, &a.listen, std::future::pending()).await;
+        let routes = vec![tracker::RouteSpec {
+            name: "local".into(),
+            shards,
+        }];
+        let result = run_tracker(config, routes, &a.listen, std::future::pending()).await;
         drop(children);
         let _ = std::fs::remove_dir_all(&dir);
         result

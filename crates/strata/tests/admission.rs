@@ -310,7 +310,7 @@ fn agent_latency_holds_under_a_grading_burst() {
     );
     let wait = metric_sum(
         &t.addr,
-        "strata_queue_wait_seconds_count{priority=\"grading\"}",
+        "strata_queue_wait_seconds_count{priority=\"grading\"",
     );
     assert_eq!(wait, 100.0, "all 100 grading sessions were scheduled");
     assert!(

@@ -420,13 +420,14 @@ fn concurrently(addr: &str, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<u64>> {
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
+/// A tracker metric summed over its series (each route's carries model and route labels).
 fn tracker_metric(addr: &str, name: &str) -> f64 {
     get(addr, "/metrics")
         .body
         .lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
+        .filter(|l| l.starts_with(&format!("{name} ")) || l.starts_with(&format!("{name}{{")))
+        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
+        .sum()
 }
 
 /// 1, 2, 4 and 8 concurrent sessions through a 2-shard route (two micro-batches in flight) each

@@ -31,12 +31,13 @@ impl ApiError {
         }
     }
 
-    pub fn not_found_model(requested: &str, served: &str) -> Self {
+    /// A model no route of this tracker holds: refused, never loaded on demand.
+    pub fn not_resident(requested: &str, resident: &str) -> Self {
         ApiError {
             status: 404,
             reason: "not_resident",
             message: format!(
-                "model `{requested}` is not resident here (this cluster serves `{served}`)"
+                "model `{requested}` is not resident on any route of this tracker (resident: {resident}); models are loaded only when their shards start"
             ),
             limit: None,
             retry_after: None,

@@ -27,16 +27,66 @@ use engine::Priority;
 
 /// What the handlers share (all immutable or internally synchronized).
 pub struct AppState {
-    pub cluster: Arc<Cluster>,
-    pub tokenizer: Arc<Tokenizer>,
-    pub template: Option<ChatTemplate>,
-    pub commands: mpsc::Sender<Command>,
+    /// The resident models, each with the routes (nodes) that hold it.
+    pub models: Vec<ModelEntry>,
     pub metrics: Arc<Metrics>,
-    pub health: watch::Receiver<Health>,
-    pub model_id: String,
     /// `max_tokens` when a chat request gives none.
     pub default_chat_max_tokens: usize,
     pub ledger: Option<Arc<Ledger>>,
+}
+
+/// One resident model: its tokenizer and the routes whose shards hold it.
+pub struct ModelEntry {
+    pub id: String,
+    pub digest: String,
+    pub n_layers: u32,
+    /// The smallest context any of its routes allows.
+    pub n_ctx: usize,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Option<ChatTemplate>,
+    pub routes: Vec<RouteHandle>,
+}
+
+/// One route's scheduling loop.
+pub struct RouteHandle {
+    pub name: String,
+    pub cluster: Arc<Cluster>,
+    pub commands: mpsc::Sender<Command>,
+    pub health: watch::Receiver<Health>,
+}
+
+impl AppState {
+    /// The model a request names (or the only one, when it names none). A model no route
+    /// holds is refused as `not_resident`: nothing is ever loaded to answer a request.
+    fn model(&self, requested: Option<&str>) -> Result<&ModelEntry, ApiError> {
+        match requested {
+            Some(m) => self
+                .models
+                .iter()
+                .find(|e| e.id == m || e.digest == m)
+                .ok_or_else(|| ApiError::not_resident(m, &self.residency())),
+            None if self.models.len() == 1 => Ok(&self.models[0]),
+            None => Err(ApiError::invalid(
+                "model",
+                format!(
+                    "`model` is required: this tracker serves {}",
+                    self.residency()
+                ),
+            )),
+        }
+    }
+
+    /// "model on route, route; model on route" for messages.
+    fn residency(&self) -> String {
+        self.models
+            .iter()
+            .map(|m| {
+                let routes: Vec<&str> = m.routes.iter().map(|r| r.name.as_str()).collect();
+                format!("`{}` on {}", m.id, routes.join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -105,7 +155,7 @@ fn bearer(headers: &HeaderMap) -> String {
 }
 
 /// Prompt ids for a validated request.
-fn tokenize(s: &AppState, req: &ValidRequest) -> Result<Vec<u32>, ApiError> {
+fn tokenize(s: &ModelEntry, req: &ValidRequest) -> Result<Vec<u32>, ApiError> {
     let ids = match &req.prompt {
         PromptInput::Text(t) => s.tokenizer.encode(t, true, true),
         PromptInput::Ids(ids) => {
@@ -150,18 +200,14 @@ async fn handle(
         let body = parse_body(&body)?;
         let req = validate(endpoint, &body)?;
         priority = priority_of(&req, headers)?;
-        if let Some(m) = &req.model {
-            if m != &s.model_id && m != &s.cluster.model_name {
-                return Err(ApiError::not_found_model(m, &s.model_id));
-            }
-        }
+        let model = s.model(req.model.as_deref())?;
         // Without a ledger there are no keys; with one, the key must be known.
         let key = match &s.ledger {
             Some(l) => Some(l.authenticate(&bearer(headers))?),
             None => None,
         };
-        let prompt_ids = tokenize(&s, &req)?;
-        let n_ctx = s.cluster.n_ctx;
+        let prompt_ids = tokenize(model, &req)?;
+        let n_ctx = model.n_ctx;
         let max_tokens = match (req.max_tokens, endpoint) {
             (Some(m), _) => m,
             (None, Endpoint::Completions) => 16,
@@ -213,27 +259,15 @@ async fn handle(
         };
         let job = Job { ledger_row, ..job };
         let n_prompt = job.prompt_ids.len() as u64;
-        let (events_tx, events_rx) = mpsc::unbounded_channel();
-        let (acc_tx, acc_rx) = oneshot::channel();
-        s.commands
-            .send(Command::Submit {
-                job,
-                events: events_tx,
-                accepted: acc_tx,
-            })
-            .await
-            .map_err(|_| ApiError::unavailable("the scheduler is shutting down"))?;
-        let accepted = acc_rx.await.map_err(|_| ApiError::unavailable("the scheduler is shutting down"));
-        let id = match accepted.and_then(|a| a) {
-            Ok(id) => id,
+        match submit(model, job).await {
+            Ok((route, id, events)) => Ok((req, model.id.clone(), route.commands.clone(), id, events)),
             Err(e) => {
                 if let (Some(l), Some(row)) = (ledger, ledger_row) {
                     l.settle(row, n_prompt, 0, "refused");
                 }
-                return Err(e);
+                Err(e)
             }
-        };
-        Ok((req, id, events_rx))
+        }
     }
     .await;
     match result {
@@ -246,19 +280,55 @@ async fn handle(
             e.count(&s.metrics, priority);
             e.into_response()
         }
-        Ok((req, id, events)) => {
+        Ok((req, model_id, commands, id, events)) => {
             let guard = CancelOnDrop {
                 id,
-                commands: s.commands.clone(),
+                commands,
                 armed: true,
             };
             if req.stream {
-                stream_response(s, req, events, guard).into_response()
+                stream_response(model_id, req, events, guard).into_response()
             } else {
-                whole_response(s, req, events, guard).await
+                whole_response(model_id, req, events, guard).await
             }
         }
     }
+}
+
+/// Offers the job to the model's routes in turn; the first that admits it runs it. When every
+/// route refuses for capacity the last refusal is returned; any other refusal is final.
+async fn submit(
+    model: &ModelEntry,
+    job: Job,
+) -> Result<
+    (
+        &RouteHandle,
+        engine::SessionId,
+        mpsc::UnboundedReceiver<SessionEvent>,
+    ),
+    ApiError,
+> {
+    let mut last = ApiError::unavailable("the model has no route");
+    for route in &model.routes {
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let (acc_tx, acc_rx) = oneshot::channel();
+        route
+            .commands
+            .send(Command::Submit {
+                job: job.clone(),
+                events: events_tx,
+                accepted: acc_tx,
+            })
+            .await
+            .map_err(|_| ApiError::unavailable("the scheduler is shutting down"))?;
+        match acc_rx.await {
+            Ok(Ok(id)) => return Ok((route, id, events_rx)),
+            Ok(Err(e)) if e.status == 503 => last = e,
+            Ok(Err(e)) => return Err(e),
+            Err(_) => last = ApiError::unavailable("the scheduler is shutting down"),
+        }
+    }
+    Err(last)
 }
 
 /// Cancels the session when the response is dropped before it finished (client went away).
@@ -299,7 +369,7 @@ fn usage(prompt: usize, completion: usize) -> Value {
 }
 
 async fn whole_response(
-    s: Arc<AppState>,
+    model_id: String,
     req: ValidRequest,
     mut events: mpsc::UnboundedReceiver<SessionEvent>,
     mut guard: CancelOnDrop,
@@ -347,12 +417,12 @@ async fn whole_response(
     let logprobs = req.logprobs.map(|_| logprob_json(req.endpoint, &lps));
     let mut body = match req.endpoint {
         Endpoint::Completions => json!({
-            "id": id, "object": "text_completion", "created": now_secs(), "model": s.model_id,
+            "id": id, "object": "text_completion", "created": now_secs(), "model": model_id,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
             "usage": usage(p, c),
         }),
         Endpoint::Chat => json!({
-            "id": id, "object": "chat.completion", "created": now_secs(), "model": s.model_id,
+            "id": id, "object": "chat.completion", "created": now_secs(), "model": model_id,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish}],
             "usage": usage(p, c),
         }),
@@ -364,7 +434,7 @@ async fn whole_response(
 }
 
 struct StreamState {
-    s: Arc<AppState>,
+    model_id: String,
     req: ValidRequest,
     events: mpsc::UnboundedReceiver<SessionEvent>,
     guard: CancelOnDrop,
@@ -396,7 +466,7 @@ fn chunk(
     };
     let mut v = match st.req.endpoint {
         Endpoint::Completions => json!({
-            "id": id, "object": "text_completion", "created": now_secs(), "model": st.s.model_id,
+            "id": id, "object": "text_completion", "created": now_secs(), "model": st.model_id,
             "choices": [{"index": 0, "text": delta_text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}],
         }),
         Endpoint::Chat => {
@@ -408,7 +478,7 @@ fn chunk(
                 delta["content"] = json!(t);
             }
             json!({
-                "id": id, "object": "chat.completion.chunk", "created": now_secs(), "model": st.s.model_id,
+                "id": id, "object": "chat.completion.chunk", "created": now_secs(), "model": st.model_id,
                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
             })
         }
@@ -420,13 +490,13 @@ fn chunk(
 }
 
 fn stream_response(
-    s: Arc<AppState>,
+    model_id: String,
     req: ValidRequest,
     events: mpsc::UnboundedReceiver<SessionEvent>,
     guard: CancelOnDrop,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let state = StreamState {
-        s,
+        model_id,
         req,
         events,
         guard,
@@ -524,40 +594,59 @@ async fn usage_of_key(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Res
     }
 }
 
+/// The resident models and the routes (nodes) holding each.
 async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{"id": s.model_id, "object": "model", "created": 0, "owned_by": "strata",
-                  "digest": s.cluster.model_digest, "n_layers": s.cluster.n_layers, "context_length": s.cluster.n_ctx}],
-    }))
+    let data: Vec<Value> = s
+        .models
+        .iter()
+        .map(|m| {
+            json!({"id": m.id, "object": "model", "created": 0, "owned_by": "strata",
+                   "digest": m.digest, "n_layers": m.n_layers, "context_length": m.n_ctx,
+                   "routes": m.routes.iter().map(|r| r.name.clone()).collect::<Vec<_>>()})
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data}))
 }
 
 async fn health(State(s): State<Arc<AppState>>) -> Response {
-    let h = s.health.borrow().clone();
-    let shards: Vec<Value> = h
-        .shards
-        .iter()
-        .map(|sh| {
-            json!({
-                "address": sh.address,
-                "layers": format!("{}..{}", sh.layers.0, sh.layers.1),
-                "status": if sh.up { "up" } else { "down" },
-                "error": sh.last_error,
-                "kv_bytes_in_use": sh.stats.as_ref().map(|st| st.kv_bytes_in_use),
-                "sessions": sh.stats.as_ref().map(|st| st.sessions),
-                "kv_blocks_in_use": sh.stats.as_ref().map(|st| st.kv_blocks_in_use),
-                "kv_blocks_total": sh.stats.as_ref().map(|st| st.kv_blocks_total),
-                "evictions": sh.stats.as_ref().map(|st| st.evictions),
-            })
-        })
-        .collect();
-    let ok = h.all_up();
+    let mut shards = Vec::new();
+    let mut models = Vec::new();
+    let mut ok = true;
+    for m in &s.models {
+        let mut routes = Vec::new();
+        for r in &m.routes {
+            let h = r.health.borrow().clone();
+            ok &= h.all_up();
+            routes.push(json!({"name": r.name, "status": if h.all_up() { "up" } else { "down" }}));
+            shards.extend(h.shards.iter().map(|sh| {
+                json!({
+                    "address": sh.address,
+                    "model": m.id,
+                    "route": r.name,
+                    "layers": format!("{}..{}", sh.layers.0, sh.layers.1),
+                    "status": if sh.up { "up" } else { "down" },
+                    "error": sh.last_error,
+                    "kv_bytes_in_use": sh.stats.as_ref().map(|st| st.kv_bytes_in_use),
+                    "sessions": sh.stats.as_ref().map(|st| st.sessions),
+                    "kv_blocks_in_use": sh.stats.as_ref().map(|st| st.kv_blocks_in_use),
+                    "kv_blocks_total": sh.stats.as_ref().map(|st| st.kv_blocks_total),
+                    "evictions": sh.stats.as_ref().map(|st| st.evictions),
+                })
+            }));
+        }
+        models.push(json!({"id": m.id, "digest": m.digest, "routes": routes}));
+    }
     let status = if ok {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (status, Json(json!({"status": if ok { "ok" } else { "degraded" }, "model": s.model_id, "shards": shards}))).into_response()
+    let model = (s.models.len() == 1).then(|| s.models[0].id.clone());
+    (
+        status,
+        Json(json!({"status": if ok { "ok" } else { "degraded" }, "model": model, "models": models, "shards": shards})),
+    )
+        .into_response()
 }
 
 async fn metrics(State(s): State<Arc<AppState>>) -> Response {

@@ -146,6 +146,11 @@ fn declare(m: &Metrics) {
             "steps (micro-batches) sent down the route and not yet answered",
         ),
         ("strata_route_up", "gauge", "1 when the route is open"),
+        (
+            "strata_model_resident",
+            "gauge",
+            "1 for each model resident on a route (models load only at start)",
+        ),
         ("strata_route_epoch", "gauge", "current route epoch"),
         (
             "strata_swaps_total",
@@ -220,125 +225,133 @@ fn declare(m: &Metrics) {
     }
 }
 
-/// A tracker whose route was validated, ready to serve HTTP.
+/// A tracker whose routes were validated, ready to serve HTTP.
 pub struct Tracker {
     state: Arc<http::AppState>,
 }
 
 impl std::fmt::Debug for Tracker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tracker({})", self.state.model_id)
+        let ids: Vec<&str> = self.state.models.iter().map(|m| m.id.as_str()).collect();
+        write!(f, "Tracker({})", ids.join(", "))
     }
 }
 
+/// A started route as the binary reports it.
+#[derive(Debug, Clone)]
+pub struct RouteSummary {
+    pub name: String,
+    pub model: String,
+    /// Shard addresses with their layer ranges, in layer order.
+    pub shards: Vec<(String, u32, u32)>,
+}
+
+/// The shards of one route (one node's copy of one model), named.
+pub struct RouteSpec {
+    pub name: String,
+    pub shards: Vec<Arc<dyn ShardTransport>>,
+}
+
 impl Tracker {
-    /// Connects to the shards, validates the route (coverage, model digest, recipes), builds the
-    /// tokenizer from the first shard's vocabulary and starts the scheduling loop. The error
-    /// says which shard and range is wrong.
-    pub async fn start(
-        config: TrackerConfig,
-        shards: Vec<Arc<dyn ShardTransport>>,
-    ) -> Result<Tracker, String> {
-        let cluster = Arc::new(Cluster::connect(shards, config.startup_wait).await?);
-        let vocab = cluster.shards[0]
-            .vocab()
-            .await
-            .map_err(|e| format!("fetching the vocabulary: {}", e.message()))?;
-        let vocab = gguf::GgufFile::from_bytes(vocab.gguf)
-            .map_err(|e| format!("the vocabulary is not valid GGUF: {e}"))?;
-        let tokenizer =
-            Arc::new(Tokenizer::from_header(vocab.header()).map_err(|e| e.to_string())?);
-        let template =
-            ChatTemplate::from_header(vocab.header(), &tokenizer).map_err(|e| e.to_string())?;
+    /// Connects to every route's shards, validates each route (coverage, model digest,
+    /// recipes), groups the routes by the model they hold (residency is per route: a model is
+    /// served only by the routes whose shards hold it), builds each model's tokenizer from its
+    /// first shard's vocabulary and starts one scheduling loop per route. The error says which
+    /// route, shard and range is wrong.
+    pub async fn start(config: TrackerConfig, routes: Vec<RouteSpec>) -> Result<Tracker, String> {
+        if routes.is_empty() {
+            return Err("no route given".into());
+        }
         let metrics = Arc::new(Metrics::default());
         declare(&metrics);
-        let (health_tx, health_rx) = watch::channel(Health::default());
-        tokio::spawn(cluster::monitor(
-            Arc::clone(&cluster),
-            config.health_period,
-            health_tx,
-            Arc::clone(&metrics),
-        ));
-        let admission = engine::Admission::new(
-            cluster
-                .infos
-                .iter()
-                .map(|i| {
-                    let b = i.budgets.unwrap_or_default();
-                    engine::ShardBudget {
-                        address: i.listen.clone(),
-                        kv_budget_bytes: b.kv_bytes,
-                        kv_block_bytes: b.kv_block_bytes,
-                        block_positions: i.recipe.as_ref().map_or(16, |r| r.block_size),
-                        max_sessions: b.max_sessions,
-                    }
-                })
-                .collect(),
-            engine::AdmissionConfig {
-                active_slots: [
-                    config.scheduler.max_active,
-                    config.scheduler.grading_max_active,
-                ],
-                ..config.admission.clone()
-            },
-        );
-        let (cmd_tx, cmd_rx) = mpsc::channel(1024);
-        let (route_tx, mut route_rx) = watch::channel(false);
-        let runner = runner::Runner::new(
-            runner::RunnerConfig {
-                // Pipeline depth 0 means one micro-batch per shard of the route.
-                scheduler: engine::SchedulerConfig {
-                    pipeline_depth: match config.scheduler.pipeline_depth {
-                        0 => cluster.shards.len(),
-                        n => n,
-                    },
-                    ..config.scheduler
-                },
-                seam: config.seam,
-                step_deadline_base: Duration::from_millis(2000),
-                step_deadline_per_token: Duration::from_millis(10),
-            },
-            Arc::clone(&cluster),
-            Arc::clone(&tokenizer),
-            Arc::clone(&metrics),
-            health_rx.clone(),
-            route_tx,
-            admission,
-            config.ledger.clone(),
-        );
-        tokio::spawn(runner.run(cmd_rx));
-        // Ready means the route is open end to end, not just that the shards answered.
-        tokio::time::timeout(config.startup_wait, route_rx.wait_for(|up| *up))
-            .await
-            .map_err(|_| format!("the route did not open within {:?}", config.startup_wait))?
-            .map_err(|_| "the scheduling loop stopped".to_string())?;
-        let model_id = cluster.model_name.clone();
+        let mut models: Vec<http::ModelEntry> = Vec::new();
+        for spec in routes {
+            let cluster = Arc::new(
+                Cluster::connect(spec.shards, config.startup_wait)
+                    .await
+                    .map_err(|e| format!("route {}: {e}", spec.name))?,
+            );
+            if let Some(m) = models.iter_mut().find(|m| m.digest == cluster.model_digest) {
+                let tokenizer = Arc::clone(&m.tokenizer);
+                let handle = start_route(
+                    &config,
+                    &spec.name,
+                    Arc::clone(&cluster),
+                    tokenizer,
+                    &metrics,
+                )
+                .await?;
+                m.n_ctx = m.n_ctx.min(cluster.n_ctx);
+                m.routes.push(handle);
+            } else {
+                if models.iter().any(|m| m.id == cluster.model_name) {
+                    return Err(format!(
+                        "route {}: another model with a different digest is also named `{}`",
+                        spec.name, cluster.model_name
+                    ));
+                }
+                let vocab = cluster.shards[0]
+                    .vocab()
+                    .await
+                    .map_err(|e| format!("fetching the vocabulary: {}", e.message()))?;
+                let vocab = gguf::GgufFile::from_bytes(vocab.gguf)
+                    .map_err(|e| format!("the vocabulary is not valid GGUF: {e}"))?;
+                let tokenizer =
+                    Arc::new(Tokenizer::from_header(vocab.header()).map_err(|e| e.to_string())?);
+                let template = ChatTemplate::from_header(vocab.header(), &tokenizer)
+                    .map_err(|e| e.to_string())?;
+                let handle = start_route(
+                    &config,
+                    &spec.name,
+                    Arc::clone(&cluster),
+                    Arc::clone(&tokenizer),
+                    &metrics,
+                )
+                .await?;
+                models.push(http::ModelEntry {
+                    id: cluster.model_name.clone(),
+                    digest: cluster.model_digest.clone(),
+                    n_layers: cluster.n_layers,
+                    n_ctx: cluster.n_ctx,
+                    tokenizer,
+                    template,
+                    routes: vec![handle],
+                });
+            }
+            metrics.set(
+                "strata_model_resident",
+                &[("model", &cluster.model_name), ("route", &spec.name)],
+                1.0,
+            );
+        }
         let state = Arc::new(http::AppState {
-            cluster,
-            tokenizer,
-            template,
-            commands: cmd_tx,
+            models,
             metrics,
-            health: health_rx,
-            model_id,
             default_chat_max_tokens: config.default_chat_max_tokens,
             ledger: config.ledger,
         });
         Ok(Tracker { state })
     }
 
-    /// The shards of the route, in layer order, with their ranges.
-    pub fn route(&self) -> Vec<(String, u32, u32)> {
-        self.state
-            .cluster
-            .infos
-            .iter()
-            .map(|i| (i.listen.clone(), i.layer_start, i.layer_end))
-            .collect()
-    }
-
-    pub fn model_id(&self) -> &str {
-        &self.state.model_id
+    /// Every route: its name, model, and shards in layer order with their ranges.
+    pub fn routes(&self) -> Vec<RouteSummary> {
+        let mut out = Vec::new();
+        for m in &self.state.models {
+            for r in &m.routes {
+                let shards = r
+                    .cluster
+                    .infos
+                    .iter()
+                    .map(|i| (i.listen.clone(), i.layer_start, i.layer_end))
+                    .collect();
+                out.push(RouteSummary {
+                    name: r.name.clone(),
+                    model: m.id.clone(),
+                    shards,
+                });
+            }
+        }
+        out
     }
 
     /// Serves HTTP on `listener` until `shutdown` completes.
@@ -352,4 +365,86 @@ impl Tracker {
             .await
             .map_err(|e| e.to_string())
     }
+}
+
+/// Starts one route's health monitor and scheduling loop and waits until the route is open.
+async fn start_route(
+    config: &TrackerConfig,
+    name: &str,
+    cluster: Arc<Cluster>,
+    tokenizer: Arc<Tokenizer>,
+    metrics: &Arc<Metrics>,
+) -> Result<http::RouteHandle, String> {
+    let scoped = Arc::new(metrics.scoped(&[("model", &cluster.model_name), ("route", name)]));
+    let (health_tx, health_rx) = watch::channel(Health::default());
+    tokio::spawn(cluster::monitor(
+        Arc::clone(&cluster),
+        config.health_period,
+        health_tx,
+        Arc::clone(metrics),
+    ));
+    let admission = engine::Admission::new(
+        cluster
+            .infos
+            .iter()
+            .map(|i| {
+                let b = i.budgets.unwrap_or_default();
+                engine::ShardBudget {
+                    address: i.listen.clone(),
+                    kv_budget_bytes: b.kv_bytes,
+                    kv_block_bytes: b.kv_block_bytes,
+                    block_positions: i.recipe.as_ref().map_or(16, |r| r.block_size),
+                    max_sessions: b.max_sessions,
+                }
+            })
+            .collect(),
+        engine::AdmissionConfig {
+            active_slots: [
+                config.scheduler.max_active,
+                config.scheduler.grading_max_active,
+            ],
+            ..config.admission.clone()
+        },
+    );
+    let (cmd_tx, cmd_rx) = mpsc::channel(1024);
+    let (route_tx, mut route_rx) = watch::channel(false);
+    let runner = runner::Runner::new(
+        runner::RunnerConfig {
+            // Pipeline depth 0 means one micro-batch per shard of the route.
+            scheduler: engine::SchedulerConfig {
+                pipeline_depth: match config.scheduler.pipeline_depth {
+                    0 => cluster.shards.len(),
+                    n => n,
+                },
+                ..config.scheduler
+            },
+            seam: config.seam,
+            step_deadline_base: Duration::from_millis(2000),
+            step_deadline_per_token: Duration::from_millis(10),
+        },
+        Arc::clone(&cluster),
+        tokenizer,
+        scoped,
+        health_rx.clone(),
+        route_tx,
+        admission,
+        config.ledger.clone(),
+    );
+    tokio::spawn(runner.run(cmd_rx));
+    // Ready means the route is open end to end, not just that the shards answered.
+    tokio::time::timeout(config.startup_wait, route_rx.wait_for(|up| *up))
+        .await
+        .map_err(|_| {
+            format!(
+                "route {name}: the route did not open within {:?}",
+                config.startup_wait
+            )
+        })?
+        .map_err(|_| "the scheduling loop stopped".to_string())?;
+    Ok(http::RouteHandle {
+        name: name.to_string(),
+        cluster,
+        commands: cmd_tx,
+        health: health_rx,
+    })
 }

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -59,16 +59,32 @@ pub const COUNT_BUCKETS: &[f64] = &[
     1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
 ];
 
+/// The registry, or a scoped view of it whose every series carries extra labels.
 #[derive(Debug, Default)]
 pub struct Metrics {
-    inner: Mutex<Inner>,
-}
-
-fn labels(l: &[(&'static str, &str)]) -> Labels {
-    l.iter().map(|(k, v)| (*k, v.to_string())).collect()
+    inner: Arc<Mutex<Inner>>,
+    /// Labels appended to every series updated through this view.
+    scope: Labels,
 }
 
 impl Metrics {
+    /// A view of the same registry that appends `extra` labels (e.g. model and route) to
+    /// every series it updates.
+    pub fn scoped(&self, extra: &[(&'static str, &str)]) -> Metrics {
+        let mut scope = self.scope.clone();
+        scope.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+        Metrics {
+            inner: Arc::clone(&self.inner),
+            scope,
+        }
+    }
+
+    fn labels(&self, l: &[(&'static str, &str)]) -> Labels {
+        let mut v: Labels = l.iter().map(|(k, v)| (*k, v.to_string())).collect();
+        v.extend(self.scope.iter().cloned());
+        v
+    }
+
     fn with<T>(&self, f: impl FnOnce(&mut Inner) -> T) -> T {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         f(&mut g)
@@ -82,12 +98,14 @@ impl Metrics {
     }
 
     pub fn inc(&self, name: &'static str, l: &[(&'static str, &str)], by: f64) {
-        self.with(|m| *m.counters.entry((name, labels(l))).or_insert(0.0) += by);
+        let l = self.labels(l);
+        self.with(|m| *m.counters.entry((name, l)).or_insert(0.0) += by);
     }
 
     pub fn set(&self, name: &'static str, l: &[(&'static str, &str)], v: f64) {
+        let l = self.labels(l);
         self.with(|m| {
-            m.gauges.insert((name, labels(l)), v);
+            m.gauges.insert((name, l), v);
         });
     }
 
@@ -98,9 +116,10 @@ impl Metrics {
         bounds: &'static [f64],
         v: f64,
     ) {
+        let l = self.labels(l);
         self.with(|m| {
             m.histograms
-                .entry((name, labels(l)))
+                .entry((name, l))
                 .or_insert_with(|| Histogram {
                     bounds,
                     counts: vec![0; bounds.len()],
@@ -113,9 +132,10 @@ impl Metrics {
 
     /// Quantile `q` of a histogram (bucket upper bound), or `None` if it has no observations.
     pub fn quantile(&self, name: &'static str, l: &[(&'static str, &str)], q: f64) -> Option<f64> {
+        let l = self.labels(l);
         self.with(|m| {
             m.histograms
-                .get(&(name, labels(l)))
+                .get(&(name, l))
                 .filter(|h| h.count > 0)
                 .map(|h| h.quantile(q))
         })
