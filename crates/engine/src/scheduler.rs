@@ -27,6 +27,9 @@ pub struct SchedulerConfig {
     /// `agent_guard`: a step agent work may have to wait behind stays short.
     pub grading_step_tokens: usize,
     pub agent_guard: Duration,
+    /// For this long after agent work took part in a step, grading work is not started at
+    /// all: an agent client's next call (typically milliseconds later) finds the route free.
+    pub agent_gap: Duration,
     /// Grading work that got nothing for this long joins the next step even beside agent work
     /// (within `grading_step_tokens`), so it is never starved.
     pub grading_max_wait: Duration,
@@ -40,8 +43,9 @@ impl Default for SchedulerConfig {
             max_active: 64,
             pipeline_depth: 1,
             grading_max_active: 48,
-            grading_step_tokens: 16,
+            grading_step_tokens: 8,
             agent_guard: Duration::from_secs(2),
+            agent_gap: Duration::from_millis(50),
             grading_max_wait: Duration::from_secs(2),
         }
     }
@@ -255,9 +259,9 @@ impl Scheduler {
     /// The next step at time `now`. Agent work first: its running sessions' decode tokens
     /// (each gets its one token), then its prefill chunks in arrival order within what is left
     /// of the token budget. Grading work then fills the step in the same order, except that
-    /// it stays out of steps that carry agent work (unless it has waited `grading_max_wait`)
-    /// and takes at most `grading_step_tokens` while agent work is about. `None` when there
-    /// is nothing to send.
+    /// it stays out of steps that carry agent work and out of the `agent_gap` after them
+    /// (unless it has waited `grading_max_wait`), and takes at most `grading_step_tokens`
+    /// while agent work is about. `None` when there is nothing to send now.
     pub fn schedule(&mut self, now: Instant) -> Option<StepPlan> {
         self.activate();
         let step_id = self.next_step;
@@ -287,8 +291,11 @@ impl Scheduler {
         let starving = self
             .grading_unserved_since
             .is_some_and(|t| now.saturating_duration_since(t) >= self.config.grading_max_wait);
+        let in_gap = self
+            .last_agent
+            .is_some_and(|t| now.saturating_duration_since(t) < self.config.agent_gap);
         let n_before = items.len();
-        if !with_agent || starving {
+        if (!with_agent && !in_gap) || starving {
             let mut grading_budget = if agent_about {
                 budget.min(self.config.grading_step_tokens)
             } else {
@@ -707,6 +714,7 @@ mod tests {
             grading_max_active: 3,
             grading_step_tokens: 4,
             agent_guard: Duration::from_secs(2),
+            agent_gap: Duration::from_millis(50),
             grading_max_wait: Duration::from_secs(5),
             ..cfg(64, 64)
         }
@@ -755,8 +763,15 @@ mod tests {
             0,
             "the agent session finished"
         );
-        // Within the guard, grading steps are capped.
+        // Right after agent work, grading waits for the gap (the agent's next call may come).
         now += Duration::from_millis(10);
+        let held = s
+            .schedule(now)
+            .expect("the finished agent session's release");
+        assert!(held.items.is_empty(), "{held:?}");
+        assert!(s.schedule(now + Duration::from_millis(5)).is_none());
+        // Within the guard, grading steps are capped.
+        now += Duration::from_millis(100);
         let capped = step_at(&mut s, now);
         assert!(capped.iter().map(|i| i.1).sum::<usize>() <= 4, "{capped:?}");
         // After it, grading takes the whole budget.
@@ -814,18 +829,23 @@ mod tests {
                 let class = if i % 3 == 0 { Priority::Grading } else { Priority::Agent };
                 s.add(SessionId(i as u64), vec![1; *n], 5, class);
             }
+            // Simulated time, 10 ms per step: held-back grading work resumes after the gap.
+            let mut now = Instant::now();
             let mut steps = 0;
-            while let Some(p) = s.schedule(Instant::now()) {
+            while !s.is_idle() {
+                now += Duration::from_millis(10);
+                steps += 1;
+                proptest::prop_assert!(steps < 100_000);
+                let Some(p) = s.schedule(now) else {
+                    continue;
+                };
                 proptest::prop_assert!(p.n_tokens() <= budget);
                 for i in &p.items {
                     proptest::prop_assert!(i.tokens.len() <= chunk.max(1));
                 }
                 let outputs: Vec<(SessionId, u32)> = p.items.iter().filter(|i| i.want_output).map(|i| (i.session, 1)).collect();
                 s.update_from_output(p.step_id, &outputs, &[]);
-                steps += 1;
-                proptest::prop_assert!(steps < 100_000);
             }
-            proptest::prop_assert!(s.is_idle());
         }
     }
 }

@@ -124,6 +124,18 @@ impl Model {
         self.range.end == self.config.n_layers
     }
 
+    /// Bytes of per-step activations (scratch) a step of `n_rows` rows, `n_outputs` of which
+    /// produce logits, needs on this range: the f32 buffers of one layer (hidden, norm, q,
+    /// attention, output, k, v, gate, up), the quantized copies of the matrix inputs, and the
+    /// logits. Reused across layers, so independent of the range's length.
+    pub fn scratch_bytes(&self, n_rows: usize, n_outputs: usize) -> usize {
+        let c = &self.config;
+        let (d, kv, ff) = (c.n_embd, c.kv_dim(), c.n_ff);
+        let per_row = 4 * (5 * d + 2 * kv + 2 * ff) + 2 * (3 * d + ff);
+        let logits = if self.is_last() { 4 * c.n_vocab } else { 0 };
+        n_rows * per_row + n_outputs * logits
+    }
+
     /// Bytes of KV cache one position of one session costs on this range.
     pub fn kv_bytes_per_position(&self) -> usize {
         crate::kv::position_bytes(self.range, self.config.kv_dim())

@@ -31,6 +31,9 @@ pub struct Counters {
     pub kv_blocks_in_use: AtomicU64,
     pub kv_blocks_total: AtomicU64,
     pub kv_block_bytes: AtomicU64,
+    pub scratch_bytes_last_step: AtomicU64,
+    /// Activation bytes sent downstream and not yet answered (route streams add and subtract).
+    pub inflight_bytes: AtomicU64,
 }
 
 /// One step as the compute thread sees it.
@@ -135,6 +138,18 @@ impl ShardCore {
         )?;
         let c = model.config().clone();
         let range = model.range();
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        if model.weight_bytes() > config.weights_budget_bytes {
+            return Err(Error::Budget(format!(
+                "weights_budget on shard {}: layers {}..{} hold {:.1} MiB, more than the budget of {:.1} MiB",
+                config.label,
+                range.start,
+                range.end,
+                mib(model.weight_bytes()),
+                mib(config.weights_budget_bytes)
+            )));
+        }
+        let scratch_per_token = model.scratch_bytes(1, usize::from(model.is_last()));
         // The file name says what the model is more usefully than `general.name` usually does.
         let model_name = config
             .model_path
@@ -166,8 +181,14 @@ impl ShardCore {
                 weight_bytes: model.weight_bytes() as u64,
                 kv_bytes: config.kv_budget_bytes as u64,
                 max_sessions: config.max_sessions as u32,
-                max_step_tokens: 0,
+                // Every row of a step may produce logits (a decode step), so this is the most a
+                // step of that many tokens can need.
+                max_step_tokens: (config.scratch_budget_bytes / scratch_per_token) as u32,
                 kv_block_bytes: kv_pool.block_bytes() as u64,
+                scratch_bytes: config.scratch_budget_bytes as u64,
+                scratch_bytes_per_token: scratch_per_token as u64,
+                inflight_bytes: config.inflight_budget_bytes as u64,
+                weights_budget_bytes: config.weights_budget_bytes as u64,
             }),
             listen: config.label.clone(),
         };
@@ -248,6 +269,11 @@ impl ShardCore {
             kv_blocks_in_use: c.kv_blocks_in_use.load(Ordering::Relaxed),
             kv_blocks_total: c.kv_blocks_total.load(Ordering::Relaxed),
             kv_block_bytes: c.kv_block_bytes.load(Ordering::Relaxed),
+            scratch_bytes_last_step: c.scratch_bytes_last_step.load(Ordering::Relaxed),
+            scratch_bytes_budget: self.config.scratch_budget_bytes as u64,
+            inflight_bytes: c.inflight_bytes.load(Ordering::Relaxed),
+            inflight_bytes_budget: self.config.inflight_budget_bytes as u64,
+            weights_bytes_budget: self.config.weights_budget_bytes as u64,
         }
     }
 }
@@ -350,6 +376,9 @@ impl Worker {
         let budget = self.kv_pool.budget_bytes();
         // Bytes of blocks the fragments accepted so far will take when the step runs.
         let mut planned = 0usize;
+        // Rows and logit rows of the fragments accepted so far (the step's scratch).
+        let (mut rows, mut outputs) = (0usize, 0usize);
+        let scratch_budget = self.config.scratch_budget_bytes;
         let mut accepted = Vec::new();
         for (i, f) in job.fragments.iter().enumerate() {
             let id = f.session_id;
@@ -368,6 +397,21 @@ impl Worker {
                     id,
                     "invalid_request",
                     format!("session {id} would reach position {end} but `n_ctx` is {} on shard {label}", self.config.n_ctx),
+                ));
+                continue;
+            }
+            let (n_rows, n_outputs) = (rows + f.tokens.len(), outputs + usize::from(f.want_output));
+            let scratch = self.model.scratch_bytes(n_rows, n_outputs);
+            if scratch > scratch_budget {
+                let mib = |b: usize| b as f64 / (1 << 20) as f64;
+                out.errors.push(refusal(
+                    id,
+                    "capacity",
+                    format!(
+                        "scratch_budget on shard {label}: a step of {n_rows} tokens needs {:.1} MiB of activations, the budget is {:.1} MiB",
+                        mib(scratch),
+                        mib(scratch_budget)
+                    ),
                 ));
                 continue;
             }
@@ -471,6 +515,7 @@ impl Worker {
                 continue;
             }
             planned += need;
+            (rows, outputs) = (n_rows, n_outputs);
             accepted.push(i);
         }
         accepted
@@ -484,6 +529,14 @@ impl Worker {
         }
         self.expire(&job);
         let accepted = self.admit(&job, &mut out);
+        let (n_rows, n_outputs) = accepted.iter().fold((0, 0), |(r, o), &i| {
+            let f = &job.fragments[i];
+            (r + f.tokens.len(), o + usize::from(f.want_output))
+        });
+        self.counters.scratch_bytes_last_step.store(
+            self.model.scratch_bytes(n_rows, n_outputs) as u64,
+            Ordering::Relaxed,
+        );
         for &i in &accepted {
             if let Some(s) = self.sessions.get_mut(&job.fragments[i].session_id) {
                 s.last_used = job.now;

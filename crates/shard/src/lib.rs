@@ -30,6 +30,12 @@ pub struct ShardConfig {
     /// A session idle this long is forgotten (its next fragment gets `cache_miss`).
     pub kv_ttl: std::time::Duration,
     pub max_sessions: usize,
+    /// Bytes the range's weights may take (loading more is refused).
+    pub weights_budget_bytes: usize,
+    /// Bytes of per-step activations; bounds the tokens one step may carry.
+    pub scratch_budget_bytes: usize,
+    /// Activation bytes sent downstream and not yet answered.
+    pub inflight_budget_bytes: usize,
     /// The address this shard is known by (for errors, metrics and hop timings).
     pub label: String,
     /// Shared secret every connection must present.
@@ -50,4 +56,6 @@ pub enum Error {
     },
     #[error("transport: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error("{0}")]
+    Budget(String),
 }

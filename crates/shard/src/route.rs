@@ -24,6 +24,36 @@ struct Pending {
     hop: HopTiming,
     /// Refusals this shard made itself, merged into the downstream reply.
     errors: Vec<proto::v1::SessionError>,
+    /// Activation bytes sent with the step (in flight until the reply comes back).
+    bytes: u64,
+}
+
+/// Steps waiting for their downstream reply. Their activation bytes count as in flight on the
+/// shard until the reply arrives or the relay ends (whichever way it ends).
+struct PendingSteps {
+    core: Arc<ShardCore>,
+    steps: HashMap<u64, Pending>,
+}
+
+impl PendingSteps {
+    fn remove(&mut self, step_id: u64) -> Option<Pending> {
+        let p = self.steps.remove(&step_id)?;
+        self.core
+            .counters
+            .inflight_bytes
+            .fetch_sub(p.bytes, Ordering::Relaxed);
+        Some(p)
+    }
+}
+
+impl Drop for PendingSteps {
+    fn drop(&mut self) {
+        let stranded: u64 = self.steps.values().map(|p| p.bytes).sum();
+        self.core
+            .counters
+            .inflight_bytes
+            .fetch_sub(stranded, Ordering::Relaxed);
+    }
 }
 
 fn shard_failed(step_id: u64, shard: &str, message: String) -> RouteReply {
@@ -114,7 +144,14 @@ where
     let (reg_tx, reg_rx) = mpsc::unbounded_channel::<(u64, Pending)>();
     let dn_tx = match downstream {
         Some((addr, dn_tx, replies)) => {
-            tokio::spawn(relay(addr, replies, reg_rx, up_tx.clone(), stop_tx));
+            tokio::spawn(relay(
+                Arc::clone(&core),
+                addr,
+                replies,
+                reg_rx,
+                up_tx.clone(),
+                stop_tx,
+            ));
             Some(dn_tx)
         }
         None => None,
@@ -173,7 +210,32 @@ where
                     break;
                 }
             }
-            let out = core
+            // Activations this step would add to what is in flight downstream: over the budget,
+            // its fragments are refused (typed) before anything is computed.
+            let seam_width = if seam == SeamDtype::SeamF16 { 2 } else { 4 };
+            let out_bytes = (n_rows * core.info.n_embd as usize * seam_width) as u64;
+            let in_flight = core.counters.inflight_bytes.load(Ordering::Relaxed);
+            let budget = core.config.inflight_budget_bytes as u64;
+            let over = dn_tx.is_some() && in_flight + out_bytes > budget;
+            let refused: Vec<proto::v1::SessionError> = if over {
+                let mib = |b: u64| b as f64 / (1 << 20) as f64;
+                step.fragments
+                    .iter()
+                    .map(|f| proto::v1::SessionError {
+                        session_id: f.session_id,
+                        reason: "capacity".into(),
+                        message: format!(
+                            "inflight_budget on shard {label}: {:.1} MiB of activations are in flight downstream, this step adds {:.1} MiB, the budget is {:.1} MiB",
+                            mib(in_flight),
+                            mib(out_bytes),
+                            mib(budget)
+                        ),
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let mut out = core
                 .step(StepJob {
                     stream_id,
                     epoch: if step.epoch == epoch {
@@ -181,12 +243,13 @@ where
                     } else {
                         step.epoch
                     },
-                    fragments: step.fragments,
+                    fragments: if over { Vec::new() } else { step.fragments },
                     release: step.release.clone(),
-                    hidden,
+                    hidden: if over { None } else { hidden },
                     now: received,
                 })
                 .await;
+            out.errors.extend(refused);
             let mut hop = HopTiming {
                 shard: label.clone(),
                 compute_micros: out.compute_micros,
@@ -219,8 +282,16 @@ where
                         deadline: Duration::from_millis(deadline_ms as u64),
                         hop,
                         errors: out.errors,
+                        bytes: activations.len() as u64,
                     };
-                    if reg_tx.send((step.step_id, pending)).is_err() {
+                    // Counted before the relay can see (and subtract) it.
+                    core.counters
+                        .inflight_bytes
+                        .fetch_add(pending.bytes, Ordering::Relaxed);
+                    if let Err(unsent) = reg_tx.send((step.step_id, pending)) {
+                        core.counters
+                            .inflight_bytes
+                            .fetch_sub(unsent.0 .1.bytes, Ordering::Relaxed);
                         break;
                     }
                     let next = Step {
@@ -252,18 +323,22 @@ where
 /// Relays downstream replies upstream, adding this hop's timing; turns a broken or silent
 /// downstream into a `shard_failed` reply for every step still waiting.
 async fn relay(
+    core: Arc<ShardCore>,
     next_addr: String,
     mut replies: ReplyStream,
     mut reg_rx: mpsc::UnboundedReceiver<(u64, Pending)>,
     up_tx: mpsc::Sender<Result<RouteReply, Status>>,
     stop_tx: watch::Sender<bool>,
 ) {
-    let mut pending: HashMap<u64, Pending> = HashMap::new();
+    let mut pending = PendingSteps {
+        core,
+        steps: HashMap::new(),
+    };
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     let failure: String = loop {
         tokio::select! {
             reg = reg_rx.recv() => match reg {
-                Some((id, p)) => { pending.insert(id, p); }
+                Some((id, p)) => { pending.steps.insert(id, p); }
                 None => return,
             },
             reply = replies.next() => match reply {
@@ -271,15 +346,19 @@ async fn relay(
                     // Registration always precedes the send downstream, but may not have been
                     // read yet: drain it first.
                     while let Ok((id, p)) = reg_rx.try_recv() {
-                        pending.insert(id, p);
+                        pending.steps.insert(id, p);
                     }
-                    if let Some(mut p) = pending.remove(&r.step_id) {
+                    if let Some(mut p) = pending.remove(r.step_id) {
                         p.hop.downstream_micros = p.sent.elapsed().as_micros() as u64;
                         r.hops.insert(0, p.hop);
                         r.errors.extend(p.errors);
                     }
                     let fatal = r.step_error.is_some();
                     if up_tx.send(Ok(r)).await.is_err() {
+                        // Steps still registered are dropped with `pending` (their bytes too).
+                        while let Ok((id, p)) = reg_rx.try_recv() {
+                            pending.steps.insert(id, p);
+                        }
                         return;
                     }
                     if fatal {
@@ -290,23 +369,23 @@ async fn relay(
                 None => break format!("{next_addr} closed the route stream"),
             },
             _ = tick.tick() => {
-                if let Some((_, p)) = pending.iter().find(|(_, p)| p.sent.elapsed() > p.deadline) {
+                if let Some((_, p)) = pending.steps.iter().find(|(_, p)| p.sent.elapsed() > p.deadline) {
                     break format!("{next_addr} did not answer within {} ms", p.deadline.as_millis());
                 }
             }
         }
     };
     while let Ok((id, p)) = reg_rx.try_recv() {
-        pending.insert(id, p);
+        pending.steps.insert(id, p);
     }
-    let mut ids: Vec<u64> = pending.keys().copied().collect();
+    let mut ids: Vec<u64> = pending.steps.keys().copied().collect();
     ids.sort_unstable();
     for id in ids {
         let _ = up_tx
             .send(Ok(shard_failed(id, &next_addr, failure.clone())))
             .await;
     }
-    if pending.is_empty() {
+    if pending.steps.is_empty() {
         // Nothing was waiting, but the route is broken: say so on the next read.
         let _ = up_tx.send(Ok(shard_failed(0, &next_addr, failure))).await;
     }

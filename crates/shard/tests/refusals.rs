@@ -18,8 +18,12 @@ fn core(kv_budget_bytes: usize) -> Arc<ShardCore> {
 }
 
 fn core_with(kv_budget_bytes: usize, kv_ttl: Duration) -> Arc<ShardCore> {
+    ShardCore::load(config(kv_budget_bytes, kv_ttl)).unwrap()
+}
+
+fn config(kv_budget_bytes: usize, kv_ttl: Duration) -> ShardConfig {
     let path = testkit::write_tiny_model(&TinySpec::default(), "shard-refusals");
-    ShardCore::load(ShardConfig {
+    ShardConfig {
         model_path: path,
         layers: None,
         n_threads: 1,
@@ -27,10 +31,59 @@ fn core_with(kv_budget_bytes: usize, kv_ttl: Duration) -> Arc<ShardCore> {
         kv_budget_bytes,
         kv_ttl,
         max_sessions: 8,
+        weights_budget_bytes: 1 << 30,
+        scratch_budget_bytes: 64 << 20,
+        inflight_budget_bytes: 64 << 20,
         label: "test-shard".into(),
         cluster_token: "unused-in-process-token".into(),
+    }
+}
+
+/// Weights over their budget are refused at load naming the numbers; a step whose
+/// activations exceed the scratch budget has the fragments that do not fit refused, and the
+/// shard advertises the most tokens a step may carry.
+#[tokio::test]
+async fn weights_and_scratch_over_their_budgets_are_refused_with_the_numbers() {
+    let e = ShardCore::load(ShardConfig {
+        weights_budget_bytes: 1 << 10,
+        ..config(1 << 20, Duration::from_secs(600))
     })
-    .unwrap()
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("weights_budget on shard test-shard: layers 0..4 hold ")
+            && e.ends_with("MiB, more than the budget of 0.0 MiB"),
+        "{e}"
+    );
+    let probe = core(1 << 20);
+    let per_token = probe.info.budgets.unwrap().scratch_bytes_per_token as usize;
+    // Room for 24 tokens of scratch.
+    let c = ShardCore::load(ShardConfig {
+        scratch_budget_bytes: 24 * per_token,
+        ..config(1 << 20, Duration::from_secs(600))
+    })
+    .unwrap();
+    assert_eq!(c.info.budgets.unwrap().max_step_tokens, 24);
+    let digest = c.info.model_digest.clone();
+    let mut r = open(&c, 1, &digest).await.unwrap();
+    let reply = r
+        .step(1, vec![frag(1, 0, &[5; 16]), frag(2, 0, &[6; 16])], vec![])
+        .await;
+    assert_eq!(reply.outputs.len(), 1, "the first fragment fits");
+    assert_eq!(reply.errors.len(), 1);
+    let e = &reply.errors[0];
+    assert_eq!((e.session_id, e.reason.as_str()), (2, "capacity"));
+    assert!(
+        e.message
+            .starts_with("scratch_budget on shard test-shard: a step of 32 tokens needs "),
+        "{}",
+        e.message
+    );
+    let st = c.stats();
+    assert_eq!(st.scratch_bytes_budget, 24 * per_token as u64);
+    assert!(
+        st.scratch_bytes_last_step > 0 && st.scratch_bytes_last_step <= st.scratch_bytes_budget
+    );
 }
 
 struct Route {

@@ -40,9 +40,20 @@ pub struct ShardLimits {
     /// Most positions one session may hold.
     #[arg(long, default_value_t = 4096)]
     ctx: usize,
-    /// KV cache budget in MiB for all sessions together.
-    #[arg(long, default_value_t = 1024)]
-    kv_budget_mib: usize,
+    /// KV cache budget in MiB for all sessions together (default: an eighth of the machine's
+    /// memory, at most 1024).
+    #[arg(long)]
+    kv_budget_mib: Option<usize>,
+    /// Memory the shard's weights may take, in MiB; a range that needs more is refused at
+    /// start (default: half of the machine's memory).
+    #[arg(long)]
+    weights_budget_mib: Option<usize>,
+    /// Per-step activations in MiB; bounds the tokens one step may carry (default 256).
+    #[arg(long, default_value_t = 256)]
+    scratch_budget_mib: usize,
+    /// Activations sent downstream and not yet answered, in MiB (default 64).
+    #[arg(long, default_value_t = 64)]
+    inflight_budget_mib: usize,
     #[arg(long, default_value_t = 256)]
     max_sessions: usize,
     /// Milliseconds a session may sit idle before its KV is forgotten.
@@ -57,12 +68,28 @@ impl ShardLimits {
             .max(1)
     }
 
+    fn kv_budget_mib(&self) -> usize {
+        self.kv_budget_mib
+            .unwrap_or_else(|| (machine_memory_mib() / 8).clamp(16, 1024))
+    }
+
+    fn weights_budget_mib(&self) -> usize {
+        self.weights_budget_mib
+            .unwrap_or_else(|| machine_memory_mib() / 2)
+    }
+
     fn to_args(&self) -> Vec<String> {
         let mut v = vec![
             "--ctx".to_string(),
             self.ctx.to_string(),
             "--kv-budget-mib".into(),
-            self.kv_budget_mib.to_string(),
+            self.kv_budget_mib().to_string(),
+            "--weights-budget-mib".into(),
+            self.weights_budget_mib().to_string(),
+            "--scratch-budget-mib".into(),
+            self.scratch_budget_mib.to_string(),
+            "--inflight-budget-mib".into(),
+            self.inflight_budget_mib.to_string(),
             "--max-sessions".into(),
             self.max_sessions.to_string(),
             "--kv-ttl-ms".into(),
@@ -119,8 +146,11 @@ pub struct RouteArgs {
     #[arg(long, default_value_t = 48)]
     grading_max_active: usize,
     /// Tokens grading work may take per step while agent work runs or ran recently.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 8)]
     grading_step_tokens: usize,
+    /// Milliseconds after agent work during which no grading work starts.
+    #[arg(long, default_value_t = 50)]
+    agent_gap_ms: u64,
     /// How long after agent work grading steps stay capped, in milliseconds.
     #[arg(long, default_value_t = 2000)]
     agent_guard_ms: u64,
@@ -181,6 +211,7 @@ impl RouteArgs {
                 grading_max_active: self.grading_max_active.min(self.max_active),
                 grading_step_tokens: self.grading_step_tokens.max(1),
                 agent_guard: Duration::from_millis(self.agent_guard_ms),
+                agent_gap: Duration::from_millis(self.agent_gap_ms),
                 grading_max_wait: Duration::from_millis(self.grading_max_wait_ms),
             },
             admission: engine::AdmissionConfig {
@@ -241,6 +272,18 @@ async fn shutdown_signal() {
     }
 }
 
+/// The machine's memory in MiB (`MemTotal`), for budget defaults; 8 GiB when unknown.
+fn machine_memory_mib() -> usize {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<usize>().ok())
+        })
+        .map_or(8192, |kib| kib / 1024)
+}
+
 fn shard_config(
     model: &Path,
     layers: Option<(usize, usize)>,
@@ -253,9 +296,12 @@ fn shard_config(
         layers,
         n_threads: limits.threads(),
         n_ctx: limits.ctx,
-        kv_budget_bytes: limits.kv_budget_mib << 20,
+        kv_budget_bytes: limits.kv_budget_mib() << 20,
         kv_ttl: Duration::from_millis(limits.kv_ttl_ms),
         max_sessions: limits.max_sessions,
+        weights_budget_bytes: limits.weights_budget_mib() << 20,
+        scratch_budget_bytes: limits.scratch_budget_mib << 20,
+        inflight_budget_bytes: limits.inflight_budget_mib << 20,
         label,
         cluster_token: token,
     }

@@ -272,7 +272,7 @@ fn overload_gets_fast_typed_refusals_and_bounded_memory() {
 fn agent_latency_holds_under_a_grading_burst() {
     let _serial = serial();
     let t = serve(1, &[]);
-    let agent = json!({"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0, "ignore_eos": true});
+    let agent = json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": true});
     let call = |addr: &str| {
         let t0 = Instant::now();
         let (status, v, _) = complete(addr, &agent, &[]);
@@ -282,7 +282,8 @@ fn agent_latency_holds_under_a_grading_burst() {
     for _ in 0..3 {
         call(&t.addr);
     }
-    let n = 30;
+    // 100 calls per phase: the nearest-rank p99 is the 99th slowest, not the single maximum.
+    let n = 100;
     let alone: Vec<Duration> = (0..n).map(|_| call(&t.addr)).collect();
     let grading = json!({"prompt": "Write a short grading note about the answer 42.", "max_tokens": 24, "temperature": 0, "ignore_eos": true});
     let (under, graded) = std::thread::scope(|s| {
@@ -414,4 +415,51 @@ fn the_usage_ledger_survives_kill_9_and_budgets_are_refused_as_budget() {
     );
     assert_eq!(u["reserved_tokens"], 0);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Steps are sized so that no shard's scratch or in-flight budget can be exceeded: with 1 MiB
+/// of activations allowed in flight and two micro-batches in flight, a 2-shard route of the
+/// 576-wide model carries at most 227 tokens per step, so a ~300-token prompt is prefilled in
+/// chunks and still answered; every pool's use and budget is exported per shard.
+#[test]
+fn steps_fit_the_shards_scratch_and_inflight_budgets_and_pools_are_exported() {
+    let _serial = serial();
+    let t = serve(2, &["--inflight-budget-mib", "1"]);
+    let prompt = "The capital of France is Paris. ".repeat(40);
+    let (status, body, _) = complete(
+        &t.addr,
+        &json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}),
+        &[],
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(body["usage"]["prompt_tokens"].as_u64().unwrap() > 256);
+    let metrics = get(&t.addr, "/metrics").body;
+    let bucket = |le: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("strata_batch_tokens_bucket{") && l.contains(&format!("le=\"{le}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    assert!(bucket("+Inf") > 0.0);
+    assert_eq!(
+        bucket("256"),
+        bucket("+Inf"),
+        "no step carried more than 256 tokens"
+    );
+    for pool in ["weights", "kv", "scratch", "inflight"] {
+        let budget = "strata_shard_pool_budget_bytes{shard=";
+        let lines: Vec<&str> = metrics
+            .lines()
+            .filter(|l| l.starts_with(budget) && l.contains(&format!("pool=\"{pool}\"")))
+            .collect();
+        assert_eq!(lines.len(), 2, "{pool} budget on both shards: {lines:?}");
+    }
+    assert!(metrics
+        .lines()
+        .any(|l| l.starts_with("strata_shard_pool_budget_bytes{")
+            && l.contains("pool=\"inflight\"")
+            && l.ends_with(" 1048576")));
 }

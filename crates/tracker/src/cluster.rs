@@ -271,6 +271,21 @@ pub async fn monitor(
                         &l,
                         st.seam_bytes_out as f64,
                     );
+                    // Every pool's use and budget (memory pressure per pool per shard).
+                    for (pool, used, budget) in [
+                        ("weights", st.weight_bytes, st.weights_bytes_budget),
+                        ("kv", st.kv_bytes_in_use, st.kv_bytes_budget),
+                        (
+                            "scratch",
+                            st.scratch_bytes_last_step,
+                            st.scratch_bytes_budget,
+                        ),
+                        ("inflight", st.inflight_bytes, st.inflight_bytes_budget),
+                    ] {
+                        let pl = [("shard", addr.as_str()), ("pool", pool)];
+                        metrics.set("strata_shard_pool_bytes", &pl, used as f64);
+                        metrics.set("strata_shard_pool_budget_bytes", &pl, budget as f64);
+                    }
                     (true, None, Some(st))
                 }
                 Err(e) => (false, Some(e.message().to_string()), None),

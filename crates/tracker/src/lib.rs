@@ -147,6 +147,16 @@ fn declare(m: &Metrics) {
         ),
         ("strata_route_up", "gauge", "1 when the route is open"),
         (
+            "strata_shard_pool_bytes",
+            "gauge",
+            "use of each shard pool (weights, kv, scratch of the last step, inflight)",
+        ),
+        (
+            "strata_shard_pool_budget_bytes",
+            "gauge",
+            "budget of each shard pool",
+        ),
+        (
             "strata_model_resident",
             "gauge",
             "1 for each model resident on a route (models load only at start)",
@@ -367,6 +377,53 @@ impl Tracker {
     }
 }
 
+/// The route's scheduler settings: pipeline depth 0 means one micro-batch per shard, and a
+/// step never carries more tokens than every shard's scratch budget allows, nor more
+/// activations than its in-flight budget holds for the steps in flight at once.
+fn step_limits(config: &TrackerConfig, name: &str, cluster: &Cluster) -> engine::SchedulerConfig {
+    let depth = match config.scheduler.pipeline_depth {
+        0 => cluster.shards.len(),
+        n => n,
+    };
+    let seam_width = if config.seam == SeamDtype::SeamF16 {
+        2
+    } else {
+        4
+    };
+    let n_embd = cluster
+        .infos
+        .first()
+        .map_or(1, |i| i.n_embd.max(1) as usize);
+    let mut limit = config.scheduler.max_step_tokens;
+    for (i, b) in cluster
+        .infos
+        .iter()
+        .filter_map(|i| i.budgets.map(|b| (i, b)))
+    {
+        if b.max_step_tokens > 0 {
+            limit = limit.min(b.max_step_tokens as usize);
+        }
+        if b.inflight_bytes > 0 && i.layer_end < i.n_layers {
+            limit = limit.min(b.inflight_bytes as usize / (depth * n_embd * seam_width));
+        }
+    }
+    let limit = limit.max(1);
+    if limit < config.scheduler.max_step_tokens {
+        tracing::warn!(
+            route = name,
+            requested = config.scheduler.max_step_tokens,
+            limit,
+            "steps carry at most {limit} tokens: the shards' scratch or in-flight budgets allow no more"
+        );
+    }
+    engine::SchedulerConfig {
+        pipeline_depth: depth,
+        max_step_tokens: limit,
+        max_prefill_chunk: config.scheduler.max_prefill_chunk.min(limit),
+        ..config.scheduler
+    }
+}
+
 /// Starts one route's health monitor and scheduling loop and waits until the route is open.
 async fn start_route(
     config: &TrackerConfig,
@@ -406,18 +463,12 @@ async fn start_route(
             ..config.admission.clone()
         },
     );
+    let scheduler = step_limits(config, name, &cluster);
     let (cmd_tx, cmd_rx) = mpsc::channel(1024);
     let (route_tx, mut route_rx) = watch::channel(false);
     let runner = runner::Runner::new(
         runner::RunnerConfig {
-            // Pipeline depth 0 means one micro-batch per shard of the route.
-            scheduler: engine::SchedulerConfig {
-                pipeline_depth: match config.scheduler.pipeline_depth {
-                    0 => cluster.shards.len(),
-                    n => n,
-                },
-                ..config.scheduler
-            },
+            scheduler,
             seam: config.seam,
             step_deadline_base: Duration::from_millis(2000),
             step_deadline_per_token: Duration::from_millis(10),

@@ -179,6 +179,15 @@ impl Runner {
     pub async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
         loop {
             self.ensure_route().await;
+            // Requests that arrived while a step was in flight join before the next plan, so
+            // agent work is never planned behind grading work that merely answered first.
+            loop {
+                match commands.try_recv() {
+                    Ok(c) => self.handle(c),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
+            }
             self.drop_disconnected();
             // Keep up to `pipeline_depth` steps in flight: shards process steps in order and
             // reply in order, so while the last shard finishes one micro-batch the first
@@ -216,7 +225,13 @@ impl Runner {
                         None => return,
                     },
                     _ = self.health.changed() => {}
-                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                    // Work held back (grading waiting out the gap after agent work) is looked
+                    // at again soon; an idle route sleeps longer.
+                    _ = tokio::time::sleep(if self.scheduler.is_idle() {
+                        Duration::from_millis(100)
+                    } else {
+                        Duration::from_millis(5)
+                    }) => {}
                 }
                 continue;
             };
