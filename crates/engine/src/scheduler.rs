@@ -1,6 +1,6 @@
 //! The step scheduler.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 /// A session's id (unique per tracker).
@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 pub struct SessionId(pub u64);
 
 /// Limits of one step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SchedulerConfig {
     /// Tokens (decode + prefill) one step may carry.
     pub max_step_tokens: usize,
@@ -33,6 +33,9 @@ pub struct SchedulerConfig {
     /// Grading work that got nothing for this long joins the next step even beside agent work
     /// (within `grading_step_tokens`), so it is never starved.
     pub grading_max_wait: Duration,
+    /// While several owners (API keys) have prompts to prefill, one owner's prompts take at
+    /// most this share of a step's tokens; what is left is then open to anyone.
+    pub owner_step_share: f64,
 }
 
 impl Default for SchedulerConfig {
@@ -47,6 +50,7 @@ impl Default for SchedulerConfig {
             agent_guard: Duration::from_secs(2),
             agent_gap: Duration::from_millis(50),
             grading_max_wait: Duration::from_secs(2),
+            owner_step_share: 0.5,
         }
     }
 }
@@ -135,6 +139,8 @@ struct Entry {
     max_new: usize,
     in_flight: Option<u64>,
     priority: Priority,
+    /// Who asked (an API key's id), for per-owner fairness.
+    owner: u64,
 }
 
 impl Entry {
@@ -176,13 +182,14 @@ impl Scheduler {
         }
     }
 
-    /// Queues a session with its prompt; it generates at most `max_new` tokens.
+    /// Queues a session of `owner` with its prompt; it generates at most `max_new` tokens.
     pub fn add(
         &mut self,
         session: SessionId,
         prompt: Vec<u32>,
         max_new: usize,
         priority: Priority,
+        owner: u64,
     ) {
         let n_prompt = prompt.len();
         self.pending_new.insert(
@@ -194,6 +201,7 @@ impl Scheduler {
                 max_new,
                 in_flight: None,
                 priority,
+                owner,
             },
         );
         self.waiting[priority.index()].push_back(session);
@@ -362,7 +370,9 @@ impl Scheduler {
                 *budget -= 1;
             }
         }
-        // Prefill, oldest first (ids grow with arrival).
+        // Prefill, oldest first (ids grow with arrival). While several owners have prompts
+        // waiting, a first pass holds each to its share of the step; a second pass hands what
+        // is left to anyone, so no token of the budget is wasted.
         let prefill: Vec<SessionId> = self
             .active
             .iter()
@@ -371,23 +381,55 @@ impl Scheduler {
             })
             .map(|(&id, _)| id)
             .collect();
-        for id in prefill {
-            if *budget == 0 || items.len() >= max_sessions {
-                break;
+        let mut owners: Vec<u64> = prefill.iter().map(|id| self.active[id].owner).collect();
+        owners.sort_unstable();
+        owners.dedup();
+        let share = ((self.config.max_step_tokens as f64 * self.config.owner_step_share).ceil()
+            as usize)
+            .max(1);
+        let mut used: HashMap<u64, usize> = HashMap::new();
+        for item in items.iter() {
+            if let Some(e) = self.active.get(&item.session) {
+                *used.entry(e.owner).or_default() += item.tokens.len();
             }
-            let e = self.active.get_mut(&id).expect("listed above");
-            let n = (e.tokens.len() - e.n_computed)
-                .min(*budget)
-                .min(self.config.max_prefill_chunk);
-            let end = e.n_computed + n;
-            items.push(PlanItem {
-                session: id,
-                start_pos: e.n_computed,
-                tokens: e.tokens[e.n_computed..end].to_vec(),
-                want_output: end == e.tokens.len(),
-            });
-            e.in_flight = Some(step_id);
-            *budget -= n;
+        }
+        let passes: &[bool] = if owners.len() > 1 {
+            &[true, false]
+        } else {
+            &[false]
+        };
+        for &capped in passes {
+            for &id in &prefill {
+                if *budget == 0 || items.len() >= max_sessions {
+                    break;
+                }
+                let e = self.active.get_mut(&id).expect("listed above");
+                if e.in_flight.is_some() {
+                    continue;
+                }
+                let room = if capped {
+                    share.saturating_sub(used.get(&e.owner).copied().unwrap_or(0))
+                } else {
+                    usize::MAX
+                };
+                let n = (e.tokens.len() - e.n_computed)
+                    .min(*budget)
+                    .min(self.config.max_prefill_chunk)
+                    .min(room);
+                if n == 0 {
+                    continue;
+                }
+                let end = e.n_computed + n;
+                items.push(PlanItem {
+                    session: id,
+                    start_pos: e.n_computed,
+                    tokens: e.tokens[e.n_computed..end].to_vec(),
+                    want_output: end == e.tokens.len(),
+                });
+                e.in_flight = Some(step_id);
+                *used.entry(e.owner).or_default() += n;
+                *budget -= n;
+            }
         }
     }
 
@@ -524,7 +566,7 @@ mod tests {
             ..cfg(64, 64)
         });
         for i in 0..8 {
-            s.add(SessionId(i), vec![1, 2], 100, Priority::Agent);
+            s.add(SessionId(i), vec![1, 2], 100, Priority::Agent, 0);
         }
         // Prefill in two micro-batches, then decode.
         let a = s.schedule(Instant::now()).unwrap();
@@ -555,7 +597,7 @@ mod tests {
     #[test]
     fn prompt_is_chunked_then_decoded_until_max_tokens() {
         let mut s = Scheduler::new(cfg(4, 4));
-        s.add(SessionId(1), (0..10).collect(), 3, Priority::Agent);
+        s.add(SessionId(1), (0..10).collect(), 3, Priority::Agent, 0);
         let (p, e) = run(&mut s);
         assert_eq!(
             (
@@ -602,9 +644,9 @@ mod tests {
     #[test]
     fn a_long_prompt_does_not_stop_decoders_from_advancing_every_step() {
         let mut s = Scheduler::new(cfg(8, 8));
-        s.add(SessionId(1), vec![1, 2], 100, Priority::Agent);
+        s.add(SessionId(1), vec![1, 2], 100, Priority::Agent, 0);
         run(&mut s);
-        s.add(SessionId(2), (0..1000).collect(), 1, Priority::Agent);
+        s.add(SessionId(2), (0..1000).collect(), 1, Priority::Agent, 0);
         for _ in 0..20 {
             let (p, _) = run(&mut s);
             assert!(
@@ -621,10 +663,10 @@ mod tests {
     fn decoders_do_not_stop_a_prompt_from_making_progress() {
         let mut s = Scheduler::new(cfg(8, 8));
         for id in 1..=6 {
-            s.add(SessionId(id), vec![1], 1000, Priority::Agent);
+            s.add(SessionId(id), vec![1], 1000, Priority::Agent, 0);
         }
         run(&mut s);
-        s.add(SessionId(99), (0..40).collect(), 1, Priority::Agent);
+        s.add(SessionId(99), (0..40).collect(), 1, Priority::Agent, 0);
         let mut prefilled = 0;
         for _ in 0..30 {
             let (p, _) = run(&mut s);
@@ -641,8 +683,8 @@ mod tests {
     #[test]
     fn aborting_a_running_session_releases_it_on_the_next_plan() {
         let mut s = Scheduler::new(cfg(16, 16));
-        s.add(SessionId(1), vec![1, 2, 3], 10, Priority::Agent);
-        s.add(SessionId(2), vec![4, 5], 10, Priority::Agent);
+        s.add(SessionId(1), vec![1, 2, 3], 10, Priority::Agent, 0);
+        s.add(SessionId(2), vec![4, 5], 10, Priority::Agent, 0);
         run(&mut s);
         s.abort(SessionId(1));
         let p = s.schedule(Instant::now()).unwrap();
@@ -653,8 +695,8 @@ mod tests {
     #[test]
     fn a_refused_fragment_removes_only_its_session() {
         let mut s = Scheduler::new(cfg(16, 16));
-        s.add(SessionId(1), vec![1, 2, 3], 10, Priority::Agent);
-        s.add(SessionId(2), vec![4, 5], 10, Priority::Agent);
+        s.add(SessionId(1), vec![1, 2, 3], 10, Priority::Agent, 0);
+        s.add(SessionId(2), vec![4, 5], 10, Priority::Agent, 0);
         let p = s.schedule(Instant::now()).unwrap();
         let ev = s.update_from_output(p.step_id, &[(SessionId(2), 9)], &[SessionId(1)]);
         assert_eq!(
@@ -671,7 +713,7 @@ mod tests {
     #[test]
     fn a_replayed_session_prefills_all_its_known_tokens_then_decodes_on() {
         let mut s = Scheduler::new(cfg(64, 64));
-        s.add(SessionId(1), vec![1, 2, 3], 5, Priority::Agent);
+        s.add(SessionId(1), vec![1, 2, 3], 5, Priority::Agent, 0);
         run(&mut s);
         run(&mut s);
         // Known: 3 prompt tokens + 2 generated (7, 7); the shard lost them.
@@ -728,7 +770,7 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Scheduler::new(classes());
         for i in 0..5 {
-            s.add(SessionId(i), vec![1; 100], 3, Priority::Grading);
+            s.add(SessionId(i), vec![1; 100], 3, Priority::Grading, 0);
         }
         assert_eq!(
             s.n_active_of(Priority::Grading),
@@ -742,7 +784,7 @@ mod tests {
             vec![(SessionId(0), 64)],
             "no agent about: the whole budget"
         );
-        s.add(SessionId(10), vec![1; 6], 3, Priority::Agent);
+        s.add(SessionId(10), vec![1; 6], 3, Priority::Agent, 0);
         assert_eq!(
             s.n_active_of(Priority::Agent),
             1,
@@ -786,8 +828,8 @@ mod tests {
     fn grading_work_is_never_starved_by_continuous_agent_work() {
         let mut s = Scheduler::new(classes());
         let mut now = Instant::now();
-        s.add(SessionId(1), vec![1; 4], 2, Priority::Grading);
-        s.add(SessionId(100), vec![1], 1_000_000, Priority::Agent);
+        s.add(SessionId(1), vec![1; 4], 2, Priority::Grading, 0);
+        s.add(SessionId(100), vec![1], 1_000_000, Priority::Agent, 0);
         let mut grading_steps = Vec::new();
         for n in 0..2000 {
             now += Duration::from_millis(20);
@@ -817,6 +859,32 @@ mod tests {
         assert!(grading_steps[0] >= 249, "{grading_steps:?}");
     }
 
+    /// While two owners have prompts waiting, neither takes more than its share of a step;
+    /// alone, an owner takes the whole step.
+    #[test]
+    fn one_owner_cannot_take_more_than_its_share_of_a_step() {
+        let mut s = Scheduler::new(cfg(64, 64));
+        for i in 0..3 {
+            s.add(SessionId(i), vec![1; 100], 1, Priority::Agent, 7);
+        }
+        s.add(SessionId(10), vec![1; 100], 1, Priority::Agent, 8);
+        let plan = s.schedule(Instant::now()).unwrap();
+        let by = |owner_ids: &[u64]| -> usize {
+            plan.items
+                .iter()
+                .filter(|i| owner_ids.contains(&i.session.0))
+                .map(|i| i.tokens.len())
+                .sum()
+        };
+        assert_eq!(by(&[0, 1, 2]), 32, "owner 7 is held to half: {plan:?}");
+        assert_eq!(by(&[10]), 32, "owner 8 gets its half");
+        let mut alone = Scheduler::new(cfg(64, 64));
+        alone.add(SessionId(1), vec![1; 100], 1, Priority::Agent, 7);
+        alone.add(SessionId(2), vec![1; 100], 1, Priority::Agent, 7);
+        let plan = alone.schedule(Instant::now()).unwrap();
+        assert_eq!(plan.n_tokens(), 64, "alone, an owner uses the whole step");
+    }
+
     proptest::proptest! {
         #[test]
         fn the_token_budget_is_never_exceeded(
@@ -827,7 +895,7 @@ mod tests {
             let mut s = Scheduler::new(cfg(budget, chunk));
             for (i, n) in prompts.iter().enumerate() {
                 let class = if i % 3 == 0 { Priority::Grading } else { Priority::Agent };
-                s.add(SessionId(i as u64), vec![1; *n], 5, class);
+                s.add(SessionId(i as u64), vec![1; *n], 5, class, i as u64 % 2);
             }
             // Simulated time, 10 ms per step: held-back grading work resumes after the gap.
             let mut now = Instant::now();

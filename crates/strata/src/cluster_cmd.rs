@@ -163,7 +163,8 @@ pub struct RouteArgs {
     /// Requests that may wait for a place on the route: grading queue.
     #[arg(long, default_value_t = 256)]
     grading_queue: usize,
-    /// Largest share of a class's places (active plus queued) one API key may hold.
+    /// Largest share one API key may hold of a class's places (active plus queued) and, while
+    /// other keys have prompts waiting, of a step's tokens.
     #[arg(long, default_value_t = 0.5)]
     key_share: f64,
     /// SQLite file recording every accepted request's usage per API key (created if absent).
@@ -212,6 +213,7 @@ impl RouteArgs {
                 grading_step_tokens: self.grading_step_tokens.max(1),
                 agent_guard: Duration::from_millis(self.agent_guard_ms),
                 agent_gap: Duration::from_millis(self.agent_gap_ms),
+                owner_step_share: self.key_share,
                 grading_max_wait: Duration::from_millis(self.grading_max_wait_ms),
             },
             admission: engine::AdmissionConfig {

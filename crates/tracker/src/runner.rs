@@ -418,8 +418,19 @@ impl Runner {
                     return;
                 }
                 self.next_id += 1;
-                self.scheduler
-                    .add(id, job.prompt_ids.clone(), job.max_tokens, job.priority);
+                let owner = {
+                    use std::hash::{Hash, Hasher};
+                    let mut h = std::collections::hash_map::DefaultHasher::new();
+                    job.key.hash(&mut h);
+                    h.finish()
+                };
+                self.scheduler.add(
+                    id,
+                    job.prompt_ids.clone(),
+                    job.max_tokens,
+                    job.priority,
+                    owner,
+                );
                 self.live.insert(
                     id,
                     Live {
