@@ -62,9 +62,24 @@ pub(crate) fn q8_block(x: &[f32]) -> (f32, [i8; QK]) {
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     let mut q = [0i8; QK];
     for (o, &v) in q.iter_mut().zip(x) {
-        *o = (v * id).round() as i8;
+        *o = round_half_away(v * id) as i8;
     }
     (d, q)
+}
+
+/// `y.round()` (half away from zero) for |y| < 2^31, without a libm call: truncation is one
+/// instruction and `y - trunc(y)` is exact, so the result is identical.
+#[inline]
+fn round_half_away(y: f32) -> i32 {
+    let t = y as i32;
+    let frac = y - t as f32;
+    if frac >= 0.5 {
+        t + 1
+    } else if frac <= -0.5 {
+        t - 1
+    } else {
+        t
+    }
 }
 
 fn q8k_block(x: &[f32], out: &mut [u8]) {
@@ -83,7 +98,7 @@ fn q8k_block(x: &[f32], out: &mut [u8]) {
     let iscale = -127.0 / max;
     let mut q = [0i8; QK_K];
     for (o, &v) in q.iter_mut().zip(x) {
-        *o = ((iscale * v).round() as i32).min(127) as i8;
+        *o = round_half_away(iscale * v).min(127) as i8;
     }
     out[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
     for (o, v) in out[4..260].iter_mut().zip(q) {
@@ -92,5 +107,35 @@ fn q8k_block(x: &[f32], out: &mut [u8]) {
     for (j, s) in q.chunks_exact(16).enumerate() {
         let sum: i16 = s.iter().map(|&v| v as i16).sum();
         out[260 + 2 * j..262 + 2 * j].copy_from_slice(&sum.to_le_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_without_libm_equals_round() {
+        let mut y = -130.0f32;
+        while y <= 130.0 {
+            for v in [
+                y,
+                y + 0.5,
+                y - 0.5,
+                y + 0.499_999_97,
+                f32::from_bits(y.to_bits() + 1),
+            ] {
+                assert_eq!(round_half_away(v), v.round() as i32, "{v}");
+            }
+            y += 0.25;
+        }
+        let mut seed = 0x2545_f491_u32;
+        for _ in 0..100_000 {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            let v = (seed as f32 / u32::MAX as f32 - 0.5) * 300.0;
+            assert_eq!(round_half_away(v), v.round() as i32, "{v}");
+        }
     }
 }

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# strata against llama.cpp on the same model, threads and machine, in the same run.
+#
+# Usage: LLAMA_CPP_DIR=/path/to/llama.cpp/build bench/compare-llamacpp.sh [threads] [repetitions]
+#
+# LLAMA_CPP_DIR is a llama.cpp build (its bin/ holds llama-bench and llama-server); this script
+# neither builds nor downloads it. Each round runs llama.cpp then strata back to back; the
+# table prints the median over the rounds and the ratio strata / llama.cpp:
+#   - pp128, pp512, tg64: llama-bench against `strata bench --model` (one process);
+#   - aggregate decode at concurrency 1, 4, 8 and 16 (32-token prompts, 64 new tokens):
+#     llama-server with 8 slots against `strata serve --shards 1`, both driven by
+#     `strata bench --url` over HTTP;
+#   - single-stream decode of a 2-shard route (`strata serve --shards 2`, threads split) against
+#     one process;
+#   - peak resident memory of a server with a 4096-token context after one request.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${LLAMA_CPP_DIR:?set LLAMA_CPP_DIR to a llama.cpp build directory (with bin/llama-bench)}"
+threads=${1:-2}
+reps=${2:-3}
+lbench="$LLAMA_CPP_DIR/bin/llama-bench"
+lserver="$LLAMA_CPP_DIR/bin/llama-server"
+[ -x "$lbench" ] && [ -x "$lserver" ] || { echo "no llama-bench / llama-server in $LLAMA_CPP_DIR/bin" >&2; exit 1; }
+model=$(scripts/fetch-model.sh)
+cargo build --release --quiet -p strata
+strata=target/release/strata
+out=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$out"' EXIT
+
+wait_http() { # $1 = port
+  for _ in $(seq 1 600); do
+    curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 && return 0
+    sleep 0.2
+  done
+  echo "nothing answered on port $1" >&2; return 1
+}
+
+peak_rss_mib() { # $1 = pid
+  awk '/VmHWM/ {printf "%.1f", $2 / 1024}' "/proc/$1/status"
+}
+
+conc=1,4,8,16
+for r in $(seq 1 "$reps"); do
+  echo "round $r of $reps" >&2
+  "$lbench" -m "$model" -t "$threads" -p 128,512 -n 64 -r 3 -o json > "$out/llama-bench-$r.json" 2>/dev/null
+  "$strata" bench --model "$model" --threads "$threads" --prompt-tokens 128,512 --gen-tokens 64 --repetitions 3 --json > "$out/strata-bench-$r.json"
+
+  "$lserver" -m "$model" -t "$threads" -c 8192 -np 8 --port 18190 --metrics >/dev/null 2>&1 &
+  pid=$!; wait_http 18190
+  "$strata" bench --url http://127.0.0.1:18190 --prompt-tokens 32 --gen-tokens 64 --concurrency "$conc" --requests 2 --json > "$out/llama-server-$r.json"
+  kill $pid; wait $pid 2>/dev/null || true
+
+  "$strata" serve --model "$model" --shards 1 --threads "$threads" --listen 127.0.0.1:18191 >/dev/null 2>&1 &
+  pid=$!; wait_http 18191
+  "$strata" bench --url http://127.0.0.1:18191 --prompt-tokens 32 --gen-tokens 64 --concurrency "$conc" --requests 2 --json > "$out/strata-serve-$r.json"
+  kill $pid; wait $pid 2>/dev/null || true
+
+  per=$(( threads / 2 )); [ "$per" -ge 1 ] || per=1
+  "$strata" serve --model "$model" --shards 2 --threads "$per" --listen 127.0.0.1:18192 >/dev/null 2>&1 &
+  pid=$!; wait_http 18192
+  "$strata" bench --url http://127.0.0.1:18192 --prompt-tokens 32 --gen-tokens 64 --concurrency 1 --requests 3 --json > "$out/strata-2shard-$r.json"
+  kill $pid; wait $pid 2>/dev/null || true
+done
+
+# Peak RSS with a 4096-token context, after one 512-token prompt and 64 new tokens.
+prompt=$(python3 -c "print('The quick brown fox jumps over the lazy dog. ' * 50)")
+ask() { # $1 = port
+  curl -sf "http://127.0.0.1:$1/v1/completions" -H 'content-type: application/json' \
+    -d "$(python3 -c 'import json,sys; print(json.dumps({"prompt": sys.argv[1], "max_tokens": 64, "temperature": 0}))' "$prompt")" >/dev/null
+}
+"$lserver" -m "$model" -t "$threads" -c 4096 -np 1 --port 18193 >/dev/null 2>&1 &
+pid=$!; wait_http 18193; ask 18193; echo "$(peak_rss_mib $pid)" > "$out/llama-rss"; kill $pid; wait $pid 2>/dev/null || true
+"$strata" serve --model "$model" --shards 1 --threads "$threads" --ctx 4096 --listen 127.0.0.1:18194 >/dev/null 2>&1 &
+pid=$!; wait_http 18194; ask 18194; echo "$(peak_rss_mib $pid)" > "$out/strata-rss"; kill $pid; wait $pid 2>/dev/null || true
+
+python3 - "$out" "$reps" "$conc" <<'PY'
+import json, statistics, sys
+out, reps, conc = sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")]
+load = lambda name, r: json.load(open(f"{out}/{name}-{r}.json"))
+rounds = range(1, reps + 1)
+def llama_test(r, name):
+    for t in load("llama-bench", r):
+        n_p, n_g = t["n_prompt"], t["n_gen"]
+        if (name.startswith("pp") and n_g == 0 and f"pp{n_p}" == name) or (name.startswith("tg") and n_p == 0 and f"tg{n_g}" == name):
+            return t["avg_ts"]
+def strata_test(r, name):
+    return next(t["avg_ts"] for t in load("strata-bench", r)["tests"] if t["test"] == name)
+def agg(name, r, c):
+    return next(x["aggregate_tps"] for x in load(name, r)["runs"] if x["concurrency"] == c)
+def per_stream(name, r):
+    return load(name, r)["runs"][0]["decode_tps_per_stream_p50"]
+med = statistics.median
+rows = []
+for name in ["pp128", "pp512", "tg64"]:
+    l = med(llama_test(r, name) for r in rounds)
+    s = med(strata_test(r, name) for r in rounds)
+    rows.append((f"{name} (llama-bench vs strata bench)", l, s))
+for c in conc:
+    l = med(agg("llama-server", r, c) for r in rounds)
+    s = med(agg("strata-serve", r, c) for r in rounds)
+    rows.append((f"aggregate decode t/s, {c} concurrent (llama-server 8 slots vs strata serve)", l, s))
+print(f"| test | llama.cpp | strata | strata / llama.cpp |")
+print(f"| --- | ---: | ---: | ---: |")
+for name, l, s in rows:
+    print(f"| {name} | {l:.1f} | {s:.1f} | {s / l:.2f} |")
+one = med(per_stream("strata-serve", r) for r in rounds)
+two = med(per_stream("strata-2shard", r) for r in rounds)
+print(f"\nsingle-stream decode (per-stream p50): one process {one:.1f} t/s, 2-shard route {two:.1f} t/s, ratio {two / one:.2f}")
+lr, sr = float(open(f"{out}/llama-rss").read()), float(open(f"{out}/strata-rss").read())
+print(f"peak RSS with a 4096-token context after one request: llama-server {lr:.1f} MiB, strata serve {sr:.1f} MiB, ratio {sr / lr:.2f}")
+print(f"({reps} rounds, medians; each round runs llama.cpp then strata back to back)")
+PY

@@ -1,0 +1,148 @@
+//! Kernel throughput, to judge each kernel against the machine's limits: GFLOP/s for the
+//! products (criterion's "elem/s" here count floating-point operations, 2 per multiply-add) and
+//! GB/s for the memory-bound ones (bytes read). Run: `cargo bench -p model --bench kernels`.
+
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use gguf::GgmlType;
+use half::f16;
+use model::kernels::{attn, packed, Kernels, TILE_A, TILE_W};
+use model::matmul::{matmul, Product, QMatrix};
+use model::pool::ThreadPool;
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed.max(1);
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            s as f32 / u32::MAX as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn matrix(ty: GgmlType, rows: usize, cols: usize, pack: bool) -> QMatrix {
+    let data = gguf::quant::quantize(ty, &values(rows * cols, 7)).expect("quantizable type");
+    QMatrix::new(ty, rows, cols, data, pack)
+}
+
+/// One 4x4 tile of packed rows (SmolLM2's width, 576), the inner kernel of every product.
+fn tile(c: &mut Criterion) {
+    let k = Kernels::detect();
+    if !k.packs_weights() {
+        return;
+    }
+    let mut g = c.benchmark_group("packed_tile_4x4");
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        let cols = 576;
+        let w = matrix(ty, TILE_W, cols, true);
+        let layout = w.packed.expect("packed");
+        let acts: Vec<Vec<u8>> = (0..TILE_A)
+            .map(|j| {
+                let mut a = vec![0u8; layout.a_row_bytes()];
+                packed::quantize_act_row(&layout, &values(cols, 11 + j as u32), &mut a);
+                a
+            })
+            .collect();
+        let wr: Vec<&[u8]> = (0..TILE_W).map(|i| w.row(i)).collect();
+        let ar: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
+        g.throughput(Throughput::Elements((2 * TILE_W * TILE_A * cols) as u64));
+        g.bench_function(BenchmarkId::from_parameter(format!("{ty:?}")), |b| {
+            let mut out = [[0f32; TILE_A]; TILE_W];
+            b.iter(|| {
+                k.packed_tile(&layout, black_box(&wr), black_box(&ar), &mut out);
+                black_box(out);
+            })
+        });
+    }
+    g.finish();
+}
+
+/// The batched product on a 1536 x 576 Q4_1 matrix (an FFN projection) with all threads: one
+/// row is memory-bound (GB/s of weights), 16 rows compute-bound (GFLOP/s).
+fn product(c: &mut Criterion) {
+    let k = Kernels::detect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pool = ThreadPool::new(threads);
+    let w = matrix(GgmlType::Q4_1, 1536, 576, k.packs_weights());
+    let mut g = c.benchmark_group("matmul_q4_1_1536x576");
+    for rows in [1usize, 16, 64] {
+        let x = values(rows * 576, 3);
+        let mut out = vec![0f32; rows * 1536];
+        if rows == 1 {
+            g.throughput(Throughput::Bytes(w.data.len() as u64));
+        } else {
+            g.throughput(Throughput::Elements((2 * rows * 1536 * 576) as u64));
+        }
+        g.bench_function(BenchmarkId::from_parameter(format!("{rows} rows")), |b| {
+            b.iter(|| {
+                matmul(
+                    &k,
+                    &pool,
+                    black_box(&x),
+                    &mut [Product {
+                        w: &w,
+                        out: &mut out,
+                    }],
+                );
+            })
+        });
+    }
+    g.finish();
+}
+
+/// Quantizing one activation row for the packed product (GB/s of f32 input).
+fn quantize(c: &mut Criterion) {
+    let layout = packed::Layout::new(packed::PackKind::Q4_1, 1536);
+    let x = values(1536, 5);
+    let mut out = vec![0u8; layout.a_row_bytes()];
+    let mut g = c.benchmark_group("quantize_act_row");
+    g.throughput(Throughput::Bytes((x.len() * 4) as u64));
+    g.bench_function("1536 values", |b| {
+        b.iter(|| packed::quantize_act_row(&layout, black_box(&x), &mut out))
+    });
+    g.finish();
+}
+
+/// Attention's inner products over f16 K/V rows (GB/s of f16 read), 64-wide heads.
+fn attention(c: &mut Criterion) {
+    let k = Kernels::detect();
+    let q = values(64, 9);
+    let rows: Vec<f16> = values(64 * 1024, 13)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    let mut o = vec![0f32; 64];
+    let mut g = c.benchmark_group("attention_1024_positions");
+    g.throughput(Throughput::Bytes((rows.len() * 2) as u64));
+    g.bench_function("dot_f16", |b| {
+        b.iter(|| {
+            let mut s = 0f32;
+            for r in rows.chunks_exact(64) {
+                s += k.dot_f16(black_box(&q), r);
+            }
+            black_box(s)
+        })
+    });
+    g.bench_function("axpy_f16", |b| {
+        b.iter(|| {
+            for r in rows.chunks_exact(64) {
+                k.axpy_f16(0.5, black_box(r), &mut o);
+            }
+        })
+    });
+    g.bench_function("dot_f16 scalar reference", |b| {
+        b.iter(|| {
+            let mut s = 0f32;
+            for r in rows.chunks_exact(64) {
+                s += attn::dot_f16(black_box(&q), r);
+            }
+            black_box(s)
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, tile, product, quantize, attention);
+criterion_main!(benches);
