@@ -191,6 +191,7 @@ impl ShardCore {
                 weights_budget_bytes: config.weights_budget_bytes as u64,
             }),
             listen: config.label.clone(),
+            pinned: config.pinned,
         };
         let vocab_gguf = vocab_file(&file);
         drop(file);

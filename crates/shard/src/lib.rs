@@ -36,6 +36,8 @@ pub struct ShardConfig {
     pub scratch_budget_bytes: usize,
     /// Activation bytes sent downstream and not yet answered.
     pub inflight_budget_bytes: usize,
+    /// The model must never be evicted from this node (advertised to trackers).
+    pub pinned: bool,
     /// The address this shard is known by (for errors, metrics and hop timings).
     pub label: String,
     /// Shared secret every connection must present.

@@ -34,6 +34,7 @@ fn config(kv_budget_bytes: usize, kv_ttl: Duration) -> ShardConfig {
         weights_budget_bytes: 1 << 30,
         scratch_budget_bytes: 64 << 20,
         inflight_budget_bytes: 64 << 20,
+        pinned: false,
         label: "test-shard".into(),
         cluster_token: "unused-in-process-token".into(),
     }

@@ -54,6 +54,9 @@ pub struct ShardLimits {
     /// Activations sent downstream and not yet answered, in MiB (default 64).
     #[arg(long, default_value_t = 64)]
     inflight_budget_mib: usize,
+    /// Pin this node's model: a tracker refuses to evict it.
+    #[arg(long)]
+    pin: bool,
     #[arg(long, default_value_t = 256)]
     max_sessions: usize,
     /// Milliseconds a session may sit idle before its KV is forgotten.
@@ -97,6 +100,9 @@ impl ShardLimits {
         ];
         if let Some(t) = self.threads {
             v.extend(["--threads".to_string(), t.to_string()]);
+        }
+        if self.pin {
+            v.push("--pin".into());
         }
         v
     }
@@ -173,6 +179,9 @@ pub struct RouteArgs {
     /// API keys with token budgets, one per line: `NAME SECRET BUDGET_TOKENS` (needs --ledger).
     #[arg(long)]
     api_keys: Option<PathBuf>,
+    /// File holding the admin API's bearer token (enables `POST /admin/routes/NAME/evict`).
+    #[arg(long)]
+    admin_token_file: Option<PathBuf>,
 }
 
 impl RouteArgs {
@@ -224,6 +233,10 @@ impl RouteArgs {
             seam,
             health_period: Duration::from_millis(self.health_period_ms.max(10)),
             ledger,
+            admin_token: match &self.admin_token_file {
+                Some(p) => Some(read_token(p)?),
+                None => None,
+            },
             ..tracker::TrackerConfig::default()
         })
     }
@@ -304,6 +317,7 @@ fn shard_config(
         weights_budget_bytes: limits.weights_budget_mib() << 20,
         scratch_budget_bytes: limits.scratch_budget_mib << 20,
         inflight_budget_bytes: limits.inflight_budget_mib << 20,
+        pinned: limits.pin,
         label,
         cluster_token: token,
     }

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use testkit::http::{get, post_json};
+use testkit::http::{get, post_json, request};
 use testkit::procs;
 use testkit::TinySpec;
 
@@ -53,8 +53,9 @@ fn requests_go_only_to_nodes_holding_their_model_and_others_are_not_resident() {
     let token = procs::token_file("residency-test-token-0123456789");
     let real = testkit::real_model();
     let tiny = testkit::write_tiny_model(&TinySpec::default(), "residency");
-    let a = procs::shard(exe(), &real, "0..30", &token, &["--threads", "1"]);
+    let a = procs::shard(exe(), &real, "0..30", &token, &["--threads", "1", "--pin"]);
     let b = procs::shard(exe(), &tiny, "0..4", &token, &["--threads", "1"]);
+    let admin = procs::token_file("residency-admin-token-0123456789");
     let args: Vec<String> = [
         "tracker".to_string(),
         "--route".into(),
@@ -65,6 +66,8 @@ fn requests_go_only_to_nodes_holding_their_model_and_others_are_not_resident() {
         "127.0.0.1:0".into(),
         "--cluster-token-file".into(),
         token.display().to_string(),
+        "--admin-token-file".into(),
+        admin.display().to_string(),
     ]
     .to_vec();
     let t = procs::spawn(exe(), &args, "strata tracker listening on ", "tracker");
@@ -148,4 +151,44 @@ fn requests_go_only_to_nodes_holding_their_model_and_others_are_not_resident() {
     let h = get(&t.addr, "/health").json();
     assert_eq!(h["status"], "ok");
     assert_eq!(h["models"].as_array().unwrap().len(), 2);
+
+    // Eviction is an operator action, refused for the pinned model even though it would free
+    // its node; the unpinned one leaves its route and is then not resident anywhere.
+    let evict = |route: &str, auth: &[(&str, &str)]| {
+        request(
+            "POST",
+            &t.addr,
+            &format!("/admin/routes/{route}/evict"),
+            Some(&json!({})),
+            auth,
+        )
+        .unwrap()
+    };
+    let bearer = [("authorization", "Bearer residency-admin-token-0123456789")];
+    assert_eq!(evict("node-a", &[]).status, 401);
+    let r = evict("node-a", &bearer);
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert_eq!(r.json()["error"]["reason"], "pinned");
+    let r = post_json(
+        &t.addr,
+        "/v1/completions",
+        &json!({"model": real_id, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "the pinned model still serves: {}", r.body);
+    let r = evict("node-b", &bearer);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = post_json(
+        &t.addr,
+        "/v1/completions",
+        &json!({"model": tiny_id, "prompt": "the world", "max_tokens": 4}),
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert_eq!(r.json()["error"]["reason"], "not_resident");
+    let models = get(&t.addr, "/v1/models").json();
+    assert_eq!(models["data"].as_array().unwrap().len(), 1, "{models}");
+    assert_eq!(models["data"][0]["pinned_on"], json!(["node-a"]));
+    assert_eq!(
+        metric_lines(&t.addr, "strata_swaps_total"),
+        vec!["strata_swaps_total 0".to_string()]
+    );
 }

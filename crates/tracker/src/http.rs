@@ -33,6 +33,8 @@ pub struct AppState {
     /// `max_tokens` when a chat request gives none.
     pub default_chat_max_tokens: usize,
     pub ledger: Option<Arc<Ledger>>,
+    /// Bearer token of the admin API (`None`: no admin API).
+    pub admin_token: Option<String>,
 }
 
 /// One resident model: its tokenizer and the routes whose shards hold it.
@@ -53,6 +55,22 @@ pub struct RouteHandle {
     pub cluster: Arc<Cluster>,
     pub commands: mpsc::Sender<Command>,
     pub health: watch::Receiver<Health>,
+    /// A shard of the route was started with `--pin`: the model is never evicted from it.
+    pub pinned: bool,
+    /// An operator evicted the model from this route: no new request goes to it.
+    pub evicted: std::sync::atomic::AtomicBool,
+}
+
+impl RouteHandle {
+    fn resident(&self) -> bool {
+        !self.evicted.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+impl ModelEntry {
+    fn resident(&self) -> bool {
+        self.routes.iter().any(RouteHandle::resident)
+    }
 }
 
 impl AppState {
@@ -63,9 +81,11 @@ impl AppState {
             Some(m) => self
                 .models
                 .iter()
-                .find(|e| e.id == m || e.digest == m)
+                .find(|e| (e.id == m || e.digest == m) && e.resident())
                 .ok_or_else(|| ApiError::not_resident(m, &self.residency())),
-            None if self.models.len() == 1 => Ok(&self.models[0]),
+            None if self.models.iter().filter(|m| m.resident()).count() == 1 => {
+                Ok(self.models.iter().find(|m| m.resident()).expect("counted"))
+            }
             None => Err(ApiError::invalid(
                 "model",
                 format!(
@@ -80,8 +100,14 @@ impl AppState {
     fn residency(&self) -> String {
         self.models
             .iter()
+            .filter(|m| m.resident())
             .map(|m| {
-                let routes: Vec<&str> = m.routes.iter().map(|r| r.name.as_str()).collect();
+                let routes: Vec<&str> = m
+                    .routes
+                    .iter()
+                    .filter(|r| r.resident())
+                    .map(|r| r.name.as_str())
+                    .collect();
                 format!("`{}` on {}", m.id, routes.join(", "))
             })
             .collect::<Vec<_>>()
@@ -95,6 +121,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/v1/usage", get(usage_of_key))
+        .route("/admin/routes/{name}/evict", post(evict_route))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .with_state(state)
@@ -309,7 +336,7 @@ async fn submit(
     ApiError,
 > {
     let mut last = ApiError::unavailable("the model has no route");
-    for route in &model.routes {
+    for route in model.routes.iter().filter(|r| r.resident()) {
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         let (acc_tx, acc_rx) = oneshot::channel();
         route
@@ -594,15 +621,65 @@ async fn usage_of_key(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Res
     }
 }
 
+/// The operator's eviction of a model from one route (node): refused for a pinned model;
+/// otherwise no new request goes to the route (sessions on it finish). Nothing is ever loaded
+/// in its place: residency changes only by operator action.
+async fn evict_route(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Response {
+    match &s.admin_token {
+        Some(t) if bearer(&headers) == *t => {}
+        _ => return ApiError::unauthorized().into_response(),
+    }
+    let Some((model, route)) = s
+        .models
+        .iter()
+        .find_map(|m| m.routes.iter().find(|r| r.name == name).map(|r| (m, r)))
+    else {
+        return ApiError::invalid("name", format!("no route is named `{name}`")).into_response();
+    };
+    if route.pinned {
+        return ApiError {
+            status: 409,
+            reason: "pinned",
+            message: format!(
+                "model `{}` is pinned on route {name}: a pinned model is never evicted",
+                model.id
+            ),
+            limit: Some(format!("pinned on route {name}")),
+            retry_after: None,
+            param: None,
+        }
+        .into_response();
+    }
+    route
+        .evicted
+        .store(true, std::sync::atomic::Ordering::Release);
+    s.metrics.set(
+        "strata_model_resident",
+        &[("model", &model.id), ("route", &name)],
+        0.0,
+    );
+    s.metrics
+        .inc("strata_evictions_total", &[("model", &model.id)], 1.0);
+    tracing::info!(model = %model.id, route = %name, "evicted by the operator");
+    Json(json!({"evicted": {"model": model.id, "route": name}})).into_response()
+}
+
 /// The resident models and the routes (nodes) holding each.
 async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
     let data: Vec<Value> = s
         .models
         .iter()
+        .filter(|m| m.resident())
         .map(|m| {
+            let routes: Vec<&RouteHandle> = m.routes.iter().filter(|r| r.resident()).collect();
             json!({"id": m.id, "object": "model", "created": 0, "owned_by": "strata",
                    "digest": m.digest, "n_layers": m.n_layers, "context_length": m.n_ctx,
-                   "routes": m.routes.iter().map(|r| r.name.clone()).collect::<Vec<_>>()})
+                   "routes": routes.iter().map(|r| r.name.clone()).collect::<Vec<_>>(),
+                   "pinned_on": routes.iter().filter(|r| r.pinned).map(|r| r.name.clone()).collect::<Vec<_>>()})
         })
         .collect();
     Json(json!({"object": "list", "data": data}))

@@ -40,6 +40,8 @@ pub struct TrackerConfig {
     pub admission: engine::AdmissionConfig,
     /// The durable usage ledger with API keys and budgets, when one is configured.
     pub ledger: Option<Arc<ledger::Ledger>>,
+    /// Bearer token of the admin API (evicting a model from a route); `None` disables it.
+    pub admin_token: Option<String>,
 }
 
 impl Default for TrackerConfig {
@@ -55,6 +57,7 @@ impl Default for TrackerConfig {
             default_chat_max_tokens: 512,
             admission: engine::AdmissionConfig::default(),
             ledger: None,
+            admin_token: None,
         }
     }
 }
@@ -160,6 +163,11 @@ fn declare(m: &Metrics) {
             "strata_model_resident",
             "gauge",
             "1 for each model resident on a route (models load only at start)",
+        ),
+        (
+            "strata_evictions_total",
+            "counter",
+            "models evicted from a route by the operator (pinned models never are)",
         ),
         ("strata_route_epoch", "gauge", "current route epoch"),
         (
@@ -339,6 +347,7 @@ impl Tracker {
             metrics,
             default_chat_max_tokens: config.default_chat_max_tokens,
             ledger: config.ledger,
+            admin_token: config.admin_token,
         });
         Ok(Tracker { state })
     }
@@ -494,8 +503,10 @@ async fn start_route(
         .map_err(|_| "the scheduling loop stopped".to_string())?;
     Ok(http::RouteHandle {
         name: name.to_string(),
+        pinned: cluster.infos.iter().any(|i| i.pinned),
         cluster,
         commands: cmd_tx,
         health: health_rx,
+        evicted: std::sync::atomic::AtomicBool::new(false),
     })
 }
