@@ -6,7 +6,7 @@ use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criteri
 use gguf::GgmlType;
 use half::f16;
 use model::kernels::{attn, packed, Kernels, TILE_A, TILE_W};
-use model::matmul::{matmul, Product, QMatrix};
+use model::matmul::{matmul, ActScratch, Product, QMatrix};
 use model::pool::ThreadPool;
 
 /// Deterministic values in [-1, 1).
@@ -70,6 +70,7 @@ fn product(c: &mut Criterion) {
     for rows in [1usize, 16, 64] {
         let x = values(rows * 576, 3);
         let mut out = vec![0f32; rows * 1536];
+        let mut scratch = ActScratch::default();
         if rows == 1 {
             g.throughput(Throughput::Bytes(w.data.len() as u64));
         } else {
@@ -85,6 +86,7 @@ fn product(c: &mut Criterion) {
                         w: &w,
                         out: &mut out,
                     }],
+                    &mut scratch,
                 );
             })
         });

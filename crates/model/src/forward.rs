@@ -2,11 +2,12 @@
 
 use gguf::GgufFile;
 use half::f16;
+use std::sync::Mutex;
 
 use crate::config::LlamaConfig;
 use crate::kernels::{Isa, Kernels};
 use crate::kv::{KvCache, KvPool};
-use crate::matmul::{matmul, Product};
+use crate::matmul::{matmul, ActScratch, Product};
 use crate::pool::{SharedMut, ThreadPool};
 use crate::weights::{LayerRange, Weights};
 use crate::Error;
@@ -65,6 +66,28 @@ pub struct Model {
     weights: Weights,
     kernels: Kernels,
     pool: ThreadPool,
+    /// Per-step buffers, reused (forward passes run one at a time).
+    workspace: Mutex<Workspace>,
+}
+
+/// A forward pass's activations: the residual stream, one layer's intermediates, quantized
+/// matrix inputs, RoPE angles. Sized for the largest step so far.
+#[derive(Default)]
+struct Workspace {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    o: Vec<f32>,
+    g: Vec<f32>,
+    u: Vec<f32>,
+    /// Rows that want logits, before the output norm.
+    sel: Vec<f32>,
+    ends: Vec<usize>,
+    acts: ActScratch,
+    rope: RopeTable,
 }
 
 impl Model {
@@ -92,6 +115,7 @@ impl Model {
             weights,
             kernels,
             pool: ThreadPool::new(opts.n_threads),
+            workspace: Mutex::new(Workspace::default()),
         })
     }
 
@@ -155,34 +179,61 @@ impl Model {
     /// Runs `batch` through this range, appending each row's K and V to its session's cache.
     /// Every session's rows must continue its cache: positions `len, len + 1, ...` in order.
     pub fn forward(&self, batch: Batch<'_>, caches: &mut [&mut KvCache]) -> Result<Output, Error> {
+        let mut out = Vec::new();
+        self.forward_into(batch, caches, &mut out)?;
+        Ok(if self.is_last() {
+            Output::Logits(out)
+        } else {
+            Output::Hidden(out)
+        })
+    }
+
+    /// [`Model::forward`] writing into `out` (hidden states, or logits on the last range):
+    /// with `out` and the model's own buffers warm, a step allocates nothing (buffers only
+    /// grow when a step is larger than any before it).
+    pub fn forward_into(
+        &self,
+        batch: Batch<'_>,
+        caches: &mut [&mut KvCache],
+        out: &mut Vec<f32>,
+    ) -> Result<(), Error> {
         let c = &self.config;
         let rows = batch.rows;
         let n = rows.len();
         let d = c.n_embd;
-        self.validate(batch, caches)?;
-
-        let mut x = match batch.hidden {
-            Some(h) => h.to_vec(),
+        let mut guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+        let ws = &mut *guard;
+        self.validate(batch, caches, &mut ws.ends)?;
+        let kv = c.kv_dim();
+        let fit = |v: &mut Vec<f32>, len: usize| {
+            v.clear();
+            v.resize(len, 0.0);
+        };
+        match batch.hidden {
+            Some(h) => {
+                ws.x.clear();
+                ws.x.extend_from_slice(h);
+            }
             None => {
                 let embd = self
                     .weights
                     .embd
                     .as_ref()
                     .expect("validated: first range has the embedding");
-                let mut x = vec![0f32; n * d];
-                for (row, out) in rows.iter().zip(x.chunks_exact_mut(d)) {
+                fit(&mut ws.x, n * d);
+                for (row, out) in rows.iter().zip(ws.x.chunks_exact_mut(d)) {
                     embd.dequantize_row(row.token as usize, out);
                 }
-                x
             }
-        };
+        }
         // Room for every new position first, all or nothing.
-        let mut ends: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        ws.ends.clear();
+        ws.ends.extend(caches.iter().map(|c| c.len()));
         for row in rows {
-            ends[row.seq] = ends[row.seq].max(row.pos + 1);
+            ws.ends[row.seq] = ws.ends[row.seq].max(row.pos + 1);
         }
         for s in 0..caches.len() {
-            if let Err(e) = caches[s].reserve(ends[s]) {
+            if let Err(e) = caches[s].reserve(ws.ends[s]) {
                 for c in caches.iter_mut() {
                     let len = c.len();
                     c.truncate(len);
@@ -190,125 +241,140 @@ impl Model {
                 return Err(Error::KvExhausted(e));
             }
         }
-        let rope = RopeTable::new(c, rows);
-        let kv = c.kv_dim();
-        let mut h = vec![0f32; n * d];
-        let (mut q, mut k, mut v) = (vec![0f32; n * d], vec![0f32; n * kv], vec![0f32; n * kv]);
-        let mut attn = vec![0f32; n * d];
-        let mut o = vec![0f32; n * d];
-        let (mut g, mut u) = (vec![0f32; n * c.n_ff], vec![0f32; n * c.n_ff]);
+        ws.rope.fill(c, rows);
+        let Workspace {
+            x,
+            h,
+            q,
+            k,
+            v,
+            attn,
+            o,
+            g,
+            u,
+            acts,
+            ..
+        } = ws;
+        fit(h, n * d);
+        fit(q, n * d);
+        fit(k, n * kv);
+        fit(v, n * kv);
+        fit(attn, n * d);
+        fit(o, n * d);
+        fit(g, n * c.n_ff);
+        fit(u, n * c.n_ff);
         for (li, lw) in self.weights.layers.iter().enumerate() {
-            rms_norm(&x, &lw.attn_norm, c.rms_eps, &mut h);
+            rms_norm(x, &lw.attn_norm, c.rms_eps, h);
             matmul(
                 &self.kernels,
                 &self.pool,
-                &h,
+                h,
                 &mut [
-                    Product {
-                        w: &lw.wq,
-                        out: &mut q,
-                    },
-                    Product {
-                        w: &lw.wk,
-                        out: &mut k,
-                    },
-                    Product {
-                        w: &lw.wv,
-                        out: &mut v,
-                    },
+                    Product { w: &lw.wq, out: q },
+                    Product { w: &lw.wk, out: k },
+                    Product { w: &lw.wv, out: v },
                 ],
+                acts,
             );
-            rope.apply(&mut q, c.n_head, c.head_dim);
-            rope.apply(&mut k, c.n_head_kv, c.head_dim);
+            ws.rope.apply(q, c.n_head, c.head_dim);
+            ws.rope.apply(k, c.n_head_kv, c.head_dim);
             for (i, row) in rows.iter().enumerate() {
                 let cache = &mut caches[row.seq];
-                for (which, src) in [(0, &k), (1, &v)] {
+                for (which, src) in [(0, &*k), (1, &*v)] {
                     let dst = cache.row_mut(li, which, row.pos);
                     for (d, x) in dst.iter_mut().zip(&src[i * kv..(i + 1) * kv]) {
                         *d = f16::from_f32(*x);
                     }
                 }
             }
-            self.attention(li, rows, caches, &q, &mut attn);
+            self.attention(li, rows, caches, q, attn);
             matmul(
                 &self.kernels,
                 &self.pool,
-                &attn,
-                &mut [Product {
-                    w: &lw.wo,
-                    out: &mut o,
-                }],
+                attn,
+                &mut [Product { w: &lw.wo, out: o }],
+                acts,
             );
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            x.iter_mut().zip(o.iter()).for_each(|(a, b)| *a += b);
 
-            rms_norm(&x, &lw.ffn_norm, c.rms_eps, &mut h);
+            rms_norm(x, &lw.ffn_norm, c.rms_eps, h);
             matmul(
                 &self.kernels,
                 &self.pool,
-                &h,
+                h,
                 &mut [
                     Product {
                         w: &lw.w_gate,
-                        out: &mut g,
+                        out: g,
                     },
                     Product {
                         w: &lw.w_up,
-                        out: &mut u,
+                        out: u,
                     },
                 ],
+                acts,
             );
             g.iter_mut()
-                .zip(&u)
+                .zip(u.iter())
                 .for_each(|(a, b)| *a = *a / (1.0 + (-*a).exp()) * b);
             matmul(
                 &self.kernels,
                 &self.pool,
-                &g,
+                g,
                 &mut [Product {
                     w: &lw.w_down,
-                    out: &mut o,
+                    out: o,
                 }],
+                acts,
             );
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            x.iter_mut().zip(o.iter()).for_each(|(a, b)| *a += b);
         }
 
-        for (c, &end) in caches.iter_mut().zip(&ends) {
+        for (c, &end) in caches.iter_mut().zip(&ws.ends) {
             c.set_len(end);
         }
         if !self.is_last() {
-            return Ok(Output::Hidden(x));
+            out.clear();
+            out.extend_from_slice(&ws.x);
+            return Ok(());
         }
-        let picked: Vec<usize> = (0..n).filter(|&i| rows[i].want_logits).collect();
-        let mut sel = Vec::with_capacity(picked.len() * d);
-        for &i in &picked {
-            sel.extend_from_slice(&x[i * d..(i + 1) * d]);
+        let n_out = rows.iter().filter(|r| r.want_logits).count();
+        ws.sel.clear();
+        for (i, row) in rows.iter().enumerate() {
+            if row.want_logits {
+                ws.sel.extend_from_slice(&ws.x[i * d..(i + 1) * d]);
+            }
         }
-        let mut normed = vec![0f32; sel.len()];
+        fit(&mut ws.h, n_out * d);
         let norm = self
             .weights
             .output_norm
             .as_ref()
             .expect("last range has the output norm");
-        rms_norm(&sel, norm, c.rms_eps, &mut normed);
+        rms_norm(&ws.sel, norm, c.rms_eps, &mut ws.h);
         let head = self
             .weights
             .output
             .as_ref()
             .expect("last range has the output head");
-        let mut logits = vec![0f32; picked.len() * c.n_vocab];
+        fit(out, n_out * c.n_vocab);
         matmul(
             &self.kernels,
             &self.pool,
-            &normed,
-            &mut [Product {
-                w: head,
-                out: &mut logits,
-            }],
+            &ws.h,
+            &mut [Product { w: head, out }],
+            &mut ws.acts,
         );
-        Ok(Output::Logits(logits))
+        Ok(())
     }
 
-    fn validate(&self, batch: Batch<'_>, caches: &[&mut KvCache]) -> Result<(), Error> {
+    /// Checks the batch against the caches (`next` is scratch for the expected positions).
+    fn validate(
+        &self,
+        batch: Batch<'_>,
+        caches: &[&mut KvCache],
+        next: &mut Vec<usize>,
+    ) -> Result<(), Error> {
         let c = &self.config;
         for cache in caches.iter() {
             if cache.range() != self.range {
@@ -346,7 +412,8 @@ impl Model {
             }
             _ => {}
         }
-        let mut next: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        next.clear();
+        next.extend(caches.iter().map(|c| c.len()));
         for (row_idx, row) in batch.rows.iter().enumerate() {
             let Some(expected) = next.get_mut(row.seq) else {
                 return Err(Error::NoSuchCache {
@@ -474,27 +541,26 @@ fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 
 /// cos/sin of every rotated pair for each row's position (llama's "normal" RoPE, adjacent
 /// pairs, angles built by repeated multiplication as in ggml).
+#[derive(Default)]
 struct RopeTable {
     rope_dim: usize,
     cos_sin: Vec<(f32, f32)>,
 }
 
 impl RopeTable {
-    fn new(c: &LlamaConfig, rows: &[Row]) -> Self {
+    /// The angles of every row's position, into the table's reused storage.
+    fn fill(&mut self, c: &LlamaConfig, rows: &[Row]) {
         let pairs = c.rope_dim / 2;
         let theta_scale = c.rope_base.powf(-2.0 / c.rope_dim as f32);
-        let mut cos_sin = Vec::with_capacity(rows.len() * pairs);
+        self.rope_dim = c.rope_dim;
+        self.cos_sin.clear();
         for row in rows {
             let mut theta = row.pos as f32;
             for _ in 0..pairs {
                 let t = c.rope_freq_scale * theta;
-                cos_sin.push((t.cos(), t.sin()));
+                self.cos_sin.push((t.cos(), t.sin()));
                 theta *= theta_scale;
             }
-        }
-        RopeTable {
-            rope_dim: c.rope_dim,
-            cos_sin,
         }
     }
 

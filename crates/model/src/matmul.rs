@@ -101,8 +101,8 @@ impl ActKey {
 }
 
 impl QuantizedActs {
-    /// `x` (rows of `w.n_cols`) quantized for `w`.
-    pub fn new(w: &QMatrix, x: &[f32]) -> Self {
+    /// Quantizes `x` (rows of `w.n_cols`) for `w` into this buffer, reusing its capacity.
+    fn fill(&mut self, w: &QMatrix, x: &[f32]) {
         let n_cols = w.n_cols;
         let key = ActKey::of(w);
         let row_bytes = match (&w.packed, key) {
@@ -111,18 +111,19 @@ impl QuantizedActs {
             (None, ActKey::Packed(_)) => unreachable!("packed key only for packed matrices"),
         };
         let n_rows = x.len() / n_cols;
-        let mut data = vec![0u8; n_rows * row_bytes];
-        for (xr, out) in x.chunks_exact(n_cols).zip(data.chunks_exact_mut(row_bytes)) {
+        self.key = key;
+        self.row_bytes = row_bytes;
+        self.data.clear();
+        self.data.resize(n_rows * row_bytes, 0);
+        for (xr, out) in x
+            .chunks_exact(n_cols)
+            .zip(self.data.chunks_exact_mut(row_bytes))
+        {
             match (&w.packed, key) {
                 (Some(l), _) => packed::quantize_act_row(l, xr, out),
                 (None, ActKey::Ggml(ty)) => act::quantize_row(ty, xr, out),
                 (None, ActKey::Packed(_)) => unreachable!("packed key only for packed matrices"),
             }
-        }
-        QuantizedActs {
-            key,
-            row_bytes,
-            data,
         }
     }
 
@@ -137,47 +138,75 @@ pub struct Product<'a> {
     pub out: &'a mut [f32],
 }
 
+/// Most products one [`matmul`] call computes together.
+pub const MAX_PRODUCTS: usize = 4;
+
+/// Quantized activation buffers reused across calls, so a warm forward pass does not allocate.
+#[derive(Default)]
+pub struct ActScratch {
+    acts: Vec<QuantizedActs>,
+}
+
 /// Computes several products that share the activation rows `x` (`n_tokens * n_cols`) in one
-/// pool job, e.g. Q, K and V, or gate and up.
-pub fn matmul(kernels: &Kernels, pool: &ThreadPool, x: &[f32], products: &mut [Product<'_>]) {
+/// pool job, e.g. Q, K and V, or gate and up. Activations are quantized into `scratch`.
+pub fn matmul(
+    kernels: &Kernels,
+    pool: &ThreadPool,
+    x: &[f32],
+    products: &mut [Product<'_>],
+    scratch: &mut ActScratch,
+) {
     let Some(first) = products.first() else {
         return;
     };
+    assert!(
+        products.len() <= MAX_PRODUCTS,
+        "at most {MAX_PRODUCTS} products per call"
+    );
     let n_cols = first.w.n_cols;
     let n_tokens = x.len() / n_cols;
     // Quantize once per distinct activation encoding (Q, K and V usually share one).
-    let mut acts: Vec<QuantizedActs> = Vec::new();
-    let mut act_idx = Vec::with_capacity(products.len());
-    for p in products.iter() {
+    let mut n_acts = 0;
+    let mut act_idx = [0usize; MAX_PRODUCTS];
+    for (pi, p) in products.iter().enumerate() {
         assert_eq!(
             p.w.n_cols, n_cols,
             "products in one call share their input width"
         );
         assert_eq!(p.out.len(), n_tokens * p.w.n_rows, "output size");
         let key = ActKey::of(p.w);
-        let idx = match acts.iter().position(|a| a.key == key) {
+        act_idx[pi] = match scratch.acts[..n_acts].iter().position(|a| a.key == key) {
             Some(i) => i,
             None => {
-                acts.push(QuantizedActs::new(p.w, x));
-                acts.len() - 1
+                if scratch.acts.len() == n_acts {
+                    scratch.acts.push(QuantizedActs {
+                        key,
+                        row_bytes: 0,
+                        data: Vec::new(),
+                    });
+                }
+                scratch.acts[n_acts].fill(p.w, x);
+                n_acts += 1;
+                n_acts - 1
             }
         };
-        act_idx.push(idx);
     }
+    let acts = &scratch.acts;
     // Task t covers tile t of the concatenated weight rows of all products.
-    let mut tiles = Vec::with_capacity(products.len());
+    let mut tiles = [usize::MAX; MAX_PRODUCTS];
     let mut n_tasks = 0;
-    for p in products.iter() {
-        tiles.push(n_tasks);
+    for (pi, p) in products.iter().enumerate() {
+        tiles[pi] = n_tasks;
         n_tasks += p.w.n_rows.div_ceil(TILE);
     }
-    let outs: Vec<(&QMatrix, SharedMut<f32>)> = products
-        .iter_mut()
-        .map(|p| (p.w, SharedMut::new(p.out)))
-        .collect();
+    let n_products = products.len();
+    let mut outs: [Option<(&QMatrix, SharedMut<f32>)>; MAX_PRODUCTS] = [None; MAX_PRODUCTS];
+    for (o, p) in outs.iter_mut().zip(products.iter_mut()) {
+        *o = Some((p.w, SharedMut::new(p.out)));
+    }
     pool.run(n_tasks, &|task| {
-        let pi = tiles.partition_point(|&start| start <= task) - 1;
-        let (w, out) = &outs[pi];
+        let pi = tiles[..n_products].partition_point(|&start| start <= task) - 1;
+        let (w, out) = outs[pi].as_ref().expect("one per product");
         let acts = &acts[act_idx[pi]];
         let r0 = (task - tiles[pi]) * TILE;
         let r1 = (r0 + TILE).min(w.n_rows);
