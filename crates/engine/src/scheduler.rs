@@ -545,7 +545,12 @@ mod tests {
 
     /// Runs a step with a fake model that always samples `7`.
     fn run(s: &mut Scheduler) -> (StepPlan, Vec<Event>) {
-        let plan = s.schedule(Instant::now()).expect("work to do");
+        run_at(s, Instant::now())
+    }
+
+    /// [`run`] at a given time.
+    fn run_at(s: &mut Scheduler, now: Instant) -> (StepPlan, Vec<Event>) {
+        let plan = s.schedule(now).expect("work to do");
         let outputs: Vec<(SessionId, u32)> = plan
             .items
             .iter()
@@ -736,14 +741,7 @@ mod tests {
 
     /// Runs one step at `now` with a fake model sampling `7`; returns the sessions in it.
     fn step_at(s: &mut Scheduler, now: Instant) -> Vec<(SessionId, usize)> {
-        let plan = s.schedule(now).expect("work to do");
-        let outputs: Vec<(SessionId, u32)> = plan
-            .items
-            .iter()
-            .filter(|i| i.want_output)
-            .map(|i| (i.session, 7))
-            .collect();
-        s.update_from_output(plan.step_id, &outputs, &[]);
+        let (plan, _) = run_at(s, now);
         plan.items
             .iter()
             .map(|i| (i.session, i.tokens.len()))

@@ -13,8 +13,13 @@ use crate::kernels::packed::{self, Layout, PackKind};
 use crate::kernels::{act, Kernels, ROWS, TILE_A, TILE_W};
 use crate::pool::{SharedMut, ThreadPool};
 
-/// Weight rows per pool task.
+/// Weight rows per pool task when the step has many activation rows (compute-bound: small
+/// tasks balance the threads).
 const TILE: usize = 16;
+/// Tasks per thread when the step has few activation rows (memory-bound: each task streams a
+/// long contiguous run of weight rows, which the hardware prefetcher follows best).
+const STREAM_TASKS_PER_THREAD: usize = 4;
+const STREAM_MAX_TOKENS: usize = 16;
 
 /// An immutable weight matrix of `n_rows` rows of `n_cols` values, encoded as `ty` (in ggml's
 /// block layout, or repacked for the tile kernel when `packed` is set). The bytes are shared,
@@ -192,12 +197,21 @@ pub fn matmul(
         };
     }
     let acts = &scratch.acts;
-    // Task t covers tile t of the concatenated weight rows of all products.
+    // Task t covers tile t of the concatenated weight rows of all products. Which rows a task
+    // takes never changes a result: every element is computed the same way.
+    let rows_per_task = if n_tokens <= STREAM_MAX_TOKENS {
+        let total: usize = products.iter().map(|p| p.w.n_rows).sum();
+        (total / (pool.n_threads() * STREAM_TASKS_PER_THREAD))
+            .next_multiple_of(TILE_W)
+            .max(TILE)
+    } else {
+        TILE
+    };
     let mut tiles = [usize::MAX; MAX_PRODUCTS];
     let mut n_tasks = 0;
     for (pi, p) in products.iter().enumerate() {
         tiles[pi] = n_tasks;
-        n_tasks += p.w.n_rows.div_ceil(TILE);
+        n_tasks += p.w.n_rows.div_ceil(rows_per_task);
     }
     let n_products = products.len();
     let mut outs: [Option<(&QMatrix, SharedMut<f32>)>; MAX_PRODUCTS] = [None; MAX_PRODUCTS];
@@ -208,8 +222,8 @@ pub fn matmul(
         let pi = tiles[..n_products].partition_point(|&start| start <= task) - 1;
         let (w, out) = outs[pi].as_ref().expect("one per product");
         let acts = &acts[act_idx[pi]];
-        let r0 = (task - tiles[pi]) * TILE;
-        let r1 = (r0 + TILE).min(w.n_rows);
+        let r0 = (task - tiles[pi]) * rows_per_task;
+        let r1 = (r0 + rows_per_task).min(w.n_rows);
         match &w.packed {
             Some(layout) => packed_tile_rows(kernels, layout, w, acts, n_tokens, r0..r1, out),
             None => ggml_rows(kernels, w, acts, n_tokens, r0..r1, out),

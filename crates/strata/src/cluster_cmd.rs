@@ -287,6 +287,15 @@ async fn shutdown_signal() {
     }
 }
 
+/// gRPC clients for `addrs`, all presenting the cluster token.
+fn connect_all(addrs: &[String], token: &str) -> Result<Vec<Arc<dyn ShardTransport>>> {
+    addrs
+        .iter()
+        .map(|addr| proto::connect(addr, token).map(|s| Arc::new(s) as Arc<dyn ShardTransport>))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow!(e.message().to_string()))
+}
+
 /// The machine's memory in MiB (`MemTotal`), for budget defaults; 8 GiB when unknown.
 fn machine_memory_mib() -> usize {
     std::fs::read_to_string("/proc/meminfo")
@@ -408,14 +417,10 @@ pub fn tracker(a: TrackerArgs) -> Result<()> {
         let routes = named
             .into_iter()
             .map(|(name, addrs)| {
-                let shards = addrs
-                    .iter()
-                    .map(|addr| {
-                        proto::connect(addr, &token).map(|s| Arc::new(s) as Arc<dyn ShardTransport>)
-                    })
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| anyhow!(e.message().to_string()))?;
-                Ok(tracker::RouteSpec { name, shards })
+                Ok(tracker::RouteSpec {
+                    name,
+                    shards: connect_all(&addrs, &token)?,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         run_tracker(config, routes, &a.listen, std::future::pending()).await
@@ -559,13 +564,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                 let _ = tx.send(());
             });
         }
-        let shards = addrs
-            .iter()
-            .map(|addr| {
-                proto::connect(addr, &token).map(|s| Arc::new(s) as Arc<dyn ShardTransport>)
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| anyhow!(e.message().to_string()))?;
+        let shards = connect_all(&addrs, &token)?;
         let routes = vec![tracker::RouteSpec {
             name: "local".into(),
             shards,

@@ -61,14 +61,6 @@ fn complete(addr: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, Value, 
     (r.status, r.json(), retry)
 }
 
-fn children(pid: i32) -> Vec<i32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
 /// Peak and current resident set of a process, in bytes.
 fn rss(pid: i32) -> (f64, f64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -198,7 +190,7 @@ fn overload_gets_fast_typed_refusals_and_bounded_memory() {
     assert_eq!(status, 200);
     let want = alone["choices"][0]["token_ids"].clone();
     let mut pids = vec![t.pid()];
-    pids.extend(children(t.pid()));
+    pids.extend(procs::children(t.pid()));
     assert_eq!(pids.len(), 3, "tracker and two shards");
     let before: Vec<f64> = pids.iter().map(|&p| rss(p).1).collect();
 

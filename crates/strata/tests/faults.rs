@@ -124,7 +124,10 @@ fn killing_or_freezing_a_shard_fails_sessions_in_bounded_time_and_the_route_reco
     eprintln!("SIGKILL: stream ended {took:?} after the kill");
 
     // The tracker is up; the shard shows down; new work is refused, retryably.
-    assert!(b.exited());
+    assert!(
+        wait_until(Duration::from_secs(2), || b.exited()).is_some(),
+        "the killed shard is gone"
+    );
     assert!(
         wait_until(Duration::from_secs(2), || shard_status(&addr, &b_addr)
             == "down")

@@ -12,14 +12,6 @@ fn exe() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_strata"))
 }
 
-fn children(pid: i32) -> Vec<i32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
 fn alive(pid: i32) -> bool {
     // A zombie still has a /proc entry; look at its state.
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -79,7 +71,7 @@ fn serve_runs_shard_processes_and_stops_them_all_on_sigterm() {
     assert_eq!(ask(&serve.addr), want);
     let health = get(&serve.addr, "/health").json();
     assert_eq!(health["shards"].as_array().unwrap().len(), 2);
-    let kids = children(serve.pid());
+    let kids = procs::children(serve.pid());
     assert_eq!(kids.len(), 2, "two shard processes");
     serve.signal(15);
     let t = Instant::now();
@@ -115,7 +107,7 @@ fn serve_with_one_shard_runs_in_process_and_matches() {
         "serve",
     );
     assert!(
-        children(serve.pid()).is_empty(),
+        procs::children(serve.pid()).is_empty(),
         "embedded mode starts no processes"
     );
     assert_eq!(ask(&serve.addr), want);

@@ -46,6 +46,15 @@ impl Drop for Proc {
     }
 }
 
+/// The child processes of `pid` (Linux).
+pub fn children(pid: i32) -> Vec<i32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
 /// Starts `exe args...` and waits until it prints a line starting with `ready_prefix`; the
 /// address is the first word after the prefix.
 pub fn spawn(exe: &Path, args: &[String], ready_prefix: &str, name: &str) -> Proc {
