@@ -10,8 +10,9 @@
 #   - aggregate decode at concurrency 1, 4, 8 and 16 (32-token prompts, 64 new tokens):
 #     llama-server with 8 slots against `strata serve --shards 1`, both driven by
 #     `strata bench --url` over HTTP;
-#   - single-stream decode of a 2-shard route (`strata serve --shards 2`, threads split) against
-#     one process;
+#   - single-stream decode of a 2-shard route (`strata serve --shards 2`) against one process,
+#     with the threads split between the shards and with every shard given all of them (a
+#     single stream visits the shards in turn, so both can use every core);
 #   - peak resident memory of a server with a 4096-token context after one request.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,10 +57,12 @@ for r in $(seq 1 "$reps"); do
   kill $pid; wait $pid 2>/dev/null || true
 
   per=$(( threads / 2 )); [ "$per" -ge 1 ] || per=1
-  "$strata" serve --model "$model" --shards 2 --threads "$per" --listen 127.0.0.1:18192 >/dev/null 2>&1 &
-  pid=$!; wait_http 18192
-  "$strata" bench --url http://127.0.0.1:18192 --prompt-tokens 32 --gen-tokens 64 --concurrency 1 --requests 3 --json > "$out/strata-2shard-$r.json"
-  kill $pid; wait $pid 2>/dev/null || true
+  for variant in "split:$per" "all:$threads"; do
+    "$strata" serve --model "$model" --shards 2 --threads "${variant#*:}" --listen 127.0.0.1:18192 >/dev/null 2>&1 &
+    pid=$!; wait_http 18192
+    "$strata" bench --url http://127.0.0.1:18192 --prompt-tokens 32 --gen-tokens 64 --concurrency 1 --requests 3 --json > "$out/strata-2shard-${variant%%:*}-$r.json"
+    kill $pid; wait $pid 2>/dev/null || true
+  done
 done
 
 # Peak RSS with a 4096-token context, after one 512-token prompt and 64 new tokens.
@@ -104,8 +107,12 @@ print(f"| --- | ---: | ---: | ---: |")
 for name, l, s in rows:
     print(f"| {name} | {l:.1f} | {s:.1f} | {s / l:.2f} |")
 one = med(per_stream("strata-serve", r) for r in rounds)
-two = med(per_stream("strata-2shard", r) for r in rounds)
-print(f"\nsingle-stream decode (per-stream p50): one process {one:.1f} t/s, 2-shard route {two:.1f} t/s, ratio {two / one:.2f}")
+split = med(per_stream("strata-2shard-split", r) for r in rounds)
+full = med(per_stream("strata-2shard-all", r) for r in rounds)
+print(f"\nsingle-stream decode (per-stream p50): one process {one:.1f} t/s; 2-shard route, threads split {split:.1f} t/s (ratio {split / one:.2f}), every shard all threads {full:.1f} t/s (ratio {full / one:.2f})")
+c1 = med(agg("strata-serve", r, conc[0]) for r in rounds)
+cn = med(agg("strata-serve", r, conc[-1]) for r in rounds)
+print(f"strata serve aggregate, {conc[-1]} concurrent / 1: {cn:.1f} / {c1:.1f} = {cn / c1:.2f}x")
 lr, sr = float(open(f"{out}/llama-rss").read()), float(open(f"{out}/strata-rss").read())
 print(f"peak RSS with a 4096-token context after one request: llama-server {lr:.1f} MiB, strata serve {sr:.1f} MiB, ratio {sr / lr:.2f}")
 print(f"({reps} rounds, medians; each round runs llama.cpp then strata back to back)")
