@@ -20,6 +20,8 @@ const TILE: usize = 16;
 /// long contiguous run of weight rows, which the hardware prefetcher follows best).
 const STREAM_TASKS_PER_THREAD: usize = 4;
 const STREAM_MAX_TOKENS: usize = 16;
+/// Activation rows a task takes against all its weight rows before moving on.
+const ACT_CHUNK: usize = 32;
 
 /// An immutable weight matrix of `n_rows` rows of `n_cols` values, encoded as `ty` (in ggml's
 /// block layout, or repacked for the tile kernel when `packed` is set). The bytes are shared,
@@ -242,34 +244,41 @@ fn packed_tile_rows(
     rows: std::ops::Range<usize>,
     out: &SharedMut<f32>,
 ) {
-    let mut r = rows.start;
-    while r < rows.end {
-        let rw = (rows.end - r).min(TILE_W);
-        // Weight rows stream from memory once per step: ask for the next group early.
-        let next = (r + 2 * rw).min(rows.end)..(r + 3 * rw).min(rows.end);
-        if !next.is_empty() {
-            let rb = w.row_bytes();
-            crate::kernels::prefetch(&w.data[next.start * rb..next.end * rb]);
-        }
-        let mut t = 0;
-        while t < n_tokens {
-            let ra = (n_tokens - t).min(TILE_A);
-            let mut v = [[0f32; TILE_A]; TILE_W];
-            kernels.packed_tile(
-                layout,
-                &std::array::from_fn::<_, TILE_W, _>(|i| w.row(r + i.min(rw - 1)))[..rw],
-                &std::array::from_fn::<_, TILE_A, _>(|j| acts.row(t + j.min(ra - 1)))[..ra],
-                &mut v,
-            );
-            for (i, vi) in v.iter().enumerate().take(rw) {
-                for (j, &x) in vi.iter().enumerate().take(ra) {
-                    // SAFETY: rows [r0, r1) of this product belong to this task alone.
-                    unsafe { out.write((t + j) * w.n_rows + r + i, x) };
+    // Activation rows in chunks that stay in cache while every weight row group of the task
+    // passes over them (a prompt's rows would not); the weight rows themselves stay in L1.
+    for t0 in (0..n_tokens).step_by(ACT_CHUNK) {
+        let t1 = (t0 + ACT_CHUNK).min(n_tokens);
+        let mut r = rows.start;
+        while r < rows.end {
+            let rw = (rows.end - r).min(TILE_W);
+            if t0 == 0 {
+                // Weight rows stream from memory once per step: ask for the next group early.
+                let next = (r + 2 * rw).min(rows.end)..(r + 3 * rw).min(rows.end);
+                if !next.is_empty() {
+                    let rb = w.row_bytes();
+                    crate::kernels::prefetch(&w.data[next.start * rb..next.end * rb]);
                 }
             }
-            t += ra;
+            let mut t = t0;
+            while t < t1 {
+                let ra = (t1 - t).min(TILE_A);
+                let mut v = [[0f32; TILE_A]; TILE_W];
+                kernels.packed_tile(
+                    layout,
+                    &std::array::from_fn::<_, TILE_W, _>(|i| w.row(r + i.min(rw - 1)))[..rw],
+                    &std::array::from_fn::<_, TILE_A, _>(|j| acts.row(t + j.min(ra - 1)))[..ra],
+                    &mut v,
+                );
+                for (i, vi) in v.iter().enumerate().take(rw) {
+                    for (j, &x) in vi.iter().enumerate().take(ra) {
+                        // SAFETY: rows [r0, r1) of this product belong to this task alone.
+                        unsafe { out.write((t + j) * w.n_rows + r + i, x) };
+                    }
+                }
+                t += ra;
+            }
+            r += rw;
         }
-        r += rw;
     }
 }
 
