@@ -379,6 +379,13 @@ impl Tracker {
         listener: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<(), String> {
+        use axum::serve::ListenerExt;
+        // Tokens stream as small SSE writes: never let Nagle hold one back waiting for an ACK.
+        let listener = listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "TCP_NODELAY on an HTTP connection");
+            }
+        });
         axum::serve(listener, http::router(self.state))
             .with_graceful_shutdown(shutdown)
             .await
