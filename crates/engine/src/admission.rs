@@ -202,12 +202,12 @@ impl Admission {
                 ),
             ));
         }
+        let n_sessions = self.sessions.len() as u64;
         for (s, (&need, &reserved)) in self
             .shards
             .iter()
             .zip(blocks.iter().zip(&self.reserved_blocks))
         {
-            let n_sessions = self.sessions.len() as u64;
             if n_sessions >= s.max_sessions as u64 {
                 return Err(capacity(
                     format!("max_sessions on shard {}", s.address),

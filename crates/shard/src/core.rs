@@ -14,7 +14,7 @@ use proto::v1::{
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 
-use crate::{Error, ShardConfig};
+use crate::{mib, Error, ShardConfig};
 
 /// Counters shared with the stats RPC (written by the compute thread only).
 #[derive(Debug, Default)]
@@ -138,15 +138,14 @@ impl ShardCore {
         )?;
         let c = model.config().clone();
         let range = model.range();
-        let mib = |b: usize| b as f64 / (1 << 20) as f64;
         if model.weight_bytes() > config.weights_budget_bytes {
             return Err(Error::Budget(format!(
                 "weights_budget on shard {}: layers {}..{} hold {:.1} MiB, more than the budget of {:.1} MiB",
                 config.label,
                 range.start,
                 range.end,
-                mib(model.weight_bytes()),
-                mib(config.weights_budget_bytes)
+                mib(model.weight_bytes() as u64),
+                mib(config.weights_budget_bytes as u64)
             )));
         }
         let scratch_per_token = model.scratch_bytes(1, usize::from(model.is_last()));
@@ -404,14 +403,13 @@ impl Worker {
             let (n_rows, n_outputs) = (rows + f.tokens.len(), outputs + usize::from(f.want_output));
             let scratch = self.model.scratch_bytes(n_rows, n_outputs);
             if scratch > scratch_budget {
-                let mib = |b: usize| b as f64 / (1 << 20) as f64;
                 out.errors.push(refusal(
                     id,
                     "capacity",
                     format!(
                         "scratch_budget on shard {label}: a step of {n_rows} tokens needs {:.1} MiB of activations, the budget is {:.1} MiB",
-                        mib(scratch),
-                        mib(scratch_budget)
+                        mib(scratch as u64),
+                        mib(scratch_budget as u64)
                     ),
                 ));
                 continue;
@@ -499,15 +497,14 @@ impl Worker {
             }
             let kv_in_use = in_use(self);
             if kv_in_use + need > budget {
-                let mib = |b: usize| b as f64 / (1 << 20) as f64;
                 out.errors.push(refusal(
                     id,
                     "capacity",
                     format!(
                         "kv_budget on shard {label}: need {:.1} MiB, free {:.1} MiB of {:.1} MiB",
-                        mib(need),
-                        mib(budget.saturating_sub(kv_in_use)),
-                        mib(budget)
+                        mib(need as u64),
+                        mib(budget.saturating_sub(kv_in_use) as u64),
+                        mib(budget as u64)
                     ),
                 ));
                 if self.sessions.get(&id).is_some_and(|s| s.kv.is_empty()) {

@@ -44,6 +44,11 @@ pub struct ShardConfig {
     pub cluster_token: String,
 }
 
+/// Bytes as MiB, for the numbers refusals name.
+pub(crate) fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1 << 20) as f64
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(transparent)]

@@ -16,6 +16,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
 use crate::core::{ShardCore, StepJob};
+use crate::mib;
 
 /// A step sent downstream and not yet answered.
 struct Pending {
@@ -218,7 +219,6 @@ where
             let budget = core.config.inflight_budget_bytes as u64;
             let over = dn_tx.is_some() && in_flight + out_bytes > budget;
             let refused: Vec<proto::v1::SessionError> = if over {
-                let mib = |b: u64| b as f64 / (1 << 20) as f64;
                 step.fragments
                     .iter()
                     .map(|f| proto::v1::SessionError {

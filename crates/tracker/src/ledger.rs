@@ -12,7 +12,7 @@
 use std::path::Path;
 use std::sync::{mpsc, Arc, Mutex};
 
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::{params, Connection};
 
 use crate::error::ApiError;
 
@@ -283,7 +283,8 @@ impl Ledger {
     }
 }
 
-/// (charged by settled rows, reserved by rows in flight) for one key.
+/// (charged by settled rows, reserved by rows in flight) for one key. An aggregate always
+/// returns one row (zeros for a key with none).
 fn totals(c: &Connection, key: &str) -> rusqlite::Result<(u64, u64)> {
     c.query_row(
         "SELECT
@@ -293,8 +294,6 @@ fn totals(c: &Connection, key: &str) -> rusqlite::Result<(u64, u64)> {
         params![key],
         |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64)),
     )
-    .optional()
-    .map(|v| v.unwrap_or((0, 0)))
 }
 
 fn now_ms() -> i64 {

@@ -177,6 +177,14 @@ impl Runner {
     }
 
     pub async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
+        for s in self.admission.shards() {
+            let labels = [("shard", s.address.as_str())];
+            self.metrics.set(
+                "strata_admission_kv_budget_bytes",
+                &labels,
+                s.kv_budget_bytes as f64,
+            );
+        }
         loop {
             self.ensure_route().await;
             // Requests that arrived while a step was in flight join before the next plan, so
@@ -212,9 +220,6 @@ impl Runner {
                 let labels = [("shard", s.address.as_str())];
                 self.metrics
                     .set("strata_admission_kv_reserved_bytes", &labels, r as f64);
-                let budget = s.kv_budget_bytes as f64;
-                self.metrics
-                    .set("strata_admission_kv_budget_bytes", &labels, budget);
             }
             self.metrics
                 .set("strata_steps_in_flight", &[], self.in_flight.len() as f64);
