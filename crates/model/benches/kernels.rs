@@ -5,7 +5,7 @@
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use gguf::GgmlType;
 use half::f16;
-use model::kernels::{attn, packed, Kernels, TILE_A, TILE_W};
+use model::kernels::{attn, packed, Kernels, PANEL_ACTS};
 use model::matmul::{matmul, ActScratch, Product, QMatrix};
 use model::pool::ThreadPool;
 
@@ -27,31 +27,33 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize, pack: bool) -> QMatrix {
     QMatrix::new(ty, rows, cols, data, pack)
 }
 
-/// One 4x4 tile of packed rows (SmolLM2's width, 576), the inner kernel of every product.
-fn tile(c: &mut Criterion) {
+/// One panel (16 packed weight rows) against 8 activation rows, SmolLM2's width (576): the
+/// inner kernel of every product.
+fn panel(c: &mut Criterion) {
     let k = Kernels::detect();
     if !k.packs_weights() {
         return;
     }
-    let mut g = c.benchmark_group("packed_tile_4x4");
+    let mut g = c.benchmark_group("packed_panel_16x8");
     for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
         let cols = 576;
-        let w = matrix(ty, TILE_W, cols, true);
+        let w = matrix(ty, packed::PANEL, cols, true);
         let layout = w.packed.expect("packed");
-        let acts: Vec<Vec<u8>> = (0..TILE_A)
+        let acts: Vec<Vec<u8>> = (0..PANEL_ACTS)
             .map(|j| {
                 let mut a = vec![0u8; layout.a_row_bytes()];
                 packed::quantize_act_row(&layout, &values(cols, 11 + j as u32), &mut a);
                 a
             })
             .collect();
-        let wr: Vec<&[u8]> = (0..TILE_W).map(|i| w.row(i)).collect();
         let ar: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
-        g.throughput(Throughput::Elements((2 * TILE_W * TILE_A * cols) as u64));
+        g.throughput(Throughput::Elements(
+            (2 * packed::PANEL * PANEL_ACTS * cols) as u64,
+        ));
         g.bench_function(BenchmarkId::from_parameter(format!("{ty:?}")), |b| {
-            let mut out = [[0f32; TILE_A]; TILE_W];
+            let mut out = [[0f32; packed::PANEL]; PANEL_ACTS];
             b.iter(|| {
-                k.packed_tile(&layout, black_box(&wr), black_box(&ar), &mut out);
+                k.packed_panel(&layout, black_box(w.panel(0)), black_box(&ar), &mut out);
                 black_box(out);
             })
         });
@@ -146,5 +148,5 @@ fn attention(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, tile, product, quantize, attention);
+criterion_group!(benches, panel, product, quantize, attention);
 criterion_main!(benches);

@@ -1,21 +1,22 @@
 //! Weight matrices and the batched matrix product.
 //!
-//! The product quantizes each activation row once per call, then hands out tiles of weight rows
-//! to the pool; a tile is read once for every activation row of the batch. Each output element
-//! is one call of the same dot kernel on the same two rows, whatever the batch size, tile or
-//! thread: that is what makes results bitwise batch invariant.
+//! The product quantizes each activation row once per call, then hands out runs of weight rows
+//! (whole panels when packed) to the pool; each is read once for every activation row of the
+//! batch. Each output element is computed by the same instruction sequence on the same two
+//! rows, whatever the batch size, grouping or thread: that is what makes results bitwise batch
+//! invariant.
 
 use std::sync::Arc;
 
 use gguf::GgmlType;
 
-use crate::kernels::packed::{self, Layout, PackKind};
-use crate::kernels::{act, Kernels, ROWS, TILE_A, TILE_W};
+use crate::kernels::packed::{self, Layout, PackKind, PANEL};
+use crate::kernels::{act, Kernels, PANEL_ACTS, ROWS};
 use crate::pool::{SharedMut, ThreadPool};
 
 /// Weight rows per pool task when the step has many activation rows (compute-bound: small
-/// tasks balance the threads).
-const TILE: usize = 16;
+/// tasks balance the threads). One panel.
+const TILE: usize = PANEL;
 /// Tasks per thread when the step has few activation rows (memory-bound: each task streams a
 /// long contiguous run of weight rows, which the hardware prefetcher follows best).
 const STREAM_TASKS_PER_THREAD: usize = 4;
@@ -24,8 +25,8 @@ const STREAM_MAX_TOKENS: usize = 16;
 const ACT_CHUNK: usize = 32;
 
 /// An immutable weight matrix of `n_rows` rows of `n_cols` values, encoded as `ty` (in ggml's
-/// block layout, or repacked for the tile kernel when `packed` is set). The bytes are shared,
-/// so a tied output head costs no second copy of the embedding.
+/// block layout, or repacked into panels of [`PANEL`] rows for the panel kernel when `packed`
+/// is set). The bytes are shared, so a tied output head costs no second copy of the embedding.
 #[derive(Clone)]
 pub struct QMatrix {
     pub ty: GgmlType,
@@ -36,8 +37,8 @@ pub struct QMatrix {
 }
 
 impl QMatrix {
-    /// A matrix from ggml rows; repacked for the tile kernel when `pack` is set and the type has
-    /// a packed form.
+    /// A matrix from ggml rows; repacked into panels when `pack` is set and the type has a
+    /// packed form.
     pub fn new(ty: GgmlType, n_rows: usize, n_cols: usize, data: Vec<u8>, pack: bool) -> Self {
         let layout = PackKind::of(ty)
             .filter(|_| pack)
@@ -45,10 +46,13 @@ impl QMatrix {
         let data: Arc<[u8]> = match layout {
             None => data.into(),
             Some(l) => {
-                let (src, dst) = (ty.row_bytes(n_cols), l.w_row_bytes());
-                let mut out = vec![0u8; n_rows * dst];
-                for (row, o) in data.chunks_exact(src).zip(out.chunks_exact_mut(dst)) {
-                    packed::pack_weight_row(&l, row, o);
+                let rows: Vec<&[u8]> = data.chunks_exact(ty.row_bytes(n_cols)).collect();
+                let mut out = vec![0u8; n_rows.div_ceil(PANEL) * l.panel_bytes()];
+                for (group, o) in rows
+                    .chunks(PANEL)
+                    .zip(out.chunks_exact_mut(l.panel_bytes()))
+                {
+                    packed::pack_panel(&l, group, o);
                 }
                 out.into()
             }
@@ -62,22 +66,23 @@ impl QMatrix {
         }
     }
 
-    pub fn row_bytes(&self) -> usize {
-        match &self.packed {
-            Some(l) => l.w_row_bytes(),
-            None => self.ty.row_bytes(self.n_cols),
-        }
+    /// Row `r` in ggml's layout (a matrix that is not packed).
+    pub fn row(&self, r: usize) -> &[u8] {
+        assert!(self.packed.is_none(), "a packed matrix is read by panels");
+        let rb = self.ty.row_bytes(self.n_cols);
+        &self.data[r * rb..(r + 1) * rb]
     }
 
-    pub fn row(&self, r: usize) -> &[u8] {
-        let rb = self.row_bytes();
-        &self.data[r * rb..(r + 1) * rb]
+    /// Panel `p` (rows `16p .. 16p + 16`) of a packed matrix.
+    pub fn panel(&self, p: usize) -> &[u8] {
+        let pb = self.packed.as_ref().expect("a packed matrix").panel_bytes();
+        &self.data[p * pb..(p + 1) * pb]
     }
 
     /// Decodes row `r` into `out` (used for embedding lookups).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         match &self.packed {
-            Some(l) => packed::dequantize_packed_row(l, self.row(r), out),
+            Some(l) => packed::dequantize_panel_row(l, self.panel(r / PANEL), r % PANEL, out),
             None => gguf::quant::dequantize(self.ty, self.row(r), out)
                 .expect("row length fixed at load"),
         }
@@ -199,12 +204,12 @@ pub fn matmul(
         };
     }
     let acts = &scratch.acts;
-    // Task t covers tile t of the concatenated weight rows of all products. Which rows a task
+    // Task t covers run t of the concatenated weight rows of all products. Which rows a task
     // takes never changes a result: every element is computed the same way.
     let rows_per_task = if n_tokens <= STREAM_MAX_TOKENS {
         let total: usize = products.iter().map(|p| p.w.n_rows).sum();
         (total / (pool.n_threads() * STREAM_TASKS_PER_THREAD))
-            .next_multiple_of(TILE_W)
+            .next_multiple_of(PANEL)
             .max(TILE)
     } else {
         TILE
@@ -227,15 +232,16 @@ pub fn matmul(
         let r0 = (task - tiles[pi]) * rows_per_task;
         let r1 = (r0 + rows_per_task).min(w.n_rows);
         match &w.packed {
-            Some(layout) => packed_tile_rows(kernels, layout, w, acts, n_tokens, r0..r1, out),
+            Some(layout) => panel_rows(kernels, layout, w, acts, n_tokens, r0..r1, out),
             None => ggml_rows(kernels, w, acts, n_tokens, r0..r1, out),
         }
     });
 }
 
-/// Weight rows `rows` of a packed matrix against every activation row, in tiles of up to
-/// [`TILE_W`] x [`TILE_A`]; the tile kernel's elements do not depend on the tile's shape.
-fn packed_tile_rows(
+/// Weight rows `rows` (whole panels, but for the matrix's last) of a packed matrix against
+/// every activation row, [`PANEL_ACTS`] activation rows per kernel call; the kernel's elements
+/// do not depend on how the rows are grouped.
+fn panel_rows(
     kernels: &Kernels,
     layout: &Layout,
     w: &QMatrix,
@@ -244,40 +250,30 @@ fn packed_tile_rows(
     rows: std::ops::Range<usize>,
     out: &SharedMut<f32>,
 ) {
-    // Activation rows in chunks that stay in cache while every weight row group of the task
-    // passes over them (a prompt's rows would not); the weight rows themselves stay in L1.
+    assert_eq!(rows.start % PANEL, 0, "tasks start at a panel");
+    let panels = rows.start / PANEL..rows.end.div_ceil(PANEL);
+    // Activation rows in chunks that stay in cache while every panel of the task passes over
+    // them (a prompt's rows would not); a panel stays in L1/L2 across the chunk.
     for t0 in (0..n_tokens).step_by(ACT_CHUNK) {
         let t1 = (t0 + ACT_CHUNK).min(n_tokens);
-        let mut r = rows.start;
-        while r < rows.end {
-            let rw = (rows.end - r).min(TILE_W);
-            if t0 == 0 {
-                // Weight rows stream from memory once per step: ask for the next group early.
-                let next = (r + 2 * rw).min(rows.end)..(r + 3 * rw).min(rows.end);
-                if !next.is_empty() {
-                    let rb = w.row_bytes();
-                    crate::kernels::prefetch(&w.data[next.start * rb..next.end * rb]);
-                }
-            }
+        for p in panels.clone() {
+            let panel = w.panel(p);
+            let r0 = p * PANEL;
+            let valid = (w.n_rows - r0).min(PANEL);
             let mut t = t0;
             while t < t1 {
-                let ra = (t1 - t).min(TILE_A);
-                let mut v = [[0f32; TILE_A]; TILE_W];
-                kernels.packed_tile(
-                    layout,
-                    &std::array::from_fn::<_, TILE_W, _>(|i| w.row(r + i.min(rw - 1)))[..rw],
-                    &std::array::from_fn::<_, TILE_A, _>(|j| acts.row(t + j.min(ra - 1)))[..ra],
-                    &mut v,
-                );
-                for (i, vi) in v.iter().enumerate().take(rw) {
-                    for (j, &x) in vi.iter().enumerate().take(ra) {
+                let ra = (t1 - t).min(PANEL_ACTS);
+                let a: [&[u8]; PANEL_ACTS] = std::array::from_fn(|j| acts.row(t + j.min(ra - 1)));
+                let mut v = [[0f32; PANEL]; PANEL_ACTS];
+                kernels.packed_panel(layout, panel, &a[..ra], &mut v[..ra]);
+                for (j, vj) in v.iter().enumerate().take(ra) {
+                    for (i, &x) in vj.iter().enumerate().take(valid) {
                         // SAFETY: rows [r0, r1) of this product belong to this task alone.
-                        unsafe { out.write((t + j) * w.n_rows + r + i, x) };
+                        unsafe { out.write((t + j) * w.n_rows + r0 + i, x) };
                     }
                 }
                 t += ra;
             }
-            r += rw;
         }
     }
 }

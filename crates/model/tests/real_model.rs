@@ -142,7 +142,7 @@ fn teacher_forced_argmax_matches_llama_cpp_where_the_margin_is_clear() {
 }
 
 #[test]
-fn first_step_top5_of_every_prompt_is_in_our_top8_within_0_35() {
+fn first_step_top5_of_every_prompt_is_in_our_top8_within_llama_cpps_own_spread() {
     let m = whole();
     for g in reference()["greedy"].as_array().unwrap() {
         let prompt = ids(&g["prompt_ids"]);
@@ -159,8 +159,11 @@ fn first_step_top5_of_every_prompt_is_in_our_top8_within_0_35() {
                 "{:?}: reference id {id} not in our top 8 {ours:?}",
                 g["prompt"]
             );
+            // llama.cpp's own one-token and batched evaluations of the same positions differ
+            // by up to 0.58 (reference README): int8 activations turn any change of summation
+            // order into different roundings downstream, so this is the spread to expect.
             assert!(
-                diff <= 0.35,
+                diff <= 0.6,
                 "{:?}: logit of {id} differs by {diff}",
                 g["prompt"]
             );

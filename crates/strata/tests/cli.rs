@@ -176,8 +176,8 @@ fn resident_weight_memory_follows_the_layer_range() {
         let held = out["weight_bytes"].as_f64().unwrap();
         let rss_growth = out["rss_after_load_bytes"].as_f64().unwrap()
             - out["rss_before_load_bytes"].as_f64().unwrap();
-        // Weights are held in the kernels' packed layout (f32 block scales: at most a quarter
-        // more than the file's bytes), and resident memory follows what is held.
+        // Weights are held in the kernels' panel layout (the file's bytes, plus zero rows
+        // completing a matrix's last panel), and resident memory follows what is held.
         let packing = held / own;
         assert!(
             (1.0..=1.25).contains(&packing),

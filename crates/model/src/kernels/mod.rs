@@ -228,75 +228,73 @@ pub fn prefetch(bytes: &[u8]) {
     }
 }
 
-/// The largest tile of the packed kernel: weight rows by activation rows.
-pub const TILE_W: usize = 4;
-pub const TILE_A: usize = 4;
+/// Most activation rows one call of the panel kernel takes.
+pub const PANEL_ACTS: usize = 8;
 
 impl Kernels {
-    /// Whether weights should be repacked at load for [`Kernels::packed_tile`].
+    /// Whether weights should be repacked at load for [`Kernels::packed_panel`].
     pub fn packs_weights(&self) -> bool {
         self.isa == Isa::Avx512Vnni
     }
 
-    /// Every product of up to [`TILE_W`] packed weight rows with up to [`TILE_A`] packed
-    /// activation rows: `out[i][j] = w[i] . a[j]`. Each element is computed by the same
-    /// instruction sequence whatever the tile's shape (and equals [`packed::dot_reference`]
-    /// bitwise), so grouping never changes a result.
-    pub fn packed_tile(
+    /// Every product of one panel's [`packed::PANEL`] weight rows with up to [`PANEL_ACTS`]
+    /// packed activation rows: `out[j][r]` = row `r` . `a[j]`. Each element is computed by the
+    /// same instruction sequence whatever the number of activation rows (and equals
+    /// [`packed::panel_reference`] bitwise), so grouping never changes a result.
+    pub fn packed_panel(
         &self,
         layout: &packed::Layout,
-        w: &[&[u8]],
+        panel: &[u8],
         a: &[&[u8]],
-        out: &mut [[f32; TILE_A]; TILE_W],
+        out: &mut [[f32; packed::PANEL]],
     ) {
+        assert!(a.len() <= PANEL_ACTS && out.len() >= a.len());
         #[cfg(target_arch = "x86_64")]
         if self.isa == Isa::Avx512Vnni {
-            use packed::vnni::{kind_id, tile, Q40, Q41, Q8};
-            macro_rules! run {
+            use packed::vnni::{kind_id, panel as run, Q40, Q41, Q8};
+            macro_rules! by_rows {
                 ($k:expr) => {{
                     const K: u8 = $k;
-                    let w4 = <[&[u8]; TILE_W]>::try_from(w);
-                    let a4 = <[&[u8]; TILE_A]>::try_from(a);
-                    // SAFETY: the isa was checked when these kernels were made; the matrix
-                    // and activation rows were sized by `layout`.
-                    unsafe {
-                        match (w4, a4) {
-                            (Ok(w4), Ok(a4)) => *out = tile::<K, 4, 4>(layout, w4, a4),
-                            (Ok(w4), Err(_)) => {
-                                for (j, a1) in a.iter().enumerate() {
-                                    let v = tile::<K, 4, 1>(layout, w4, [a1]);
-                                    for i in 0..TILE_W {
-                                        out[i][j] = v[i][0];
-                                    }
-                                }
-                            }
-                            (Err(_), Ok(a4)) => {
-                                for (i, w1) in w.iter().enumerate() {
-                                    out[i] = tile::<K, 1, 4>(layout, [w1], a4)[0];
-                                }
-                            }
-                            (Err(_), Err(_)) => {
-                                for (i, w1) in w.iter().enumerate() {
-                                    for (j, a1) in a.iter().enumerate() {
-                                        out[i][j] = tile::<K, 1, 1>(layout, [w1], [a1])[0][0];
-                                    }
-                                }
+                    // Eight activation rows at a time, then four, two, one: the same sequence
+                    // per element whichever call computes it.
+                    let mut j = 0;
+                    while j < a.len() {
+                        let left = a.len() - j;
+                        // SAFETY: the isa was checked when these kernels were made; the panel
+                        // and activation rows were sized by `layout` (asserted inside).
+                        unsafe {
+                            if left >= 8 {
+                                let v =
+                                    run::<K, 8>(layout, panel, std::array::from_fn(|i| a[j + i]));
+                                out[j..j + 8].copy_from_slice(&v);
+                                j += 8;
+                            } else if left >= 4 {
+                                let v =
+                                    run::<K, 4>(layout, panel, std::array::from_fn(|i| a[j + i]));
+                                out[j..j + 4].copy_from_slice(&v);
+                                j += 4;
+                            } else if left >= 2 {
+                                let v =
+                                    run::<K, 2>(layout, panel, std::array::from_fn(|i| a[j + i]));
+                                out[j..j + 2].copy_from_slice(&v);
+                                j += 2;
+                            } else {
+                                out[j] = run::<K, 1>(layout, panel, [a[j]])[0];
+                                j += 1;
                             }
                         }
                     }
                 }};
             }
             match kind_id(layout.kind) {
-                Q40 => run!(Q40),
-                Q41 => run!(Q41),
-                _ => run!(Q8),
+                Q40 => by_rows!(Q40),
+                Q41 => by_rows!(Q41),
+                _ => by_rows!(Q8),
             }
             return;
         }
-        for (i, w1) in w.iter().enumerate() {
-            for (j, a1) in a.iter().enumerate() {
-                out[i][j] = packed::dot_reference(layout, w1, a1);
-            }
+        for (o, a1) in out.iter_mut().zip(a) {
+            *o = packed::panel_reference(layout, panel, a1);
         }
     }
 }
