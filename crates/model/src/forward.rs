@@ -5,7 +5,7 @@ use half::f16;
 use std::sync::Mutex;
 
 use crate::config::LlamaConfig;
-use crate::kernels::{Isa, Kernels};
+use crate::kernels::{attn, Isa, Kernels};
 use crate::kv::{KvCache, KvPool};
 use crate::matmul::{matmul, ActScratch, Product};
 use crate::pool::{SharedMut, ThreadPool};
@@ -490,6 +490,20 @@ impl Model {
                 {
                     *d = f16::from_f32(x).to_f32();
                 }
+                // SAFETY: each task writes its own heads' head_dim slices of `out`.
+                let o = unsafe { out_ptr.slice(i * c.n_embd + first * hd, per_task * hd) };
+                if self.kernels.fused_attention(
+                    hd,
+                    qs,
+                    n_pos,
+                    scale,
+                    |t| &cache.row(li, 0, t)[kvh * hd..][..hd],
+                    |t| &cache.row(li, 1, t)[kvh * hd..][..hd],
+                    scores,
+                    o,
+                ) {
+                    return;
+                }
                 // K and V are read from the session's blocks in place, one head row at a time.
                 for t in 0..n_pos {
                     let k = &cache.row(li, 0, t)[kvh * hd..][..hd];
@@ -498,16 +512,8 @@ impl Model {
                     }
                 }
                 for (h, s) in scores.chunks_exact_mut(n_pos).enumerate() {
-                    let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                    let mut sum = 0f64;
-                    for v in s.iter_mut() {
-                        *v = (*v - max).exp();
-                        sum += *v as f64;
-                    }
-                    inv[h] = (1.0 / sum) as f32;
+                    inv[h] = attn::softmax_scale(s);
                 }
-                // SAFETY: each task writes its own heads' head_dim slices of `out`.
-                let o = unsafe { out_ptr.slice(i * c.n_embd + first * hd, per_task * hd) };
                 o.fill(0.0);
                 for t in 0..n_pos {
                     let v = &cache.row(li, 1, t)[kvh * hd..][..hd];

@@ -114,7 +114,7 @@ impl ActKey {
 
 impl QuantizedActs {
     /// Quantizes `x` (rows of `w.n_cols`) for `w` into this buffer, reusing its capacity.
-    fn fill(&mut self, w: &QMatrix, x: &[f32]) {
+    fn fill(&mut self, kernels: &Kernels, w: &QMatrix, x: &[f32]) {
         let n_cols = w.n_cols;
         let key = ActKey::of(w);
         let row_bytes = match (&w.packed, key) {
@@ -132,7 +132,7 @@ impl QuantizedActs {
             .zip(self.data.chunks_exact_mut(row_bytes))
         {
             match (&w.packed, key) {
-                (Some(l), _) => packed::quantize_act_row(l, xr, out),
+                (Some(l), _) => kernels.quantize_packed_act(l, xr, out),
                 (None, ActKey::Ggml(ty)) => act::quantize_row(ty, xr, out),
                 (None, ActKey::Packed(_)) => unreachable!("packed key only for packed matrices"),
             }
@@ -197,7 +197,7 @@ pub fn matmul(
                         data: Vec::new(),
                     });
                 }
-                scratch.acts[n_acts].fill(p.w, x);
+                scratch.acts[n_acts].fill(kernels, p.w, x);
                 n_acts += 1;
                 n_acts - 1
             }

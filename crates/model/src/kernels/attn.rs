@@ -89,9 +89,187 @@ pub mod f16c {
     }
 }
 
+/// Head width of the fused attention kernel.
+#[cfg(target_arch = "x86_64")]
+pub const FUSED_HEAD_DIM: usize = 64;
+
+#[cfg(target_arch = "x86_64")]
+pub mod fused {
+    //! One attention task — `G` query heads of width 64 sharing one KV head — in one function,
+    //! with exactly the arithmetic of [`super::dot_f16`], the softmax of the generic path and
+    //! [`super::axpy_f16`]: each K and V row is decoded once for all `G` heads, and the `G`
+    //! output rows stay in registers across every position (32 vector registers with
+    //! AVX-512VL), so nothing is called, loaded or stored per position and head.
+
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    const HD: usize = super::FUSED_HEAD_DIM;
+    const CH: usize = HD / 8;
+
+    /// Converts 64 f16 values to 8 registers of f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+    unsafe fn load_row(r: &[f16]) -> [__m256; CH] {
+        assert!(r.len() >= HD);
+        // SAFETY: 64 values asserted above.
+        std::array::from_fn(|ch| unsafe {
+            _mm256_cvtph_ps(_mm_loadu_si128(r.as_ptr().add(8 * ch) as *const __m128i))
+        })
+    }
+
+    /// `q` holds the `G` query rows (already rounded to f16 values); `k(t)` and `v(t)` are this
+    /// KV head's rows at position `t`; `scores` is scratch of `G * n_pos`; `out` receives the
+    /// `G` attention outputs.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA, F16C and AVX-512 F/VL.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+    pub unsafe fn heads<'a, const G: usize>(
+        q: &[f32],
+        n_pos: usize,
+        scale: f32,
+        k: impl Fn(usize) -> &'a [f16],
+        v: impl Fn(usize) -> &'a [f16],
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        assert!(q.len() >= G * HD && out.len() >= G * HD && scores.len() >= G * n_pos);
+        // SAFETY: lengths asserted above.
+        let qv: [[__m256; CH]; G] = std::array::from_fn(|h| {
+            std::array::from_fn(|ch| unsafe { _mm256_loadu_ps(q.as_ptr().add(h * HD + 8 * ch)) })
+        });
+        for t in 0..n_pos {
+            let kr = unsafe { load_row(k(t)) };
+            for h in 0..G {
+                let mut acc = _mm256_setzero_ps();
+                for ch in 0..CH {
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(qv[h][ch], kr[ch]));
+                }
+                // The reduction tree of `dot_f16`, then its (empty) tail.
+                let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+                let hs = _mm_hadd_ps(s, s);
+                let sum = _mm_cvtss_f32(_mm_hadd_ps(hs, hs)) + 0.0;
+                scores[h * n_pos + t] = sum * scale;
+            }
+        }
+        for h in 0..G {
+            let s = &mut scores[h * n_pos..(h + 1) * n_pos];
+            let inv = super::softmax_scale(s);
+            // p = f16(score * inv), as the generic path rounds it before the weighted sum.
+            let mut chunks = s.chunks_exact_mut(8);
+            for c in &mut chunks {
+                // SAFETY: 8 floats.
+                unsafe {
+                    let x = _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), _mm256_set1_ps(inv));
+                    let r = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+                    _mm256_storeu_ps(c.as_mut_ptr(), r);
+                }
+            }
+            for x in chunks.into_remainder() {
+                *x = f16::from_f32(*x * inv).to_f32();
+            }
+        }
+        let mut o = [[_mm256_setzero_ps(); CH]; G];
+        for t in 0..n_pos {
+            let vr = unsafe { load_row(v(t)) };
+            for h in 0..G {
+                let p = _mm256_set1_ps(scores[h * n_pos + t]);
+                for ch in 0..CH {
+                    o[h][ch] = _mm256_add_ps(o[h][ch], _mm256_mul_ps(p, vr[ch]));
+                }
+            }
+        }
+        for h in 0..G {
+            for ch in 0..CH {
+                // SAFETY: length asserted above.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(h * HD + 8 * ch), o[h][ch]) };
+            }
+        }
+    }
+}
+
+/// Softmax numerators in place (`exp(s - max)`) and the reciprocal of their sum (summed in f64).
+pub fn softmax_scale(s: &mut [f32]) -> f32 {
+    let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut sum = 0f64;
+    for v in s.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v as f64;
+    }
+    (1.0 / sum) as f32
+}
+
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+
+    /// The generic path's attention of `g` heads: dot, softmax, rounded weights, axpy.
+    fn generic(q: &[f32], ks: &[Vec<f16>], vs: &[Vec<f16>], scale: f32, g: usize) -> Vec<f32> {
+        let (hd, n_pos) = (FUSED_HEAD_DIM, ks.len());
+        let mut scores = vec![0f32; g * n_pos];
+        for t in 0..n_pos {
+            for h in 0..g {
+                scores[h * n_pos + t] = dot_f16(&q[h * hd..(h + 1) * hd], &ks[t]) * scale;
+            }
+        }
+        let mut out = vec![0f32; g * hd];
+        let inv: Vec<f32> = scores.chunks_exact_mut(n_pos).map(softmax_scale).collect();
+        for t in 0..n_pos {
+            for h in 0..g {
+                let p = f16::from_f32(scores[h * n_pos + t] * inv[h]).to_f32();
+                axpy_f16(p, &vs[t], &mut out[h * hd..(h + 1) * hd]);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn fused_attention_equals_the_generic_path_bitwise() {
+        if !crate::kernels::Isa::Avx512Vnni.is_supported() {
+            return;
+        }
+        let mut seed = 0x1234_5679_u32;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            (seed as f32 / u32::MAX as f32 - 0.5) * 6.0
+        };
+        let hd = FUSED_HEAD_DIM;
+        for g in 1..=4 {
+            for n_pos in [1, 7, 8, 17, 100] {
+                let q: Vec<f32> = (0..g * hd)
+                    .map(|_| f16::from_f32(next()).to_f32())
+                    .collect();
+                let row = |next: &mut dyn FnMut() -> f32| -> Vec<f16> {
+                    (0..hd).map(|_| f16::from_f32(next())).collect()
+                };
+                let ks: Vec<Vec<f16>> = (0..n_pos).map(|_| row(&mut next)).collect();
+                let vs: Vec<Vec<f16>> = (0..n_pos).map(|_| row(&mut next)).collect();
+                let want = generic(&q, &ks, &vs, 0.125, g);
+                let mut scores = vec![0f32; g * n_pos];
+                let mut got = vec![0f32; g * hd];
+                let k = crate::kernels::Kernels::detect();
+                assert!(k.fused_attention(
+                    hd,
+                    &q,
+                    n_pos,
+                    0.125,
+                    |t| &ks[t][..],
+                    |t| &vs[t][..],
+                    &mut scores,
+                    &mut got
+                ));
+                assert_eq!(
+                    want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "g = {g}, n_pos = {n_pos}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn f16c_versions_equal_the_scalar_ones_bitwise() {

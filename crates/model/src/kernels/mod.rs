@@ -214,6 +214,45 @@ impl Kernels {
     }
 }
 
+impl Kernels {
+    /// One attention task in one call where a fused kernel exists for this isa and shape (head
+    /// width [`attn::FUSED_HEAD_DIM`], up to 4 query heads per KV head): `q` holds the query
+    /// heads' rows (rounded to f16 values), `k(t)` / `v(t)` the KV head's rows at position `t`.
+    /// Bitwise the generic path's result; returns false (nothing done) where there is no such
+    /// kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fused_attention<'a>(
+        &self,
+        head_dim: usize,
+        q: &[f32],
+        n_pos: usize,
+        scale: f32,
+        k: impl Fn(usize) -> &'a [half::f16],
+        v: impl Fn(usize) -> &'a [half::f16],
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self.isa == Isa::Avx512Vnni && head_dim == attn::FUSED_HEAD_DIM {
+            use attn::fused::heads;
+            // SAFETY: the isa (AVX-512 F/VL with AVX2, FMA, F16C) was checked when these
+            // kernels were made; lengths are asserted inside.
+            unsafe {
+                match q.len() / head_dim {
+                    1 => heads::<1>(q, n_pos, scale, k, v, scores, out),
+                    2 => heads::<2>(q, n_pos, scale, k, v, scores, out),
+                    3 => heads::<3>(q, n_pos, scale, k, v, scores, out),
+                    4 => heads::<4>(q, n_pos, scale, k, v, scores, out),
+                    _ => return false,
+                }
+            }
+            return true;
+        }
+        let _ = (head_dim, q, n_pos, scale, k, v, scores, out);
+        false
+    }
+}
+
 /// Hints the CPU to bring `bytes` into cache (a no-op where there is no such hint).
 #[inline]
 pub fn prefetch(bytes: &[u8]) {
@@ -235,6 +274,16 @@ impl Kernels {
     /// Whether weights should be repacked at load for [`Kernels::packed_panel`].
     pub fn packs_weights(&self) -> bool {
         self.isa == Isa::Avx512Vnni
+    }
+
+    /// Quantizes one activation row for a packed matrix ([`packed::quantize_act_row`]'s bytes).
+    pub fn quantize_packed_act(&self, layout: &packed::Layout, x: &[f32], out: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.isa == Isa::Avx512Vnni {
+            // SAFETY: the isa was checked when these kernels were made.
+            return unsafe { packed::vnni::quantize_act_row(layout, x, out) };
+        }
+        packed::quantize_act_row(layout, x, out)
     }
 
     /// Every product of one panel's [`packed::PANEL`] weight rows with up to [`PANEL_ACTS`]

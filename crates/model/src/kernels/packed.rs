@@ -327,6 +327,72 @@ pub mod vnni {
         _mm512_set1_epi32(unsafe { (a.add(at) as *const i32).read_unaligned() })
     }
 
+    /// [`super::quantize_act_row`], 16 values per instruction and bitwise equal to it: the
+    /// same maximum, scale and reciprocal; rounding half away from zero as truncation plus a
+    /// step where the (exact) remainder reaches one half.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/VL/VNNI, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn quantize_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
+        assert_eq!(x.len(), layout.n_cols);
+        assert!(out.len() >= layout.a_row_bytes());
+        let offset = layout.kind.offset();
+        let (half, minus_half, one) = (
+            _mm512_set1_ps(0.5),
+            _mm512_set1_ps(-0.5),
+            _mm512_set1_epi32(1),
+        );
+        for b in 0..layout.n_blocks {
+            // SAFETY: block `b` of `x` (32 floats) and of `out` (32 bytes) is in bounds by the
+            // assertions above.
+            let (x0, x1) = unsafe {
+                (
+                    _mm512_loadu_ps(x.as_ptr().add(QK * b)),
+                    _mm512_loadu_ps(x.as_ptr().add(QK * b + 16)),
+                )
+            };
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            let d = amax / 127.0;
+            let id = _mm512_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+            let round = |v: __m512| {
+                let y = _mm512_mul_ps(v, id);
+                let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+                let frac = _mm512_sub_ps(y, t);
+                let q = _mm512_cvttps_epi32(t);
+                let q =
+                    _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half), q, one);
+                _mm512_mask_sub_epi32(
+                    q,
+                    _mm512_cmp_ps_mask::<_CMP_LE_OQ>(frac, minus_half),
+                    q,
+                    one,
+                )
+            };
+            let (q0, q1) = (round(x0), round(x1));
+            // SAFETY: as above.
+            unsafe {
+                _mm_storeu_si128(
+                    out.as_mut_ptr().add(QK * b) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(q0),
+                );
+                _mm_storeu_si128(
+                    out.as_mut_ptr().add(QK * b + 16) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(q1),
+                );
+            }
+            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            super::put_f32(out, layout.a_d() + 4 * b, half::f16::from_f32(d).to_f32());
+            if offset != 0 {
+                out[layout.a_corr() + 4 * b..][..4].copy_from_slice(&(-offset * sum).to_le_bytes());
+            }
+            if layout.kind.has_mins() {
+                let s = half::f16::from_f32(sum as f32 * d).to_f32();
+                super::put_f32(out, layout.a_sums() + 4 * b, s);
+            }
+        }
+    }
+
     /// `out[j][r]` = lane `r` of `w` . `a[j]`, bitwise equal to [`super::panel_reference`].
     ///
     /// # Safety
@@ -492,6 +558,35 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// The SIMD activation quantizer writes bitwise the reference's bytes, including blocks of
+    /// zeros, exact halves and a lone maximum.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_activation_quantizer_equals_the_reference_bitwise() {
+        if !super::super::Isa::Avx512Vnni.is_supported() {
+            return;
+        }
+        for kind in KINDS {
+            let n = 1536;
+            let layout = Layout::new(kind, n);
+            let mut x = data(n, 7);
+            x[32..64].fill(0.0);
+            for (i, v) in x[64..96].iter_mut().enumerate() {
+                *v = (i as f32 - 15.5) * 127.0 / 16.0 / 15.5;
+            }
+            x[100] = 3.0e4;
+            x[200] = -1.0e-30;
+            let (mut want, mut got) = (
+                vec![0u8; layout.a_row_bytes()],
+                vec![1u8; layout.a_row_bytes()],
+            );
+            quantize_act_row(&layout, &x, &mut want);
+            // SAFETY: support checked above.
+            unsafe { vnni::quantize_act_row(&layout, &x, &mut got) };
+            assert_eq!(want, got, "{kind:?}");
         }
     }
 
