@@ -2,6 +2,7 @@
 
 use gguf::GgufFile;
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use std::sync::Mutex;
 
 use crate::config::LlamaConfig;
@@ -205,10 +206,8 @@ impl Model {
         let ws = &mut *guard;
         self.validate(batch, caches, &mut ws.ends)?;
         let kv = c.kv_dim();
-        let fit = |v: &mut Vec<f32>, len: usize| {
-            v.clear();
-            v.resize(len, 0.0);
-        };
+        // Every buffer is written in full before it is read, so old contents need no zeroing.
+        let fit = |v: &mut Vec<f32>, len: usize| v.resize(len, 0.0);
         match batch.hidden {
             Some(h) => {
                 ws.x.clear();
@@ -264,7 +263,9 @@ impl Model {
         fit(g, n * c.n_ff);
         fit(u, n * c.n_ff);
         for (li, lw) in self.weights.layers.iter().enumerate() {
-            rms_norm(x, &lw.attn_norm, c.rms_eps, h);
+            // The previous layer's FFN output joins the residual stream here.
+            let residual = (li > 0).then_some(&o[..]);
+            self.add_norm(x, residual, &lw.attn_norm, h);
             matmul(
                 &self.kernels,
                 &self.pool,
@@ -276,15 +277,22 @@ impl Model {
                 ],
                 acts,
             );
-            ws.rope.apply(q, c.n_head, c.head_dim);
-            ws.rope.apply(k, c.n_head_kv, c.head_dim);
+            {
+                let (rope, q, k) = (&ws.rope, SharedMut::new(q), SharedMut::new(k));
+                self.par_rows(n, &|i| {
+                    // SAFETY: each row's slices belong to this task alone.
+                    let (qi, ki) = unsafe { (q.slice(i * d, d), k.slice(i * kv, kv)) };
+                    rope.apply_row(i, qi, c.head_dim);
+                    rope.apply_row(i, ki, c.head_dim);
+                });
+            }
             for (i, row) in rows.iter().enumerate() {
                 let cache = &mut caches[row.seq];
                 for (which, src) in [(0, &*k), (1, &*v)] {
-                    let dst = cache.row_mut(li, which, row.pos);
-                    for (d, x) in dst.iter_mut().zip(&src[i * kv..(i + 1) * kv]) {
-                        *d = f16::from_f32(*x);
-                    }
+                    // Round to nearest even, eight values per instruction where F16C exists.
+                    cache
+                        .row_mut(li, which, row.pos)
+                        .convert_from_f32_slice(&src[i * kv..(i + 1) * kv]);
                 }
             }
             self.attention(li, rows, caches, q, attn);
@@ -295,9 +303,7 @@ impl Model {
                 &mut [Product { w: &lw.wo, out: o }],
                 acts,
             );
-            x.iter_mut().zip(o.iter()).for_each(|(a, b)| *a += b);
-
-            rms_norm(x, &lw.ffn_norm, c.rms_eps, h);
+            self.add_norm(x, Some(o), &lw.ffn_norm, h);
             matmul(
                 &self.kernels,
                 &self.pool,
@@ -314,9 +320,16 @@ impl Model {
                 ],
                 acts,
             );
-            g.iter_mut()
-                .zip(u.iter())
-                .for_each(|(a, b)| *a = *a / (1.0 + (-*a).exp()) * b);
+            {
+                let (g, u, f) = (SharedMut::new(g), &*u, c.n_ff);
+                self.par_rows(n, &|i| {
+                    // SAFETY: each row's slice belongs to this task alone.
+                    let gi = unsafe { g.slice(i * f, f) };
+                    gi.iter_mut()
+                        .zip(&u[i * f..(i + 1) * f])
+                        .for_each(|(a, b)| *a = *a / (1.0 + (-*a).exp()) * b);
+                });
+            }
             matmul(
                 &self.kernels,
                 &self.pool,
@@ -327,6 +340,8 @@ impl Model {
                 }],
                 acts,
             );
+        }
+        if !self.weights.layers.is_empty() {
             x.iter_mut().zip(o.iter()).for_each(|(a, b)| *a += b);
         }
 
@@ -366,6 +381,32 @@ impl Model {
             &mut ws.acts,
         );
         Ok(())
+    }
+
+    /// `f(i)` for every row `i < n`, spread over the pool in runs of rows.
+    fn par_rows(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+        let per_task = n.div_ceil(4 * self.pool.n_threads()).max(1);
+        self.pool.run(n.div_ceil(per_task), &|task| {
+            (task * per_task..((task + 1) * per_task).min(n)).for_each(f)
+        });
+    }
+
+    /// `x += residual` (when given), then `h = rms_norm(x) * weight`, row by row in parallel.
+    fn add_norm(&self, x: &mut [f32], residual: Option<&[f32]>, weight: &[f32], h: &mut [f32]) {
+        let (d, eps) = (self.config.n_embd, self.config.rms_eps);
+        let n = h.len() / d;
+        assert_eq!(x.len(), n * d);
+        let (xs, hs) = (SharedMut::new(x), SharedMut::new(h));
+        self.par_rows(n, &|i| {
+            // SAFETY: each row's slices belong to this task alone.
+            let (xi, hi) = unsafe { (xs.slice(i * d, d), hs.slice(i * d, d)) };
+            if let Some(r) = residual {
+                xi.iter_mut()
+                    .zip(&r[i * d..(i + 1) * d])
+                    .for_each(|(a, b)| *a += b);
+            }
+            rms_norm(xi, weight, eps, hi);
+        });
     }
 
     /// Checks the batch against the caches (`next` is scratch for the expected positions).
@@ -570,17 +611,15 @@ impl RopeTable {
         }
     }
 
-    fn apply(&self, x: &mut [f32], n_heads: usize, head_dim: usize) {
+    /// Rotates every head of row `i` (`x` holds that row's heads).
+    fn apply_row(&self, i: usize, x: &mut [f32], head_dim: usize) {
         let pairs = self.rope_dim / 2;
-        let width = n_heads * head_dim;
-        for (i, row) in x.chunks_exact_mut(width).enumerate() {
-            let cs = &self.cos_sin[i * pairs..(i + 1) * pairs];
-            for head in row.chunks_exact_mut(head_dim) {
-                for (p, &(cos, sin)) in cs.iter().enumerate() {
-                    let (x0, x1) = (head[2 * p], head[2 * p + 1]);
-                    head[2 * p] = x0 * cos - x1 * sin;
-                    head[2 * p + 1] = x0 * sin + x1 * cos;
-                }
+        let cs = &self.cos_sin[i * pairs..(i + 1) * pairs];
+        for head in x.chunks_exact_mut(head_dim) {
+            for (p, &(cos, sin)) in cs.iter().enumerate() {
+                let (x0, x1) = (head[2 * p], head[2 * p + 1]);
+                head[2 * p] = x0 * cos - x1 * sin;
+                head[2 * p + 1] = x0 * sin + x1 * cos;
             }
         }
     }
