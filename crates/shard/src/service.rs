@@ -61,12 +61,18 @@ pub async fn serve(
         .max_decoding_message_size(proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(proto::MAX_MESSAGE_BYTES);
     let svc = tonic::service::interceptor::InterceptedService::new(server, TokenCheck::new(&token));
+    // The builder's `tcp_nodelay` applies only to listeners tonic opens itself: set it on each
+    // accepted connection, or replies (small writes) wait for the peer's delayed ACK (~40 ms).
+    let incoming = TcpListenerStream::new(listener).map(|conn| {
+        let conn = conn?;
+        conn.set_nodelay(true)?;
+        Ok::<_, std::io::Error>(conn)
+    });
     tonic::transport::Server::builder()
-        .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(2)))
         .http2_keepalive_timeout(Some(Duration::from_secs(5)))
         .add_service(svc)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await?;
     Ok(())
 }
