@@ -198,6 +198,17 @@ impl Model {
         caches: &mut [&mut KvCache],
         out: &mut Vec<f32>,
     ) -> Result<(), Error> {
+        let result = self.forward_pass(batch, caches, out);
+        self.pool.rest();
+        result
+    }
+
+    fn forward_pass(
+        &self,
+        batch: Batch<'_>,
+        caches: &mut [&mut KvCache],
+        out: &mut Vec<f32>,
+    ) -> Result<(), Error> {
         let c = &self.config;
         let rows = batch.rows;
         let n = rows.len();

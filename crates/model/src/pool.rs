@@ -4,7 +4,12 @@
 //! burn CPU), after a short spin so back-to-back kernel calls in one forward pass do not pay a
 //! futex wake-up each. The calling thread takes part in every job. Tasks are handed out through
 //! an atomic counter; which thread runs a task never affects its result.
+//!
+//! A job ends when its tasks are done, not when every worker has looked at it: a worker the OS
+//! has not scheduled yet (another process's threads may hold the cores) simply misses the job,
+//! so the caller never waits a scheduler time slice for a thread that has nothing left to do.
 
+use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -23,17 +28,24 @@ struct JobRef {
     n_tasks: usize,
 }
 
-// SAFETY: the pointee is `Sync` and outlives every use (the caller waits for all workers).
+// SAFETY: the pointee is `Sync` and outlives every use (the caller retires the job and waits for
+// every worker that entered it before returning).
 unsafe impl Send for JobRef {}
 
 struct Shared {
     generation: AtomicU64,
+    /// The current job; `None` once retired. Workers enter a job only under this lock.
     job: Mutex<Option<JobRef>>,
     wake: Condvar,
     next_task: AtomicUsize,
-    n_busy: AtomicUsize,
+    /// Tasks of the current job that have finished (or panicked).
+    n_done: AtomicUsize,
+    /// Workers inside the current job.
+    n_active: AtomicUsize,
     panicked: AtomicBool,
     shutdown: AtomicBool,
+    /// Set by [`ThreadPool::rest`]: idle workers sleep at once instead of spinning.
+    resting: AtomicBool,
 }
 
 /// A pool of `n_threads - 1` workers plus the calling thread.
@@ -50,6 +62,19 @@ impl std::fmt::Debug for ThreadPool {
     }
 }
 
+/// Spins on `done`, then yields, until it holds.
+fn wait_until(done: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while !done() {
+        spins += 1;
+        if spins < 1 << 14 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
 impl ThreadPool {
     pub fn new(n_threads: usize) -> ThreadPool {
         let shared = Arc::new(Shared {
@@ -57,9 +82,11 @@ impl ThreadPool {
             job: Mutex::new(None),
             wake: Condvar::new(),
             next_task: AtomicUsize::new(0),
-            n_busy: AtomicUsize::new(0),
+            n_done: AtomicUsize::new(0),
+            n_active: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
+            resting: AtomicBool::new(false),
         });
         let workers = (1..n_threads.max(1))
             .map(|i| {
@@ -81,6 +108,13 @@ impl ThreadPool {
         self.workers.len() + 1
     }
 
+    /// Tells idle workers to sleep now rather than spin for the next job: called when a burst
+    /// of jobs (a forward pass) ends, so the pool leaves the cores to whatever runs next (on a
+    /// route, the next shard's pass on the same host).
+    pub fn rest(&self) {
+        self.shared.resting.store(true, Ordering::Relaxed);
+    }
+
     /// Runs `task(i)` for every `i < n_tasks` across the pool and returns when all are done.
     pub fn run(&self, n_tasks: usize, task: &(dyn Fn(usize) + Sync)) {
         if self.workers.is_empty() || n_tasks <= 1 {
@@ -89,16 +123,17 @@ impl ThreadPool {
         }
         let _gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
         let s = &*self.shared;
-        // SAFETY: the lifetime is erased only for the duration of this call: we do not return
-        // until `n_busy` is back to zero, i.e. until no worker can still touch `task`.
+        // SAFETY: the lifetime is erased only for the duration of this call: the job is retired
+        // (no worker can enter it) and every worker that entered has left before we return.
         let task_static: *const Task = unsafe {
             std::mem::transmute::<
                 *const (dyn Fn(usize) + Sync + '_),
                 *const (dyn Fn(usize) + Sync + 'static),
             >(task)
         };
+        s.resting.store(false, Ordering::Relaxed);
         s.next_task.store(0, Ordering::Relaxed);
-        s.n_busy.store(self.workers.len(), Ordering::Relaxed);
+        s.n_done.store(0, Ordering::Relaxed);
         {
             let mut job = s.job.lock().unwrap_or_else(|e| e.into_inner());
             *job = Some(JobRef {
@@ -108,33 +143,39 @@ impl ThreadPool {
             s.generation.fetch_add(1, Ordering::Release);
         }
         s.wake.notify_all();
-        let mine = catch_unwind(AssertUnwindSafe(|| drain(s, task, n_tasks)));
-        let mut spins = 0u32;
-        while s.n_busy.load(Ordering::Acquire) != 0 {
-            spins += 1;
-            if spins < 1 << 14 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
+        let mine = drain(s, task, n_tasks);
+        wait_until(|| s.n_done.load(Ordering::Acquire) == n_tasks);
         *s.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        if let Err(p) = mine {
+        // Workers still inside found no task left; they are on their way out.
+        wait_until(|| s.n_active.load(Ordering::Acquire) == 0);
+        let panicked = s.panicked.swap(false, Ordering::Relaxed);
+        if let Some(p) = mine {
             std::panic::resume_unwind(p);
         }
-        if s.panicked.swap(false, Ordering::Relaxed) {
+        if panicked {
             panic!("a kernel task panicked on a pool thread");
         }
     }
 }
 
-fn drain(s: &Shared, task: &(dyn Fn(usize) + Sync + '_), n_tasks: usize) {
+/// Claims and runs tasks until none is left; returns the first panic of this thread's tasks
+/// (every task counts as done, panicked or not, so the job always ends).
+fn drain(
+    s: &Shared,
+    task: &(dyn Fn(usize) + Sync + '_),
+    n_tasks: usize,
+) -> Option<Box<dyn Any + Send>> {
+    let mut first = None;
     loop {
         let i = s.next_task.fetch_add(1, Ordering::Relaxed);
         if i >= n_tasks {
-            return;
+            return first;
         }
-        task(i);
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| task(i))) {
+            s.panicked.store(true, Ordering::Relaxed);
+            first.get_or_insert(p);
+        }
+        s.n_done.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -147,7 +188,9 @@ fn worker(s: &Shared) {
         while s.generation.load(Ordering::Acquire) == seen {
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(256) && start.elapsed() >= SPIN {
+            if spins.is_multiple_of(256)
+                && (start.elapsed() >= SPIN || s.resting.load(Ordering::Relaxed))
+            {
                 break;
             }
         }
@@ -162,16 +205,18 @@ fn worker(s: &Shared) {
                 return;
             }
             seen = s.generation.load(Ordering::Acquire);
+            // Entering under the lock: the caller retires the job under it, then waits for us.
+            if job.is_some() {
+                s.n_active.fetch_add(1, Ordering::Relaxed);
+            }
             *job
         };
         if let Some(job) = job {
             // SAFETY: see `ThreadPool::run`: the closure outlives this use.
             let task = unsafe { &*job.task };
-            if catch_unwind(AssertUnwindSafe(|| drain(s, task, job.n_tasks))).is_err() {
-                s.panicked.store(true, Ordering::Relaxed);
-            }
+            drop(drain(s, task, job.n_tasks));
+            s.n_active.fetch_sub(1, Ordering::Release);
         }
-        s.n_busy.fetch_sub(1, Ordering::Release);
     }
 }
 
