@@ -267,10 +267,9 @@ fn panel_rows(
                 let mut v = [[0f32; PANEL]; PANEL_ACTS];
                 kernels.packed_panel(layout, panel, &a[..ra], &mut v[..ra]);
                 for (j, vj) in v.iter().enumerate().take(ra) {
-                    for (i, &x) in vj.iter().enumerate().take(valid) {
-                        // SAFETY: rows [r0, r1) of this product belong to this task alone.
-                        unsafe { out.write((t + j) * w.n_rows + r0 + i, x) };
-                    }
+                    // SAFETY: rows [r0, r1) of this product belong to this task alone.
+                    unsafe { out.slice((t + j) * w.n_rows + r0, valid) }
+                        .copy_from_slice(&vj[..valid]);
                 }
                 t += ra;
             }

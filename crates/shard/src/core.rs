@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use gguf::{GgufFile, Value, Writer};
 use model::sampling::{log_probs, top_k, Sampler, SamplingParams};
-use model::{Batch, KvCache, KvPool, LayerRange, Model, ModelOptions, Output, Row};
+use model::{Batch, KvCache, KvPool, LayerRange, Model, ModelOptions, Row};
 use proto::v1::{
     Budgets, CacheRecipe, Fragment, SessionError, SessionOutput, ShardInfo, ShardStats, TopLogprob,
 };
@@ -202,6 +202,7 @@ impl ShardCore {
             sessions: HashMap::new(),
             counters: Arc::clone(&counters),
             config: config.clone(),
+            logits: Vec::new(),
         };
         std::thread::Builder::new()
             .name("strata-compute".into())
@@ -286,6 +287,9 @@ struct Worker {
     sessions: HashMap<u64, Session>,
     counters: Arc<Counters>,
     config: ShardConfig,
+    /// The last range's logits, reused step after step (16 rows are 3 MiB: a fresh buffer
+    /// each step would be zeroed and faulted in again).
+    logits: Vec<f32>,
 }
 
 fn refusal(session_id: u64, reason: &str, message: String) -> SessionError {
@@ -593,7 +597,10 @@ impl Worker {
                 rows: &rows,
                 hidden: job.hidden.as_ref().map(|_| hidden.as_slice()),
             };
-            self.model.forward(batch, &mut refs)
+            let mut out = std::mem::take(&mut self.logits);
+            self.model
+                .forward_into(batch, &mut refs, &mut out)
+                .map(|()| out)
         };
         match result {
             Err(e) => {
@@ -602,11 +609,11 @@ impl Worker {
                         .push(refusal(*id, "invalid_request", e.to_string()));
                 }
             }
-            Ok(Output::Hidden(h)) => {
+            Ok(h) if !self.model.is_last() => {
                 out.hidden = h;
                 out.accepted = accepted.iter().map(|&i| job.fragments[i].clone()).collect();
             }
-            Ok(Output::Logits(logits)) => {
+            Ok(logits) => {
                 let n_vocab = self.model.config().n_vocab;
                 let mut li = 0;
                 for &i in &accepted {
@@ -647,6 +654,7 @@ impl Worker {
                     });
                 }
                 out.accepted = accepted.iter().map(|&i| job.fragments[i].clone()).collect();
+                self.logits = logits;
             }
         }
         if !self.model.is_last() {

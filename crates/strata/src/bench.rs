@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Args;
-use model::{Batch, Output, Row};
+use model::{Batch, Row};
 use serde_json::json;
 
 use crate::local::Local;
@@ -90,6 +90,7 @@ fn time_decode(local: &Local, tokens: &[u32], batch: usize) -> Result<f64> {
     let mut caches: Vec<model::KvCache> = (0..batch)
         .map(|_| local.model.new_cache(tokens.len()))
         .collect();
+    let mut logits = Vec::new();
     let t = Instant::now();
     for (pos, &token) in tokens.iter().enumerate() {
         let rows: Vec<Row> = (0..batch)
@@ -101,14 +102,15 @@ fn time_decode(local: &Local, tokens: &[u32], batch: usize) -> Result<f64> {
             })
             .collect();
         let mut refs: Vec<&mut model::KvCache> = caches.iter_mut().collect();
-        let out = local.model.forward(
+        // As a shard does: one logits buffer reused step after step.
+        local.model.forward_into(
             Batch {
                 rows: &rows,
                 hidden: None,
             },
             &mut refs,
+            &mut logits,
         )?;
-        debug_assert!(matches!(out, Output::Logits(_)));
     }
     Ok((tokens.len() * batch) as f64 / t.elapsed().as_secs_f64())
 }
