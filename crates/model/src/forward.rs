@@ -535,18 +535,12 @@ impl Model {
                 scratch.resize(per_task * (hd + n_pos + 1), 0.0);
                 let (qs, rest) = scratch.split_at_mut(per_task * hd);
                 let (scores, inv) = rest.split_at_mut(per_task * n_pos);
-                // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity.
-                for (d, &x) in qs
-                    .iter_mut()
-                    .zip(&q[i * c.n_embd + first * hd..][..per_task * hd])
-                {
-                    *d = f16::from_f32(x).to_f32();
-                }
+                let q_row = &q[i * c.n_embd + first * hd..][..per_task * hd];
                 // SAFETY: each task writes its own heads' head_dim slices of `out`.
                 let o = unsafe { out_ptr.slice(i * c.n_embd + first * hd, per_task * hd) };
                 if self.kernels.fused_attention(
                     hd,
-                    qs,
+                    q_row,
                     n_pos,
                     scale,
                     |t| &cache.row(li, 0, t)[kvh * hd..][..hd],
@@ -555,6 +549,10 @@ impl Model {
                     o,
                 ) {
                     return;
+                }
+                // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity.
+                for (d, &x) in qs.iter_mut().zip(q_row) {
+                    *d = f16::from_f32(x).to_f32();
                 }
                 // K and V are read from the session's blocks in place, one head row at a time.
                 for t in 0..n_pos {

@@ -130,7 +130,7 @@ pub mod fused {
         }
     }
 
-    /// `q` holds the `G` query rows (already rounded to f16 values); `k(t)` and `v(t)` are this
+    /// `q` holds the `G` query rows (rounded to f16 values here); `k(t)` and `v(t)` are this
     /// KV head's rows at position `t`; `scores` is scratch of `G * n_pos`; `out` receives the
     /// `G` attention outputs.
     ///
@@ -147,9 +147,13 @@ pub mod fused {
         out: &mut [f32],
     ) {
         assert!(q.len() >= G * HD && out.len() >= G * HD && scores.len() >= G * n_pos);
-        // SAFETY: lengths asserted above.
+        // Q rounded to f16 values, as llama.cpp multiplies it by an f16 K (round to nearest
+        // even, as `f16::from_f32`). SAFETY: lengths asserted above.
         let qv: [[__m256; CH]; G] = std::array::from_fn(|h| {
-            std::array::from_fn(|ch| unsafe { _mm256_loadu_ps(q.as_ptr().add(h * HD + 8 * ch)) })
+            std::array::from_fn(|ch| unsafe {
+                let x = _mm256_loadu_ps(q.as_ptr().add(h * HD + 8 * ch));
+                _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
+            })
         });
         // K and V rows of one session are scattered over its blocks (and a step's sessions do
         // not fit in cache together): ask for the rows a few positions ahead.
@@ -225,9 +229,11 @@ pub fn softmax_scale(s: &mut [f32]) -> f32 {
 mod tests {
     use super::*;
 
-    /// The generic path's attention of `g` heads: dot, softmax, rounded weights, axpy.
+    /// The generic path's attention of `g` heads: Q rounded to f16, dot, softmax, rounded
+    /// weights, axpy.
     fn generic(q: &[f32], ks: &[Vec<f16>], vs: &[Vec<f16>], scale: f32, g: usize) -> Vec<f32> {
         let (hd, n_pos) = (FUSED_HEAD_DIM, ks.len());
+        let q: Vec<f32> = q.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
         let mut scores = vec![0f32; g * n_pos];
         for t in 0..n_pos {
             for h in 0..g {
@@ -260,9 +266,7 @@ mod tests {
         let hd = FUSED_HEAD_DIM;
         for g in 1..=4 {
             for n_pos in [1, 7, 8, 17, 100] {
-                let q: Vec<f32> = (0..g * hd)
-                    .map(|_| f16::from_f32(next()).to_f32())
-                    .collect();
+                let q: Vec<f32> = (0..g * hd).map(|_| next()).collect();
                 let row = |next: &mut dyn FnMut() -> f32| -> Vec<f16> {
                     (0..hd).map(|_| f16::from_f32(next())).collect()
                 };

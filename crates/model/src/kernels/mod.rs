@@ -217,7 +217,8 @@ impl Kernels {
 impl Kernels {
     /// One attention task in one call where a fused kernel exists for this isa and shape (head
     /// width [`attn::FUSED_HEAD_DIM`], up to 4 query heads per KV head): `q` holds the query
-    /// heads' rows (rounded to f16 values), `k(t)` / `v(t)` the KV head's rows at position `t`.
+    /// heads' rows (the kernel rounds them to f16 values, as the generic path does),
+    /// `k(t)` / `v(t)` the KV head's rows at position `t`.
     /// Bitwise the generic path's result; returns false (nothing done) where there is no such
     /// kernel.
     #[allow(clippy::too_many_arguments)]
@@ -313,22 +314,19 @@ impl Kernels {
                         // and activation rows were sized by `layout` (asserted inside).
                         unsafe {
                             if left >= 8 {
-                                let v =
-                                    run::<K, 8>(layout, panel, std::array::from_fn(|i| a[j + i]));
-                                out[j..j + 8].copy_from_slice(&v);
+                                let rows = std::array::from_fn(|i| a[j + i]);
+                                run::<K, 8>(layout, panel, rows, &mut out[j..]);
                                 j += 8;
                             } else if left >= 4 {
-                                let v =
-                                    run::<K, 4>(layout, panel, std::array::from_fn(|i| a[j + i]));
-                                out[j..j + 4].copy_from_slice(&v);
+                                let rows = std::array::from_fn(|i| a[j + i]);
+                                run::<K, 4>(layout, panel, rows, &mut out[j..]);
                                 j += 4;
                             } else if left >= 2 {
-                                let v =
-                                    run::<K, 2>(layout, panel, std::array::from_fn(|i| a[j + i]));
-                                out[j..j + 2].copy_from_slice(&v);
+                                let rows = std::array::from_fn(|i| a[j + i]);
+                                run::<K, 2>(layout, panel, rows, &mut out[j..]);
                                 j += 2;
                             } else {
-                                out[j] = run::<K, 1>(layout, panel, [a[j]])[0];
+                                run::<K, 1>(layout, panel, [a[j]], &mut out[j..]);
                                 j += 1;
                             }
                         }

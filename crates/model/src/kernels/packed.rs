@@ -393,7 +393,8 @@ pub mod vnni {
         }
     }
 
-    /// `out[j][r]` = lane `r` of `w` . `a[j]`, bitwise equal to [`super::panel_reference`].
+    /// `out[j][r]` = lane `r` of `w` . `a[j]` for `j < RA`, bitwise equal to
+    /// [`super::panel_reference`].
     ///
     /// # Safety
     /// The CPU must have AVX-512 F/VL/VNNI, AVX2, FMA and F16C; `KIND` must be [`kind_id`] of
@@ -403,8 +404,10 @@ pub mod vnni {
         layout: &Layout,
         w: &[u8],
         a: [&[u8]; RA],
-    ) -> [[f32; PANEL]; RA] {
+        out: &mut [[f32; PANEL]],
+    ) {
         debug_assert_eq!(kind_id(layout.kind), KIND);
+        assert!(out.len() >= RA);
         assert!(w.len() >= layout.panel_bytes());
         assert!(a.iter().all(|a| a.len() >= layout.a_row_bytes()));
         let (bb, qb) = (layout.block_bytes(), layout.kind.quant_bytes());
@@ -474,12 +477,10 @@ pub mod vnni {
                 }
             }
         }
-        let mut out = [[0f32; PANEL]; RA];
         for j in 0..RA {
             // SAFETY: `out[j]` holds 16 floats.
             unsafe { _mm512_storeu_ps(out[j].as_mut_ptr(), _mm512_add_ps(acc[j], mins[j])) };
         }
-        out
     }
 }
 
@@ -615,10 +616,10 @@ mod tests {
                     const K: u8 = $k;
                     // SAFETY: support checked above; rows sized by the layout.
                     unsafe {
-                        (
-                            vnni::panel::<K, 8>(&layout, &panel, a8).to_vec(),
-                            vnni::panel::<K, 1>(&layout, &panel, [a8[5]])[0],
-                        )
+                        let (mut eight, mut one) = ([[0f32; PANEL]; 8], [[0f32; PANEL]; 1]);
+                        vnni::panel::<K, 8>(&layout, &panel, a8, &mut eight);
+                        vnni::panel::<K, 1>(&layout, &panel, [a8[5]], &mut one);
+                        (eight, one[0])
                     }
                 }};
             }
