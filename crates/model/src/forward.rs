@@ -199,7 +199,12 @@ impl Model {
         out: &mut Vec<f32>,
     ) -> Result<(), Error> {
         let result = self.forward_pass(batch, caches, out);
-        self.pool.rest();
+        // A range that is only part of the model hands its output to the next shard, which may
+        // share this host's cores: the pool sleeps now instead of spinning through that pass.
+        // The whole model in one process keeps its workers spinning into the next step.
+        if !(self.is_first() && self.is_last()) {
+            self.pool.rest();
+        }
         result
     }
 

@@ -109,8 +109,8 @@ impl ThreadPool {
     }
 
     /// Tells idle workers to sleep now rather than spin for the next job: called when a burst
-    /// of jobs (a forward pass) ends, so the pool leaves the cores to whatever runs next (on a
-    /// route, the next shard's pass on the same host).
+    /// of jobs (a partial range's forward pass) ends, so the pool leaves the cores to whatever
+    /// runs next (on a route, the next shard's pass on the same host).
     pub fn rest(&self) {
         self.shared.resting.store(true, Ordering::Relaxed);
     }
