@@ -6,7 +6,7 @@ use half::slice::HalfFloatSliceExt;
 use std::sync::Mutex;
 
 use crate::config::LlamaConfig;
-use crate::kernels::{attn, Isa, Kernels};
+use crate::kernels::{exp, Isa, Kernels};
 use crate::kv::{KvCache, KvPool};
 use crate::matmul::{matmul, ActScratch, Product};
 use crate::pool::{SharedMut, ThreadPool};
@@ -341,9 +341,7 @@ impl Model {
                 self.par_rows(n, &|i| {
                     // SAFETY: each row's slice belongs to this task alone.
                     let gi = unsafe { g.slice(i * f, f) };
-                    gi.iter_mut()
-                        .zip(&u[i * f..(i + 1) * f])
-                        .for_each(|(a, b)| *a = *a / (1.0 + (-*a).exp()) * b);
+                    self.kernels.silu_mul(gi, &u[i * f..(i + 1) * f]);
                 });
             }
             matmul(
@@ -567,7 +565,7 @@ impl Model {
                     }
                 }
                 for (h, s) in scores.chunks_exact_mut(n_pos).enumerate() {
-                    inv[h] = attn::softmax_scale(s);
+                    inv[h] = exp::softmax_numerators(s);
                 }
                 o.fill(0.0);
                 for t in 0..n_pos {

@@ -177,7 +177,8 @@ pub mod fused {
         }
         for h in 0..G {
             let s = &mut scores[h * n_pos..(h + 1) * n_pos];
-            let inv = super::softmax_scale(s);
+            // SAFETY: this function's features include the softmax's.
+            let inv = unsafe { crate::kernels::exp::avx512::softmax_numerators(s) };
             // p = f16(score * inv), as the generic path rounds it before the weighted sum.
             let mut chunks = s.chunks_exact_mut(8);
             for c in &mut chunks {
@@ -214,17 +215,6 @@ pub mod fused {
     }
 }
 
-/// Softmax numerators in place (`exp(s - max)`) and the reciprocal of their sum (summed in f64).
-pub fn softmax_scale(s: &mut [f32]) -> f32 {
-    let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0f64;
-    for v in s.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v as f64;
-    }
-    (1.0 / sum) as f32
-}
-
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
@@ -241,7 +231,10 @@ mod tests {
             }
         }
         let mut out = vec![0f32; g * hd];
-        let inv: Vec<f32> = scores.chunks_exact_mut(n_pos).map(softmax_scale).collect();
+        let inv: Vec<f32> = scores
+            .chunks_exact_mut(n_pos)
+            .map(crate::kernels::exp::softmax_numerators)
+            .collect();
         for t in 0..n_pos {
             for h in 0..g {
                 let p = f16::from_f32(scores[h * n_pos + t] * inv[h]).to_f32();

@@ -6,6 +6,7 @@
 
 pub mod act;
 pub mod attn;
+pub mod exp;
 pub mod packed;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
@@ -251,6 +252,19 @@ impl Kernels {
         }
         let _ = (head_dim, q, n_pos, scale, k, v, scores, out);
         false
+    }
+}
+
+impl Kernels {
+    /// `g[i] = silu(g[i]) * u[i]`, bitwise [`exp::silu_mul`].
+    pub fn silu_mul(&self, g: &mut [f32], u: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.isa == Isa::Avx512Vnni {
+            // SAFETY: the isa (AVX-512 F/VL with AVX2 and FMA) was checked when these kernels
+            // were made.
+            return unsafe { exp::avx512::silu_mul(g, u) };
+        }
+        exp::silu_mul(g, u)
     }
 }
 
