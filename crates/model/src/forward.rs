@@ -182,6 +182,7 @@ impl Model {
     pub fn forward(&self, batch: Batch<'_>, caches: &mut [&mut KvCache]) -> Result<Output, Error> {
         let mut out = Vec::new();
         self.forward_into(batch, caches, &mut out)?;
+        // A fresh buffer grows to exactly this step's size.
         Ok(if self.is_last() {
             Output::Logits(out)
         } else {
@@ -189,9 +190,10 @@ impl Model {
         })
     }
 
-    /// [`Model::forward`] writing into `out` (hidden states, or logits on the last range):
-    /// with `out` and the model's own buffers warm, a step allocates nothing (buffers only
-    /// grow when a step is larger than any before it).
+    /// [`Model::forward`] writing into `out`: the hidden states (exactly), or on the last range
+    /// the logits of the rows that want them in `out[..n_out * n_vocab]` (`out` only grows, so it
+    /// may be longer). With `out` and the model's own buffers warm, a step allocates nothing
+    /// (buffers only grow when a step is larger than any before it).
     pub fn forward_into(
         &self,
         batch: Batch<'_>,
@@ -224,6 +226,14 @@ impl Model {
         let kv = c.kv_dim();
         // Every buffer is written in full before it is read, so old contents need no zeroing.
         let fit = |v: &mut Vec<f32>, len: usize| v.resize(len, 0.0);
+        // Buffers sized by the step only grow, and a step uses a prefix: a decode step after a
+        // prefill step must not shrink them, or the next prefill zeroes megabytes again.
+        fn grow(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+            if v.len() < len {
+                v.resize(len, 0.0);
+            }
+            &mut v[..len]
+        }
         match batch.hidden {
             Some(h) => {
                 ws.x.clear();
@@ -270,14 +280,14 @@ impl Model {
             acts,
             ..
         } = ws;
-        fit(h, n * d);
-        fit(q, n * d);
-        fit(k, n * kv);
-        fit(v, n * kv);
-        fit(attn, n * d);
-        fit(o, n * d);
-        fit(g, n * c.n_ff);
-        fit(u, n * c.n_ff);
+        let (h, q, k, v) = (
+            grow(h, n * d),
+            grow(q, n * d),
+            grow(k, n * kv),
+            grow(v, n * kv),
+        );
+        let (attn, o) = (grow(attn, n * d), grow(o, n * d));
+        let (g, u) = (grow(g, n * c.n_ff), grow(u, n * c.n_ff));
         for (li, lw) in self.weights.layers.iter().enumerate() {
             // The previous layer's FFN output joins the residual stream here.
             let residual = (li > 0).then_some(&o[..]);
@@ -374,24 +384,27 @@ impl Model {
                 ws.sel.extend_from_slice(&ws.x[i * d..(i + 1) * d]);
             }
         }
-        fit(&mut ws.h, n_out * d);
+        let normed = grow(&mut ws.h, n_out * d);
         let norm = self
             .weights
             .output_norm
             .as_ref()
             .expect("last range has the output norm");
-        rms_norm(&ws.sel, norm, c.rms_eps, &mut ws.h);
+        rms_norm(&ws.sel, norm, c.rms_eps, normed);
         let head = self
             .weights
             .output
             .as_ref()
             .expect("last range has the output head");
-        fit(out, n_out * c.n_vocab);
+        let logits = grow(out, n_out * c.n_vocab);
         matmul(
             &self.kernels,
             &self.pool,
-            &ws.h,
-            &mut [Product { w: head, out }],
+            normed,
+            &mut [Product {
+                w: head,
+                out: logits,
+            }],
             &mut ws.acts,
         );
         Ok(())
@@ -535,8 +548,12 @@ impl Model {
             let n_pos = row.pos + 1;
             SCRATCH.with(|scratch| {
                 let mut scratch = scratch.borrow_mut();
-                scratch.resize(per_task * (hd + n_pos + 1), 0.0);
-                let (qs, rest) = scratch.split_at_mut(per_task * hd);
+                // Grow only: rows of different lengths alternate, and regrowing zeroes.
+                let need = per_task * (hd + n_pos + 1);
+                if scratch.len() < need {
+                    scratch.resize(need, 0.0);
+                }
+                let (qs, rest) = scratch[..need].split_at_mut(per_task * hd);
                 let (scores, inv) = rest.split_at_mut(per_task * n_pos);
                 let q_row = &q[i * c.n_embd + first * hd..][..per_task * hd];
                 // SAFETY: each task writes its own heads' head_dim slices of `out`.
