@@ -89,6 +89,9 @@ struct Workspace {
     ends: Vec<usize>,
     acts: ActScratch,
     rope: RopeTable,
+    /// Attention scratch (rounded query, scores) per pool thread, sized by the caller before
+    /// each attention job so that no worker allocates.
+    attn_scratch: Vec<Vec<f32>>,
 }
 
 impl Model {
@@ -321,7 +324,7 @@ impl Model {
                         .convert_from_f32_slice(&src[i * kv..(i + 1) * kv]);
                 }
             }
-            self.attention(li, rows, caches, q, attn);
+            self.attention(li, rows, caches, q, attn, &mut ws.attn_scratch);
             matmul(
                 &self.kernels,
                 &self.pool,
@@ -525,6 +528,7 @@ impl Model {
         caches: &[&mut KvCache],
         q: &[f32],
         out: &mut [f32],
+        scratch: &mut Vec<Vec<f32>>,
     ) {
         let c = &self.config;
         let hd = c.head_dim;
@@ -540,19 +544,29 @@ impl Model {
             1
         };
         let tasks_per_row = c.n_head / per_task;
-        self.pool.run(rows.len() * tasks_per_row, &|task| {
-            let (i, first) = (task / tasks_per_row, (task % tasks_per_row) * per_task);
-            let row = rows[i];
-            let cache: &KvCache = caches[row.seq];
-            let kvh = first / group;
-            let n_pos = row.pos + 1;
-            SCRATCH.with(|scratch| {
-                let mut scratch = scratch.borrow_mut();
-                // Grow only: rows of different lengths alternate, and regrowing zeroes.
+        // Every thread's scratch fits the longest row, grown here (by the caller, only ever
+        // grown, and at once to the longest context in the batch, so a growing context does not
+        // reallocate step after step).
+        let longest = rows.iter().map(|r| r.pos + 1).max().unwrap_or(0);
+        let need_max = per_task * (hd + longest + 1);
+        scratch.resize_with(self.pool.n_threads(), Vec::new);
+        for s in scratch.iter_mut() {
+            if s.len() < need_max {
+                let n_ctx = caches.iter().map(|c| c.n_ctx()).max().unwrap_or(0);
+                s.resize(per_task * (hd + n_ctx.max(longest) + 1), 0.0);
+            }
+        }
+        let scratch = SharedMut::new(scratch);
+        self.pool
+            .run_on(rows.len() * tasks_per_row, &|task, thread| {
+                let (i, first) = (task / tasks_per_row, (task % tasks_per_row) * per_task);
+                let row = rows[i];
+                let cache: &KvCache = caches[row.seq];
+                let kvh = first / group;
+                let n_pos = row.pos + 1;
+                // SAFETY: a thread runs one task at a time; only it uses its entry.
+                let scratch = unsafe { &mut scratch.slice(thread, 1)[0] };
                 let need = per_task * (hd + n_pos + 1);
-                if scratch.len() < need {
-                    scratch.resize(need, 0.0);
-                }
                 let (qs, rest) = scratch[..need].split_at_mut(per_task * hd);
                 let (scores, inv) = rest.split_at_mut(per_task * n_pos);
                 let q_row = &q[i * c.n_embd + first * hd..][..per_task * hd];
@@ -593,13 +607,7 @@ impl Model {
                     }
                 }
             });
-        });
     }
-}
-
-thread_local! {
-    /// Per-thread attention scratch (query, one decoded K or V row, scores), reused across steps.
-    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// RMS norm of each row, times `weight` (as llama.cpp: sum of squares in f64).

@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 /// How long an idle worker spins before it sleeps.
 const SPIN: Duration = Duration::from_micros(200);
 
-type Task = dyn Fn(usize) + Sync;
+/// A task: `(task index, thread index)`; the caller is thread 0, workers 1.. .
+type Task = dyn Fn(usize, usize) + Sync;
 
 #[derive(Clone, Copy)]
 struct JobRef {
@@ -93,7 +94,7 @@ impl ThreadPool {
                 let shared = Arc::clone(&shared);
                 std::thread::Builder::new()
                     .name(format!("strata-kernel-{i}"))
-                    .spawn(move || worker(&shared))
+                    .spawn(move || worker(&shared, i))
                     .expect("spawn kernel thread")
             })
             .collect();
@@ -117,8 +118,15 @@ impl ThreadPool {
 
     /// Runs `task(i)` for every `i < n_tasks` across the pool and returns when all are done.
     pub fn run(&self, n_tasks: usize, task: &(dyn Fn(usize) + Sync)) {
+        self.run_on(n_tasks, &|i, _| task(i));
+    }
+
+    /// [`ThreadPool::run`], also telling each task which thread runs it (`0` is the caller,
+    /// workers are `1..n_threads`): a thread runs one task at a time, so per-thread buffers
+    /// indexed by it are never shared.
+    pub fn run_on(&self, n_tasks: usize, task: &(dyn Fn(usize, usize) + Sync)) {
         if self.workers.is_empty() || n_tasks <= 1 {
-            (0..n_tasks).for_each(task);
+            (0..n_tasks).for_each(|i| task(i, 0));
             return;
         }
         let _gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
@@ -127,8 +135,8 @@ impl ThreadPool {
         // (no worker can enter it) and every worker that entered has left before we return.
         let task_static: *const Task = unsafe {
             std::mem::transmute::<
-                *const (dyn Fn(usize) + Sync + '_),
-                *const (dyn Fn(usize) + Sync + 'static),
+                *const (dyn Fn(usize, usize) + Sync + '_),
+                *const (dyn Fn(usize, usize) + Sync + 'static),
             >(task)
         };
         s.resting.store(false, Ordering::Relaxed);
@@ -143,7 +151,7 @@ impl ThreadPool {
             s.generation.fetch_add(1, Ordering::Release);
         }
         s.wake.notify_all();
-        let mine = drain(s, task, n_tasks);
+        let mine = drain(s, task, n_tasks, 0);
         wait_until(|| s.n_done.load(Ordering::Acquire) == n_tasks);
         *s.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
         // Workers still inside found no task left; they are on their way out.
@@ -162,8 +170,9 @@ impl ThreadPool {
 /// (every task counts as done, panicked or not, so the job always ends).
 fn drain(
     s: &Shared,
-    task: &(dyn Fn(usize) + Sync + '_),
+    task: &(dyn Fn(usize, usize) + Sync + '_),
     n_tasks: usize,
+    thread: usize,
 ) -> Option<Box<dyn Any + Send>> {
     let mut first = None;
     loop {
@@ -171,7 +180,7 @@ fn drain(
         if i >= n_tasks {
             return first;
         }
-        if let Err(p) = catch_unwind(AssertUnwindSafe(|| task(i))) {
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| task(i, thread))) {
             s.panicked.store(true, Ordering::Relaxed);
             first.get_or_insert(p);
         }
@@ -179,7 +188,7 @@ fn drain(
     }
 }
 
-fn worker(s: &Shared) {
+fn worker(s: &Shared, thread: usize) {
     let mut seen = 0u64;
     loop {
         // Spin briefly for the next job, then sleep.
@@ -214,7 +223,7 @@ fn worker(s: &Shared) {
         if let Some(job) = job {
             // SAFETY: see `ThreadPool::run`: the closure outlives this use.
             let task = unsafe { &*job.task };
-            drop(drain(s, task, job.n_tasks));
+            drop(drain(s, task, job.n_tasks, thread));
             s.n_active.fetch_sub(1, Ordering::Release);
         }
     }

@@ -191,8 +191,7 @@ fn concurrent_sessions_match_alone_and_cancellation_frees_kv_everywhere() {
     let long_alone = one_process(&prompts[0], 300);
     assert_eq!(long_alone.len(), 300);
     // A streaming session that disconnects while two others run.
-    let long =
-        json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": true});
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": true, "ignore_eos": true});
     let mut stream = SseStream::open(&addr, "/v1/completions", &long).unwrap();
     assert_eq!(stream.status, 200);
     // The other two must still be running when the stream is dropped: 300 tokens of a prompt

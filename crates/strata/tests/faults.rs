@@ -40,7 +40,7 @@ fn greedy(addr: &str, prompt: &str, n: usize) -> (u16, Value) {
 /// Streams a long generation, reads a few tokens, runs `fault`, and returns the final SSE data
 /// and the time from the fault to the end of the stream.
 fn stream_through_fault(addr: &str, fault: impl FnOnce()) -> (Value, Duration) {
-    let mut s = SseStream::open(addr, "/v1/completions", &json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": true})).unwrap();
+    let mut s = SseStream::open(addr, "/v1/completions", &json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": true, "ignore_eos": true})).unwrap();
     assert_eq!(s.status, 200);
     for _ in 0..3 {
         s.next_data().expect("tokens before the fault");
@@ -95,7 +95,8 @@ fn killing_or_freezing_a_shard_fails_sessions_in_bounded_time_and_the_route_reco
             let r = post_json(
                 &addr,
                 "/v1/completions",
-                &json!({"prompt": "Water boils at", "max_tokens": 1000, "temperature": 0}),
+                // Still running at the kill: no early end of sequence.
+                &json!({"prompt": "Water boils at", "max_tokens": 1000, "temperature": 0, "ignore_eos": true}),
             );
             (
                 r.status,
