@@ -19,7 +19,7 @@ use crate::pool::{SharedMut, ThreadPool};
 const TILE: usize = PANEL;
 /// Tasks per thread when the step has few activation rows (memory-bound: each task streams a
 /// long contiguous run of weight rows, which the hardware prefetcher follows best).
-const STREAM_TASKS_PER_THREAD: usize = 4;
+const STREAM_TASKS_PER_THREAD: usize = 8;
 const STREAM_MAX_TOKENS: usize = 16;
 /// Activation rows a task takes against all its weight rows before moving on.
 const ACT_CHUNK: usize = 32;
