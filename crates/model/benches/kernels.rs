@@ -98,13 +98,14 @@ fn product(c: &mut Criterion) {
 
 /// Quantizing one activation row for the packed product (GB/s of f32 input).
 fn quantize(c: &mut Criterion) {
+    let k = Kernels::detect();
     let layout = packed::Layout::new(packed::PackKind::Q4_1, 1536);
     let x = values(1536, 5);
     let mut out = vec![0u8; layout.a_row_bytes()];
     let mut g = c.benchmark_group("quantize_act_row");
     g.throughput(Throughput::Bytes((x.len() * 4) as u64));
     g.bench_function("1536 values", |b| {
-        b.iter(|| packed::quantize_act_row(&layout, black_box(&x), &mut out))
+        b.iter(|| k.quantize_packed_act(&layout, black_box(&x), &mut out))
     });
     g.finish();
 }
