@@ -113,8 +113,10 @@ impl ActKey {
 }
 
 impl QuantizedActs {
-    /// Quantizes `x` (rows of `w.n_cols`) for `w` into this buffer, reusing its capacity.
-    fn fill(&mut self, kernels: &Kernels, w: &QMatrix, x: &[f32]) {
+    /// Quantizes `x` (rows of `w.n_cols`) for `w` into this buffer, reusing it (it only grows:
+    /// every byte of a row is written, so nothing is zeroed); rows are spread over the pool
+    /// when there are several.
+    fn fill(&mut self, kernels: &Kernels, pool: &ThreadPool, w: &QMatrix, x: &[f32]) {
         let n_cols = w.n_cols;
         let key = ActKey::of(w);
         let row_bytes = match (&w.packed, key) {
@@ -125,17 +127,28 @@ impl QuantizedActs {
         let n_rows = x.len() / n_cols;
         self.key = key;
         self.row_bytes = row_bytes;
-        self.data.clear();
-        self.data.resize(n_rows * row_bytes, 0);
-        for (xr, out) in x
-            .chunks_exact(n_cols)
-            .zip(self.data.chunks_exact_mut(row_bytes))
-        {
+        let len = n_rows * row_bytes;
+        if self.data.len() < len {
+            self.data.resize(len, 0);
+        }
+        let data = SharedMut::new(&mut self.data[..len]);
+        let quantize = |t: usize| {
+            let xr = &x[t * n_cols..(t + 1) * n_cols];
+            // SAFETY: row `t` of the buffer belongs to this call alone.
+            let out = unsafe { data.slice(t * row_bytes, row_bytes) };
             match (&w.packed, key) {
                 (Some(l), _) => kernels.quantize_packed_act(l, xr, out),
                 (None, ActKey::Ggml(ty)) => act::quantize_row(ty, xr, out),
                 (None, ActKey::Packed(_)) => unreachable!("packed key only for packed matrices"),
             }
+        };
+        if n_rows < 4 {
+            (0..n_rows).for_each(quantize);
+        } else {
+            let per_task = n_rows.div_ceil(4 * pool.n_threads());
+            pool.run(n_rows.div_ceil(per_task), &|task| {
+                (task * per_task..((task + 1) * per_task).min(n_rows)).for_each(quantize)
+            });
         }
     }
 
@@ -197,7 +210,7 @@ pub fn matmul(
                         data: Vec::new(),
                     });
                 }
-                scratch.acts[n_acts].fill(kernels, p.w, x);
+                scratch.acts[n_acts].fill(kernels, pool, p.w, x);
                 n_acts += 1;
                 n_acts - 1
             }
