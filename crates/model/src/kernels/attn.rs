@@ -249,13 +249,8 @@ mod tests {
         if !crate::kernels::Isa::Avx512Vnni.is_supported() {
             return;
         }
-        let mut seed = 0x1234_5679_u32;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            (seed as f32 / u32::MAX as f32 - 0.5) * 6.0
-        };
+        let mut uniform = crate::kernels::tests::uniform(0x1234_5679);
+        let mut next = || uniform(6.0);
         let hd = FUSED_HEAD_DIM;
         for g in 1..=4 {
             for n_pos in [1, 7, 8, 17, 100] {
@@ -293,13 +288,8 @@ mod tests {
         if !(is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c")) {
             return;
         }
-        let mut seed = 0x9e37_79b9_u32;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            (seed as f32 / u32::MAX as f32 - 0.5) * 8.0
-        };
+        let mut uniform = crate::kernels::tests::uniform(0x9e37_79b9);
+        let mut next = || uniform(8.0);
         for n in [1, 7, 8, 15, 64, 67, 128] {
             let q: Vec<f32> = (0..n).map(|_| next()).collect();
             let k: Vec<f16> = (0..n).map(|_| f16::from_f32(next())).collect();

@@ -237,13 +237,7 @@ mod tests {
         if !crate::kernels::Isa::Avx512Vnni.is_supported() {
             return;
         }
-        let mut seed = 0x2468_ace1_u32;
-        let mut next = |scale: f32| {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            (seed as f32 / u32::MAX as f32 - 0.5) * scale
-        };
+        let mut next = crate::kernels::tests::uniform(0x2468_ace1);
         for scale in [1.0, 20.0, 300.0] {
             let g: Vec<f32> = (0..1037).map(|_| next(scale)).collect();
             let u: Vec<f32> = (0..1037).map(|_| next(2.0)).collect();

@@ -380,6 +380,17 @@ fn dot_dequant_quantized(
 mod tests {
     use super::*;
 
+    /// A deterministic xorshift source of values in [-scale/2, scale/2) (for the kernel tests).
+    pub(crate) fn uniform(seed: u32) -> impl FnMut(f32) -> f32 {
+        let mut s = seed;
+        move |scale| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s as f32 / u32::MAX as f32 - 0.5) * scale
+        }
+    }
+
     /// Deterministic test values in [-1, 1] (also used by `packed`'s tests).
     pub(super) fn data(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
