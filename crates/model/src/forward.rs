@@ -227,10 +227,9 @@ impl Model {
         let ws = &mut *guard;
         self.validate(batch, caches, &mut ws.ends)?;
         let kv = c.kv_dim();
-        // Every buffer is written in full before it is read, so old contents need no zeroing.
-        let fit = |v: &mut Vec<f32>, len: usize| v.resize(len, 0.0);
-        // Buffers sized by the step only grow, and a step uses a prefix: a decode step after a
-        // prefill step must not shrink them, or the next prefill zeroes megabytes again.
+        // Buffers sized by the step only grow, and a step uses a prefix (every buffer is written
+        // in full before it is read): a decode step after a prefill step must not shrink them,
+        // or the next prefill zeroes megabytes again.
         fn grow(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
             if v.len() < len {
                 v.resize(len, 0.0);
@@ -248,7 +247,7 @@ impl Model {
                     .embd
                     .as_ref()
                     .expect("validated: first range has the embedding");
-                fit(&mut ws.x, n * d);
+                ws.x.resize(n * d, 0.0);
                 for (row, out) in rows.iter().zip(ws.x.chunks_exact_mut(d)) {
                     embd.dequantize_row(row.token as usize, out);
                 }
@@ -308,7 +307,7 @@ impl Model {
             );
             {
                 let (rope, q, k) = (&ws.rope, SharedMut::new(q), SharedMut::new(k));
-                self.par_rows(n, &|i| {
+                self.pool.run_rows(n, &|i| {
                     // SAFETY: each row's slices belong to this task alone.
                     let (qi, ki) = unsafe { (q.slice(i * d, d), k.slice(i * kv, kv)) };
                     rope.apply_row(i, qi, c.head_dim);
@@ -351,7 +350,7 @@ impl Model {
             );
             {
                 let (g, u, f) = (SharedMut::new(g), &*u, c.n_ff);
-                self.par_rows(n, &|i| {
+                self.pool.run_rows(n, &|i| {
                     // SAFETY: each row's slice belongs to this task alone.
                     let gi = unsafe { g.slice(i * f, f) };
                     self.kernels.silu_mul(gi, &u[i * f..(i + 1) * f]);
@@ -413,21 +412,13 @@ impl Model {
         Ok(())
     }
 
-    /// `f(i)` for every row `i < n`, spread over the pool in runs of rows.
-    fn par_rows(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
-        let per_task = n.div_ceil(4 * self.pool.n_threads()).max(1);
-        self.pool.run(n.div_ceil(per_task), &|task| {
-            (task * per_task..((task + 1) * per_task).min(n)).for_each(f)
-        });
-    }
-
     /// `x += residual` (when given), then `h = rms_norm(x) * weight`, row by row in parallel.
     fn add_norm(&self, x: &mut [f32], residual: Option<&[f32]>, weight: &[f32], h: &mut [f32]) {
         let (d, eps) = (self.config.n_embd, self.config.rms_eps);
         let n = h.len() / d;
         assert_eq!(x.len(), n * d);
         let (xs, hs) = (SharedMut::new(x), SharedMut::new(h));
-        self.par_rows(n, &|i| {
+        self.pool.run_rows(n, &|i| {
             // SAFETY: each row's slices belong to this task alone.
             let (xi, hi) = unsafe { (xs.slice(i * d, d), hs.slice(i * d, d)) };
             if let Some(r) = residual {
@@ -548,11 +539,10 @@ impl Model {
         // grown, and at once to the longest context in the batch, so a growing context does not
         // reallocate step after step).
         let longest = rows.iter().map(|r| r.pos + 1).max().unwrap_or(0);
-        let need_max = per_task * (hd + longest + 1);
+        let n_ctx = caches.iter().map(|c| c.n_ctx()).max().unwrap_or(0);
         scratch.resize_with(self.pool.n_threads(), Vec::new);
         for s in scratch.iter_mut() {
-            if s.len() < need_max {
-                let n_ctx = caches.iter().map(|c| c.n_ctx()).max().unwrap_or(0);
+            if s.len() < per_task * (hd + longest + 1) {
                 s.resize(per_task * (hd + n_ctx.max(longest) + 1), 0.0);
             }
         }

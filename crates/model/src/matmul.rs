@@ -145,10 +145,7 @@ impl QuantizedActs {
         if n_rows < 4 {
             (0..n_rows).for_each(quantize);
         } else {
-            let per_task = n_rows.div_ceil(4 * pool.n_threads());
-            pool.run(n_rows.div_ceil(per_task), &|task| {
-                (task * per_task..((task + 1) * per_task).min(n_rows)).for_each(quantize)
-            });
+            pool.run_rows(n_rows, &quantize);
         }
     }
 

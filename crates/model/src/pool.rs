@@ -121,6 +121,15 @@ impl ThreadPool {
         self.run_on(n_tasks, &|i, _| task(i));
     }
 
+    /// `f(i)` for every `i < n`, spread over the pool in runs of consecutive indices (about
+    /// four runs per thread), for per-row work too small to be a task each.
+    pub fn run_rows(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+        let per_task = n.div_ceil(4 * self.n_threads()).max(1);
+        self.run(n.div_ceil(per_task), &|task| {
+            (task * per_task..((task + 1) * per_task).min(n)).for_each(f)
+        });
+    }
+
     /// [`ThreadPool::run`], also telling each task which thread runs it (`0` is the caller,
     /// workers are `1..n_threads`): a thread runs one task at a time, so per-thread buffers
     /// indexed by it are never shared.

@@ -268,20 +268,6 @@ impl Kernels {
     }
 }
 
-/// Hints the CPU to bring `bytes` into cache (a no-op where there is no such hint).
-#[inline]
-pub fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in bytes.chunks(64) {
-        // SAFETY: prefetching is a hint; the address is in bounds of a live slice anyway.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                line.as_ptr() as *const i8
-            )
-        };
-    }
-}
-
 /// Most activation rows one call of the panel kernel takes.
 pub const PANEL_ACTS: usize = 8;
 
