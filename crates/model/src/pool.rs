@@ -47,6 +47,8 @@ struct Shared {
     shutdown: AtomicBool,
     /// Set by [`ThreadPool::rest`]: idle workers sleep at once instead of spinning.
     resting: AtomicBool,
+    /// Workers that have started running (see [`ThreadPool::new`]).
+    n_started: AtomicUsize,
 }
 
 /// A pool of `n_threads - 1` workers plus the calling thread.
@@ -88,6 +90,7 @@ impl ThreadPool {
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             resting: AtomicBool::new(false),
+            n_started: AtomicUsize::new(0),
         });
         let workers = (1..n_threads.max(1))
             .map(|i| {
@@ -97,7 +100,11 @@ impl ThreadPool {
                     .spawn(move || worker(&shared, i))
                     .expect("spawn kernel thread")
             })
-            .collect();
+            .collect::<Vec<_>>();
+        // A new thread finishes starting (the runtime allocates its name, sets up its signal
+        // stack) only when first scheduled, and a worker that never won a task could do that
+        // during a later pass: a pool is ready once every worker is running.
+        wait_until(|| shared.n_started.load(Ordering::Acquire) == workers.len());
         ThreadPool {
             shared,
             workers,
@@ -198,6 +205,7 @@ fn drain(
 }
 
 fn worker(s: &Shared, thread: usize) {
+    s.n_started.fetch_add(1, Ordering::Release);
     let mut seen = 0u64;
     loop {
         // Spin briefly for the next job, then sleep.
