@@ -262,6 +262,8 @@ fn panel_rows(
 ) {
     assert_eq!(rows.start % PANEL, 0, "tasks start at a panel");
     let panels = rows.start / PANEL..rows.end.div_ceil(PANEL);
+    // The kernel writes every row it is given: one staging buffer per task, zeroed once.
+    let mut v = [[0f32; PANEL]; PANEL_ACTS];
     // Activation rows in chunks that stay in cache while every panel of the task passes over
     // them (a prompt's rows would not); a panel stays in L1/L2 across the chunk.
     for t0 in (0..n_tokens).step_by(ACT_CHUNK) {
@@ -274,7 +276,6 @@ fn panel_rows(
             while t < t1 {
                 let ra = (t1 - t).min(PANEL_ACTS);
                 let a: [&[u8]; PANEL_ACTS] = std::array::from_fn(|j| acts.row(t + j.min(ra - 1)));
-                let mut v = [[0f32; PANEL]; PANEL_ACTS];
                 kernels.packed_panel(layout, panel, &a[..ra], &mut v[..ra]);
                 for (j, vj) in v.iter().enumerate().take(ra) {
                     // SAFETY: rows [r0, r1) of this product belong to this task alone.
