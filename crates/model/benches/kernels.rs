@@ -149,5 +149,41 @@ fn attention(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, panel, product, quantize, attention);
+/// One attention task as a decode step runs it: 3 query heads sharing a 64-wide KV head over
+/// 128 positions (GFLOP/s: 2 per multiply-add of Q.K and of the weighted sum of V).
+fn fused_attention(c: &mut Criterion) {
+    let k = Kernels::detect();
+    let (g, n_pos, hd) = (3, 128, attn::FUSED_HEAD_DIM);
+    let q = values(g * hd, 9);
+    let row = |seed| -> Vec<f16> { values(hd, seed).into_iter().map(f16::from_f32).collect() };
+    let ks: Vec<Vec<f16>> = (0..n_pos).map(|t| row(100 + t as u32)).collect();
+    let vs: Vec<Vec<f16>> = (0..n_pos).map(|t| row(1000 + t as u32)).collect();
+    let (mut scores, mut out) = (vec![0f32; g * n_pos], vec![0f32; g * hd]);
+    let mut grp = c.benchmark_group("fused_attention");
+    grp.throughput(Throughput::Elements((g * n_pos * hd * 4) as u64));
+    grp.bench_function("3 heads x 128 positions", |b| {
+        b.iter(|| {
+            black_box(k.fused_attention(
+                hd,
+                black_box(&q),
+                n_pos,
+                0.125,
+                |t| &ks[t][..],
+                |t| &vs[t][..],
+                &mut scores,
+                &mut out,
+            ))
+        })
+    });
+    grp.finish();
+}
+
+criterion_group!(
+    benches,
+    panel,
+    product,
+    quantize,
+    attention,
+    fused_attention
+);
 criterion_main!(benches);

@@ -130,6 +130,26 @@ pub mod fused {
         }
     }
 
+    /// The sums of eight vectors of eight partial sums (one vector per position), each as
+    /// [`super::dot_f16`] reduces it: `((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7))`.
+    /// Lane `p` of the result is vector `p`'s sum.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+    fn reduce8(a: [__m256; 8]) -> __m256 {
+        // b[p] = [a[p] lanes 0-3 + 4-7 | a[p + 4] lanes 0-3 + 4-7], for p < 4.
+        let b: [__m256; 4] = std::array::from_fn(|p| {
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(a[p], a[p + 4]),
+                _mm256_permute2f128_ps::<0x31>(a[p], a[p + 4]),
+            )
+        });
+        // Pairwise sums within each 128-bit half (positions 0, 1 | 4, 5 and 2, 3 | 6, 7),
+        // then the final sums, in position order.
+        let c = _mm256_hadd_ps(b[0], b[1]);
+        let d = _mm256_hadd_ps(b[2], b[3]);
+        _mm256_hadd_ps(c, d)
+    }
+
     /// `q` holds the `G` query rows (rounded to f16 values here); `k(t)` and `v(t)` are this
     /// KV head's rows at position `t`; `scores` is scratch of `G * n_pos`; `out` receives the
     /// `G` attention outputs.
@@ -158,10 +178,37 @@ pub mod fused {
         // K and V rows of one session are scattered over its blocks (and a step's sessions do
         // not fit in cache together): ask for the rows a few positions ahead.
         const AHEAD: usize = 4;
-        for t in 0..n_pos {
-            if t + AHEAD < n_pos {
-                prefetch_row(k(t + AHEAD));
+        // Eight positions at a time: their K rows decoded once into `kf`, each head's eight
+        // partial-sum vectors then reduced together (`reduce8`), by the very additions the
+        // one-position reduction below makes.
+        let full = n_pos - n_pos % 8;
+        let mut kf = [[_mm256_setzero_ps(); CH]; 8];
+        for t0 in (0..full).step_by(8) {
+            for (p, kp) in kf.iter_mut().enumerate() {
+                if t0 + p + 2 * AHEAD < n_pos {
+                    prefetch_row(k(t0 + p + 2 * AHEAD));
+                }
+                *kp = unsafe { load_row(k(t0 + p)) };
             }
+            for h in 0..G {
+                let acc: [__m256; 8] = std::array::from_fn(|p| {
+                    let mut acc = _mm256_setzero_ps();
+                    for ch in 0..CH {
+                        acc = _mm256_add_ps(acc, _mm256_mul_ps(qv[h][ch], kf[p][ch]));
+                    }
+                    acc
+                });
+                let sums = _mm256_add_ps(reduce8(acc), _mm256_setzero_ps());
+                // SAFETY: `h * n_pos + t0 + 8 <= G * n_pos`, asserted above.
+                unsafe {
+                    _mm256_storeu_ps(
+                        scores.as_mut_ptr().add(h * n_pos + t0),
+                        _mm256_mul_ps(sums, _mm256_set1_ps(scale)),
+                    )
+                };
+            }
+        }
+        for t in full..n_pos {
             let kr = unsafe { load_row(k(t)) };
             for h in 0..G {
                 let mut acc = _mm256_setzero_ps();
@@ -175,10 +222,11 @@ pub mod fused {
                 scores[h * n_pos + t] = sum * scale;
             }
         }
-        for h in 0..G {
+        // SAFETY: this function's features include the softmax's.
+        let invs =
+            unsafe { crate::kernels::exp::avx512::softmax_numerators_rows::<G>(scores, n_pos) };
+        for (h, inv) in invs.into_iter().enumerate() {
             let s = &mut scores[h * n_pos..(h + 1) * n_pos];
-            // SAFETY: this function's features include the softmax's.
-            let inv = unsafe { crate::kernels::exp::avx512::softmax_numerators(s) };
             // p = f16(score * inv), as the generic path rounds it before the weighted sum.
             let mut chunks = s.chunks_exact_mut(8);
             for c in &mut chunks {
@@ -253,7 +301,7 @@ mod tests {
         let mut next = || uniform(6.0);
         let hd = FUSED_HEAD_DIM;
         for g in 1..=4 {
-            for n_pos in [1, 7, 8, 17, 100] {
+            for n_pos in [1, 7, 8, 16, 17, 100, 128] {
                 let q: Vec<f32> = (0..g * hd).map(|_| next()).collect();
                 let row = |next: &mut dyn FnMut() -> f32| -> Vec<f16> {
                     (0..hd).map(|_| f16::from_f32(next())).collect()

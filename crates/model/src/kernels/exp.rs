@@ -158,36 +158,53 @@ pub mod avx512 {
         super::silu_mul(&mut g[n8..], &u[n8..]);
     }
 
-    /// [`super::softmax_numerators`], bitwise.
+    /// [`super::softmax_numerators`] of `G` rows of `n` values (`s[h * n..][..n]`), bitwise:
+    /// each row's maximum (the same value whatever order finds it) and numerators as above,
+    /// then the `G` in-order f64 sums advanced together, so `G` dependency chains overlap
+    /// instead of running one after another.
     ///
     /// # Safety
     /// The CPU must have AVX2, FMA and AVX-512 F/VL.
     #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
-    pub unsafe fn softmax_numerators(s: &mut [f32]) -> f32 {
-        let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let mut sum = 0f64;
-        let mut chunks = s.chunks_exact_mut(8);
-        for ch in &mut chunks {
+    pub unsafe fn softmax_numerators_rows<const G: usize>(s: &mut [f32], n: usize) -> [f32; G] {
+        assert!(s.len() >= G * n);
+        for row in s[..G * n].chunks_exact_mut(n) {
+            let mut chunks = row.chunks_exact(8);
+            let mut m8 = _mm256_set1_ps(f32::NEG_INFINITY);
+            for ch in &mut chunks {
+                // SAFETY: eight floats. The running maximum is the second operand, so a NaN is
+                // skipped as `f32::max` skips it.
+                m8 = _mm256_max_ps(unsafe { _mm256_loadu_ps(ch.as_ptr()) }, m8);
+            }
+            let mut lanes = [0f32; 8];
             // SAFETY: eight floats.
-            let x = unsafe { _mm256_sub_ps(_mm256_loadu_ps(ch.as_ptr()), _mm256_set1_ps(max)) };
-            match exp8(x) {
-                // SAFETY: as above.
-                Some(e) => unsafe { _mm256_storeu_ps(ch.as_mut_ptr(), e) },
-                None => {
-                    for v in ch.iter_mut() {
-                        *v = super::exp(*v - max);
-                    }
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m8) };
+            let max = chunks
+                .remainder()
+                .iter()
+                .chain(&lanes)
+                .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let mut chunks = row.chunks_exact_mut(8);
+            for ch in &mut chunks {
+                // SAFETY: eight floats.
+                let x = unsafe { _mm256_sub_ps(_mm256_loadu_ps(ch.as_ptr()), _mm256_set1_ps(max)) };
+                match exp8(x) {
+                    // SAFETY: as above.
+                    Some(e) => unsafe { _mm256_storeu_ps(ch.as_mut_ptr(), e) },
+                    None => ch.iter_mut().for_each(|v| *v = super::exp(*v - max)),
                 }
             }
-            for v in ch.iter() {
-                sum += *v as f64;
+            for v in chunks.into_remainder() {
+                *v = super::exp(*v - max);
             }
         }
-        for v in chunks.into_remainder() {
-            *v = super::exp(*v - max);
-            sum += *v as f64;
+        let mut sums = [0f64; G];
+        for t in 0..n {
+            for (h, sum) in sums.iter_mut().enumerate() {
+                *sum += s[h * n + t] as f64;
+            }
         }
-        (1.0 / sum) as f32
+        sums.map(|sum| (1.0 / sum) as f32)
     }
 }
 
@@ -250,16 +267,24 @@ mod tests {
                 got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 "silu, scale {scale}"
             );
-            let (mut want, mut got) = (g.clone(), g);
-            let a = softmax_numerators(&mut want);
-            // SAFETY: as above.
-            let b = unsafe { avx512::softmax_numerators(&mut got) };
-            assert_eq!(a.to_bits(), b.to_bits(), "softmax sum, scale {scale}");
-            assert_eq!(
-                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                "softmax, scale {scale}"
-            );
+            // Three rows of each length, as one attention task's heads.
+            for n in [1, 7, 8, 37, 345] {
+                let mut want = g[..3 * n].to_vec();
+                let mut got = want.clone();
+                let a: Vec<f32> = want.chunks_exact_mut(n).map(softmax_numerators).collect();
+                // SAFETY: as above.
+                let b = unsafe { avx512::softmax_numerators_rows::<3>(&mut got, n) };
+                assert_eq!(
+                    a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    b.map(f32::to_bits).to_vec(),
+                    "softmax sums, scale {scale}, n {n}"
+                );
+                assert_eq!(
+                    want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "softmax, scale {scale}, n {n}"
+                );
+            }
         }
     }
 }
