@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use crate::config::LlamaConfig;
 use crate::kernels::{exp, Isa, Kernels};
 use crate::kv::{KvCache, KvPool};
-use crate::matmul::{matmul, ActScratch, Product};
+use crate::matmul::{matmul, matmul_prepared, ActScratch, Product, RowQuantizer};
 use crate::pool::{SharedMut, ThreadPool};
 use crate::weights::{LayerRange, Weights};
 use crate::Error;
@@ -293,11 +293,11 @@ impl Model {
         for (li, lw) in self.weights.layers.iter().enumerate() {
             // The previous layer's FFN output joins the residual stream here.
             let residual = (li > 0).then_some(&o[..]);
-            self.add_norm(x, residual, &lw.attn_norm, h);
-            matmul(
+            let rows_q = acts.prepare(&[&lw.wq, &lw.wk, &lw.wv], n);
+            self.add_norm(x, residual, &lw.attn_norm, h, &rows_q);
+            matmul_prepared(
                 &self.kernels,
                 &self.pool,
-                h,
                 &mut [
                     Product { w: &lw.wq, out: q },
                     Product { w: &lw.wk, out: k },
@@ -331,11 +331,11 @@ impl Model {
                 &mut [Product { w: &lw.wo, out: o }],
                 acts,
             );
-            self.add_norm(x, Some(o), &lw.ffn_norm, h);
-            matmul(
+            let rows_q = acts.prepare(&[&lw.w_gate, &lw.w_up], n);
+            self.add_norm(x, Some(o), &lw.ffn_norm, h, &rows_q);
+            matmul_prepared(
                 &self.kernels,
                 &self.pool,
-                h,
                 &mut [
                     Product {
                         w: &lw.w_gate,
@@ -349,17 +349,21 @@ impl Model {
                 acts,
             );
             {
-                let (g, u, f) = (SharedMut::new(g), &*u, c.n_ff);
+                // SiLU and the down projection's activation row, in one pass per row.
+                let rows_q = acts.prepare(&[&lw.w_down], n);
+                let (gs, u, f) = (SharedMut::new(g), &*u, c.n_ff);
                 self.pool.run_rows(n, &|i| {
-                    // SAFETY: each row's slice belongs to this task alone.
-                    let gi = unsafe { g.slice(i * f, f) };
-                    self.kernels.silu_mul(gi, &u[i * f..(i + 1) * f]);
+                    // SAFETY: each row's slice (and quantized row) belongs to this task alone.
+                    unsafe {
+                        let gi = gs.slice(i * f, f);
+                        self.kernels.silu_mul(gi, &u[i * f..(i + 1) * f]);
+                        rows_q.quantize(&self.kernels, i, gi);
+                    }
                 });
             }
-            matmul(
+            matmul_prepared(
                 &self.kernels,
                 &self.pool,
-                g,
                 &mut [Product {
                     w: &lw.w_down,
                     out: o,
@@ -412,8 +416,16 @@ impl Model {
         Ok(())
     }
 
-    /// `x += residual` (when given), then `h = rms_norm(x) * weight`, row by row in parallel.
-    fn add_norm(&self, x: &mut [f32], residual: Option<&[f32]>, weight: &[f32], h: &mut [f32]) {
+    /// `x += residual` (when given), then `h = rms_norm(x) * weight`, quantized for the next
+    /// product by `rows_q`: row by row in parallel, each row in one pass.
+    fn add_norm(
+        &self,
+        x: &mut [f32],
+        residual: Option<&[f32]>,
+        weight: &[f32],
+        h: &mut [f32],
+        rows_q: &RowQuantizer<'_>,
+    ) {
         let (d, eps) = (self.config.n_embd, self.config.rms_eps);
         let n = h.len() / d;
         assert_eq!(x.len(), n * d);
@@ -427,6 +439,8 @@ impl Model {
                     .for_each(|(a, b)| *a += b);
             }
             rms_norm(xi, weight, eps, hi);
+            // SAFETY: row `i` is this task's alone.
+            unsafe { rows_q.quantize(&self.kernels, i, hi) };
         });
     }
 

@@ -6,6 +6,7 @@
 //! rows, whatever the batch size, grouping or thread: that is what makes results bitwise batch
 //! invariant.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use gguf::GgmlType;
@@ -113,39 +114,19 @@ impl ActKey {
 }
 
 impl QuantizedActs {
-    /// Quantizes `x` (rows of `w.n_cols`) for `w` into this buffer, reusing it (it only grows:
-    /// every byte of a row is written, so nothing is zeroed); rows are spread over the pool
-    /// when there are several.
-    fn fill(&mut self, kernels: &Kernels, pool: &ThreadPool, w: &QMatrix, x: &[f32]) {
-        let n_cols = w.n_cols;
+    /// Sizes this buffer for `n_rows` rows encoded for `w` (it only grows: every byte of a row
+    /// is written before it is read, so nothing is zeroed).
+    fn size_for(&mut self, w: &QMatrix, n_rows: usize) {
         let key = ActKey::of(w);
-        let row_bytes = match (&w.packed, key) {
+        self.row_bytes = match (&w.packed, key) {
             (Some(l), _) => l.a_row_bytes(),
-            (None, ActKey::Ggml(ty)) => ty.row_bytes(n_cols),
+            (None, ActKey::Ggml(ty)) => ty.row_bytes(w.n_cols),
             (None, ActKey::Packed(_)) => unreachable!("packed key only for packed matrices"),
         };
-        let n_rows = x.len() / n_cols;
         self.key = key;
-        self.row_bytes = row_bytes;
-        let len = n_rows * row_bytes;
+        let len = n_rows * self.row_bytes;
         if self.data.len() < len {
             self.data.resize(len, 0);
-        }
-        let data = SharedMut::new(&mut self.data[..len]);
-        let quantize = |t: usize| {
-            let xr = &x[t * n_cols..(t + 1) * n_cols];
-            // SAFETY: row `t` of the buffer belongs to this call alone.
-            let out = unsafe { data.slice(t * row_bytes, row_bytes) };
-            match (&w.packed, key) {
-                (Some(l), _) => kernels.quantize_packed_act(l, xr, out),
-                (None, ActKey::Ggml(ty)) => act::quantize_row(ty, xr, out),
-                (None, ActKey::Packed(_)) => unreachable!("packed key only for packed matrices"),
-            }
-        };
-        if n_rows < 4 {
-            (0..n_rows).for_each(quantize);
-        } else {
-            pool.run_rows(n_rows, &quantize);
         }
     }
 
@@ -163,14 +144,102 @@ pub struct Product<'a> {
 /// Most products one [`matmul`] call computes together.
 pub const MAX_PRODUCTS: usize = 4;
 
-/// Quantized activation buffers reused across calls, so a warm forward pass does not allocate.
+/// Quantized activation buffers reused across calls, so a warm forward pass does not allocate:
+/// one per distinct activation encoding of the products at hand (Q, K and V usually share one).
 #[derive(Default)]
 pub struct ActScratch {
     acts: Vec<QuantizedActs>,
+    /// Encodings prepared for the next product, and the rows each holds.
+    n_acts: usize,
+    n_rows: usize,
+}
+
+impl ActScratch {
+    /// Makes room for `n_rows` activation rows in every encoding `weights` consume. The rows are
+    /// then written with [`RowQuantizer::quantize`] (each row once, from any thread), and
+    /// [`matmul_prepared`] multiplies them: a per-row job that produces an activation row can
+    /// quantize it at once instead of the product quantizing all rows in a pool job of its own.
+    pub fn prepare(&mut self, weights: &[&QMatrix], n_rows: usize) -> RowQuantizer<'_> {
+        assert!(
+            weights.len() <= MAX_PRODUCTS,
+            "at most {MAX_PRODUCTS} products per call"
+        );
+        let n_cols = weights.first().map_or(0, |w| w.n_cols);
+        let mut q = RowQuantizer {
+            n_cols,
+            encodings: [None; MAX_PRODUCTS],
+            _scratch: PhantomData,
+        };
+        self.n_acts = 0;
+        self.n_rows = n_rows;
+        for w in weights {
+            assert_eq!(
+                w.n_cols, n_cols,
+                "products in one call share their input width"
+            );
+            let key = ActKey::of(w);
+            if self.acts[..self.n_acts].iter().any(|a| a.key == key) {
+                continue;
+            }
+            if self.acts.len() == self.n_acts {
+                self.acts.push(QuantizedActs {
+                    key,
+                    row_bytes: 0,
+                    data: Vec::new(),
+                });
+            }
+            let a = &mut self.acts[self.n_acts];
+            a.size_for(w, n_rows);
+            let encoding = match &w.packed {
+                Some(l) => Encoding::Packed(*l),
+                None => Encoding::Ggml(act::act_type(w.ty)),
+            };
+            q.encodings[self.n_acts] = Some((
+                encoding,
+                a.row_bytes,
+                SharedMut::new(&mut a.data[..n_rows * a.row_bytes]),
+            ));
+            self.n_acts += 1;
+        }
+        q
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Encoding {
+    Packed(Layout),
+    Ggml(GgmlType),
+}
+
+/// Writes activation rows into the buffers [`ActScratch::prepare`] sized (borrowing the
+/// scratch, so they cannot move while it lives).
+pub struct RowQuantizer<'a> {
+    n_cols: usize,
+    encodings: [Option<(Encoding, usize, SharedMut<u8>)>; MAX_PRODUCTS],
+    _scratch: PhantomData<&'a mut ActScratch>,
+}
+
+impl RowQuantizer<'_> {
+    /// Quantizes activation row `t` (`x`, one row) into every prepared encoding.
+    ///
+    /// # Safety
+    /// `t` is below the prepared row count, and no other thread writes row `t` meanwhile.
+    pub unsafe fn quantize(&self, kernels: &Kernels, t: usize, x: &[f32]) {
+        assert_eq!(x.len(), self.n_cols, "one activation row");
+        for (encoding, row_bytes, data) in self.encodings.iter().flatten() {
+            // SAFETY: row `t` is this caller's alone (the contract above).
+            let out = unsafe { data.slice(t * row_bytes, *row_bytes) };
+            match encoding {
+                Encoding::Packed(l) => kernels.quantize_packed_act(l, x, out),
+                Encoding::Ggml(ty) => act::quantize_row(*ty, x, out),
+            }
+        }
+    }
 }
 
 /// Computes several products that share the activation rows `x` (`n_tokens * n_cols`) in one
-/// pool job, e.g. Q, K and V, or gate and up. Activations are quantized into `scratch`.
+/// pool job, e.g. Q, K and V, or gate and up. Activations are quantized into `scratch` first
+/// (spread over the pool when there are four rows or more).
 pub fn matmul(
     kernels: &Kernels,
     pool: &ThreadPool,
@@ -181,14 +250,41 @@ pub fn matmul(
     let Some(first) = products.first() else {
         return;
     };
+    let n_cols = first.w.n_cols;
+    let n_tokens = x.len() / n_cols;
+    let mut weights = [first.w; MAX_PRODUCTS];
+    for (w, p) in weights.iter_mut().zip(products.iter()) {
+        *w = p.w;
+    }
+    let q = scratch.prepare(&weights[..products.len()], n_tokens);
+    // SAFETY: every row is quantized once, by one task.
+    let quantize = |t: usize| unsafe { q.quantize(kernels, t, &x[t * n_cols..(t + 1) * n_cols]) };
+    if n_tokens < 4 {
+        (0..n_tokens).for_each(quantize);
+    } else {
+        pool.run_rows(n_tokens, &quantize);
+    }
+    matmul_prepared(kernels, pool, products, scratch);
+}
+
+/// [`matmul`] of the activation rows already written into `scratch` (see
+/// [`ActScratch::prepare`]; the products' weights must be the prepared ones).
+pub fn matmul_prepared(
+    kernels: &Kernels,
+    pool: &ThreadPool,
+    products: &mut [Product<'_>],
+    scratch: &ActScratch,
+) {
+    let Some(first) = products.first() else {
+        return;
+    };
     assert!(
         products.len() <= MAX_PRODUCTS,
         "at most {MAX_PRODUCTS} products per call"
     );
     let n_cols = first.w.n_cols;
-    let n_tokens = x.len() / n_cols;
-    // Quantize once per distinct activation encoding (Q, K and V usually share one).
-    let mut n_acts = 0;
+    let n_tokens = scratch.n_rows;
+    let prepared = &scratch.acts[..scratch.n_acts];
     let mut act_idx = [0usize; MAX_PRODUCTS];
     for (pi, p) in products.iter().enumerate() {
         assert_eq!(
@@ -197,21 +293,10 @@ pub fn matmul(
         );
         assert_eq!(p.out.len(), n_tokens * p.w.n_rows, "output size");
         let key = ActKey::of(p.w);
-        act_idx[pi] = match scratch.acts[..n_acts].iter().position(|a| a.key == key) {
-            Some(i) => i,
-            None => {
-                if scratch.acts.len() == n_acts {
-                    scratch.acts.push(QuantizedActs {
-                        key,
-                        row_bytes: 0,
-                        data: Vec::new(),
-                    });
-                }
-                scratch.acts[n_acts].fill(kernels, pool, p.w, x);
-                n_acts += 1;
-                n_acts - 1
-            }
-        };
+        act_idx[pi] = prepared
+            .iter()
+            .position(|a| a.key == key)
+            .expect("activations prepared for every product");
     }
     let acts = &scratch.acts;
     // Task t covers run t of the concatenated weight rows of all products. Which rows a task
