@@ -12,7 +12,7 @@ use std::sync::Arc;
 use gguf::GgmlType;
 
 use crate::kernels::packed::{self, Layout, PackKind, PANEL};
-use crate::kernels::{act, Kernels, PANEL_ACTS, ROWS};
+use crate::kernels::{act, Kernels, ROWS};
 use crate::pool::{SharedMut, ThreadPool};
 
 /// Weight rows per pool task when the step has many activation rows (compute-bound: small
@@ -334,8 +334,7 @@ pub fn matmul_prepared(
 }
 
 /// Weight rows `rows` (whole panels, but for the matrix's last) of a packed matrix against
-/// every activation row, [`PANEL_ACTS`] activation rows per kernel call; the kernel's elements
-/// do not depend on how the rows are grouped.
+/// every activation row; the kernel's elements do not depend on how the rows are grouped.
 fn panel_rows(
     kernels: &Kernels,
     layout: &Layout,
@@ -346,29 +345,18 @@ fn panel_rows(
     out: &SharedMut<f32>,
 ) {
     assert_eq!(rows.start % PANEL, 0, "tasks start at a panel");
-    let panels = rows.start / PANEL..rows.end.div_ceil(PANEL);
-    // The kernel writes every row it is given: one staging buffer per task, zeroed once.
-    let mut v = [[0f32; PANEL]; PANEL_ACTS];
+    let pb = layout.panel_bytes();
+    let panels = &w.data[rows.start / PANEL * pb..rows.end.div_ceil(PANEL) * pb];
     // Activation rows in chunks that stay in cache while every panel of the task passes over
-    // them (a prompt's rows would not); a panel stays in L1/L2 across the chunk.
+    // them (a prompt's rows would not).
     for t0 in (0..n_tokens).step_by(ACT_CHUNK) {
         let t1 = (t0 + ACT_CHUNK).min(n_tokens);
-        for p in panels.clone() {
-            let panel = w.panel(p);
-            let r0 = p * PANEL;
-            let valid = (w.n_rows - r0).min(PANEL);
-            let mut t = t0;
-            while t < t1 {
-                let ra = (t1 - t).min(PANEL_ACTS);
-                let a: [&[u8]; PANEL_ACTS] = std::array::from_fn(|j| acts.row(t + j.min(ra - 1)));
-                kernels.packed_panel(layout, panel, &a[..ra], &mut v[..ra]);
-                for (j, vj) in v.iter().enumerate().take(ra) {
-                    // SAFETY: rows [r0, r1) of this product belong to this task alone.
-                    unsafe { out.slice((t + j) * w.n_rows + r0, valid) }
-                        .copy_from_slice(&vj[..valid]);
-                }
-                t += ra;
-            }
+        let a: [&[u8]; ACT_CHUNK] = std::array::from_fn(|j| acts.row((t0 + j).min(t1 - 1)));
+        // SAFETY: rows `rows` of every output row belong to this task alone, and the output
+        // holds `n_tokens * w.n_rows` values (asserted by the caller).
+        unsafe {
+            let o = out.at(t0 * w.n_rows + rows.start);
+            kernels.packed_panels(layout, panels, rows.len(), &a[..t1 - t0], o, w.n_rows);
         }
     }
 }

@@ -280,6 +280,13 @@ impl<T> SharedMut<T> {
         unsafe { self.0.add(idx).write(value) }
     }
 
+    /// The address of element `idx`, for a kernel that writes a strided region (its own
+    /// contract then says which elements it may touch).
+    #[inline]
+    pub fn at(&self, idx: usize) -> *mut T {
+        self.0.wrapping_add(idx)
+    }
+
     /// # Safety
     /// `[start, start + len)` must be in bounds and touched by no other task.
     #[inline]

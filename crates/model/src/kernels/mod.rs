@@ -287,46 +287,52 @@ impl Kernels {
         packed::quantize_act_row(layout, x, out)
     }
 
-    /// Every product of one panel's [`packed::PANEL`] weight rows with up to [`PANEL_ACTS`]
-    /// packed activation rows: `out[j][r]` = row `r` . `a[j]`. Each element is computed by the
-    /// same instruction sequence whatever the number of activation rows (and equals
-    /// [`packed::panel_reference`] bitwise), so grouping never changes a result.
-    pub fn packed_panel(
+    /// Weight rows `0..n_rows` of the consecutive panels `w` (a run of a packed matrix) times
+    /// the packed activation rows `a`: row `r` . `a[j]` is written to `out[j * stride + r]`.
+    /// Activation rows go through the kernel [`PANEL_ACTS`] at a time, then four, two, one;
+    /// each element is computed by the same instruction sequence whatever the grouping (and
+    /// equals [`packed::panel_reference`] bitwise), so grouping never changes a result.
+    ///
+    /// # Safety
+    /// `out[j * stride + r]` must be valid for writes, and written by no one else meanwhile,
+    /// for every `j < a.len()` and `r < n_rows`.
+    pub unsafe fn packed_panels(
         &self,
         layout: &packed::Layout,
-        panel: &[u8],
+        w: &[u8],
+        n_rows: usize,
         a: &[&[u8]],
-        out: &mut [[f32; packed::PANEL]],
+        out: *mut f32,
+        stride: usize,
     ) {
-        assert!(a.len() <= PANEL_ACTS && out.len() >= a.len());
         #[cfg(target_arch = "x86_64")]
         if self.isa == Isa::Avx512Vnni {
-            use packed::vnni::{kind_id, panel as run, Q40, Q41, Q8};
+            use packed::vnni::{kind_id, panels as run, Q40, Q41, Q8};
             macro_rules! by_rows {
                 ($k:expr) => {{
                     const K: u8 = $k;
-                    // Eight activation rows at a time, then four, two, one: the same sequence
-                    // per element whichever call computes it.
                     let mut j = 0;
                     while j < a.len() {
                         let left = a.len() - j;
-                        // SAFETY: the isa was checked when these kernels were made; the panel
-                        // and activation rows were sized by `layout` (asserted inside).
+                        // SAFETY: the isa was checked when these kernels were made; the panels
+                        // and activation rows are sized by `layout` (asserted inside); output
+                        // rows `j..` are within the caller's contract.
                         unsafe {
+                            let o = out.add(j * stride);
                             if left >= 8 {
                                 let rows = std::array::from_fn(|i| a[j + i]);
-                                run::<K, 8>(layout, panel, rows, &mut out[j..]);
+                                run::<K, 8>(layout, w, n_rows, rows, o, stride);
                                 j += 8;
                             } else if left >= 4 {
                                 let rows = std::array::from_fn(|i| a[j + i]);
-                                run::<K, 4>(layout, panel, rows, &mut out[j..]);
+                                run::<K, 4>(layout, w, n_rows, rows, o, stride);
                                 j += 4;
                             } else if left >= 2 {
                                 let rows = std::array::from_fn(|i| a[j + i]);
-                                run::<K, 2>(layout, panel, rows, &mut out[j..]);
+                                run::<K, 2>(layout, w, n_rows, rows, o, stride);
                                 j += 2;
                             } else {
-                                run::<K, 1>(layout, panel, [a[j]], &mut out[j..]);
+                                run::<K, 1>(layout, w, n_rows, [a[j]], o, stride);
                                 j += 1;
                             }
                         }
@@ -340,8 +346,21 @@ impl Kernels {
             }
             return;
         }
-        for (o, a1) in out.iter_mut().zip(a) {
-            *o = packed::panel_reference(layout, panel, a1);
+        let pb = layout.panel_bytes();
+        for (p, panel) in w
+            .chunks_exact(pb)
+            .take(n_rows.div_ceil(packed::PANEL))
+            .enumerate()
+        {
+            let r0 = p * packed::PANEL;
+            let valid = (n_rows - r0).min(packed::PANEL);
+            for (j, a1) in a.iter().enumerate() {
+                let v = packed::panel_reference(layout, panel, a1);
+                for (r, v) in v.iter().enumerate().take(valid) {
+                    // SAFETY: the caller's contract.
+                    unsafe { out.add(j * stride + r0 + r).write(*v) };
+                }
+            }
         }
     }
 }

@@ -393,93 +393,116 @@ pub mod vnni {
         }
     }
 
-    /// `out[j][r]` = lane `r` of `w` . `a[j]` for `j < RA`, bitwise equal to
-    /// [`super::panel_reference`].
+    /// Weight rows `0..n_rows` of the consecutive panels `w` times `RA` activation rows:
+    /// row `r` . `a[j]` is written to `out[j * stride + r]`, bitwise equal to
+    /// [`super::panel_reference`]'s lane `r % 16` of panel `r / 16`. Looping over the panels
+    /// here, not in the caller, pays the call's set-up once per run of panels.
     ///
     /// # Safety
     /// The CPU must have AVX-512 F/VL/VNNI, AVX2, FMA and F16C; `KIND` must be [`kind_id`] of
-    /// the layout's kind.
+    /// the layout's kind; `out[j * stride + r]` must be valid for writes, and written by no
+    /// one else meanwhile, for every `j < RA` and `r < n_rows`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub unsafe fn panel<const KIND: u8, const RA: usize>(
+    pub unsafe fn panels<const KIND: u8, const RA: usize>(
         layout: &Layout,
         w: &[u8],
+        n_rows: usize,
         a: [&[u8]; RA],
-        out: &mut [[f32; PANEL]],
+        out: *mut f32,
+        stride: usize,
     ) {
         debug_assert_eq!(kind_id(layout.kind), KIND);
-        assert!(out.len() >= RA);
-        assert!(w.len() >= layout.panel_bytes());
+        let n_panels = n_rows.div_ceil(PANEL);
+        assert!(w.len() >= n_panels * layout.panel_bytes());
         assert!(a.iter().all(|a| a.len() >= layout.a_row_bytes()));
         let (bb, qb) = (layout.block_bytes(), layout.kind.quant_bytes());
         let (a_d, a_corr, a_sums) = (layout.a_d(), layout.a_corr(), layout.a_sums());
-        let wp = w.as_ptr();
         let ap = a.map(|a| a.as_ptr());
         let nibble = _mm512_set1_epi8(0x0F);
-        let mut acc = [_mm512_setzero_ps(); RA];
-        let mut mins = [_mm512_setzero_ps(); RA];
-        for b in 0..layout.n_blocks {
-            // SAFETY (every read below): block `b` of the panel and of each activation row is
-            // in bounds by the length assertions above.
-            let blk = unsafe { wp.add(b * bb) };
-            // Two independent integer sums per row (exact, so splitting cannot change the
-            // result) keep the dependency chains short.
-            let mut even = [_mm512_setzero_si512(); RA];
-            let mut odd = [_mm512_setzero_si512(); RA];
-            if KIND != Q41 {
-                for j in 0..RA {
-                    even[j] = unsafe { bcast4(ap[j], a_corr + 4 * b) };
-                }
-            }
-            if KIND == Q8 {
-                for g in 0..QK / 4 {
-                    let wv = unsafe { _mm512_loadu_si512(blk.add(64 * g) as *const __m512i) };
+        for p in 0..n_panels {
+            // SAFETY: panel `p` is in bounds by the assertion above.
+            let wp = unsafe { w.as_ptr().add(p * layout.panel_bytes()) };
+            let mut acc = [_mm512_setzero_ps(); RA];
+            let mut mins = [_mm512_setzero_ps(); RA];
+            for b in 0..layout.n_blocks {
+                // SAFETY (every read below): block `b` of the panel and of each activation row
+                // is in bounds by the length assertions above.
+                let blk = unsafe { wp.add(b * bb) };
+                // Two independent integer sums per row (exact, so splitting cannot change the
+                // result) keep the dependency chains short.
+                let mut even = [_mm512_setzero_si512(); RA];
+                let mut odd = [_mm512_setzero_si512(); RA];
+                if KIND != Q41 {
                     for j in 0..RA {
-                        let x = unsafe { bcast4(ap[j], QK * b + 4 * g) };
-                        if g % 2 == 0 {
-                            even[j] = _mm512_dpbusd_epi32(even[j], wv, x);
-                        } else {
-                            odd[j] = _mm512_dpbusd_epi32(odd[j], wv, x);
+                        even[j] = unsafe { bcast4(ap[j], a_corr + 4 * b) };
+                    }
+                }
+                if KIND == Q8 {
+                    for g in 0..QK / 4 {
+                        let wv = unsafe { _mm512_loadu_si512(blk.add(64 * g) as *const __m512i) };
+                        for j in 0..RA {
+                            let x = unsafe { bcast4(ap[j], QK * b + 4 * g) };
+                            if g % 2 == 0 {
+                                even[j] = _mm512_dpbusd_epi32(even[j], wv, x);
+                            } else {
+                                odd[j] = _mm512_dpbusd_epi32(odd[j], wv, x);
+                            }
+                        }
+                    }
+                } else {
+                    for h in 0..QK / 8 {
+                        let c = unsafe { _mm512_loadu_si512(blk.add(64 * h) as *const __m512i) };
+                        let lo = _mm512_and_si512(c, nibble);
+                        let hi = _mm512_and_si512(_mm512_srli_epi32::<4>(c), nibble);
+                        for j in 0..RA {
+                            let (x0, x1) = unsafe {
+                                (
+                                    bcast4(ap[j], QK * b + 8 * h),
+                                    bcast4(ap[j], QK * b + 8 * h + 4),
+                                )
+                            };
+                            even[j] = _mm512_dpbusd_epi32(even[j], lo, x0);
+                            odd[j] = _mm512_dpbusd_epi32(odd[j], hi, x1);
                         }
                     }
                 }
-            } else {
-                for h in 0..QK / 8 {
-                    let c = unsafe { _mm512_loadu_si512(blk.add(64 * h) as *const __m512i) };
-                    let lo = _mm512_and_si512(c, nibble);
-                    let hi = _mm512_and_si512(_mm512_srli_epi32::<4>(c), nibble);
-                    for j in 0..RA {
-                        let (x0, x1) = unsafe {
-                            (
-                                bcast4(ap[j], QK * b + 8 * h),
-                                bcast4(ap[j], QK * b + 8 * h + 4),
-                            )
-                        };
-                        even[j] = _mm512_dpbusd_epi32(even[j], lo, x0);
-                        odd[j] = _mm512_dpbusd_epi32(odd[j], hi, x1);
+                let d =
+                    _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(blk.add(qb) as *const __m256i) });
+                let m = if KIND == Q41 {
+                    _mm512_cvtph_ps(unsafe {
+                        _mm256_loadu_si256(blk.add(qb + 2 * PANEL) as *const __m256i)
+                    })
+                } else {
+                    _mm512_setzero_ps()
+                };
+                for j in 0..RA {
+                    let dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[j], odd[j]));
+                    let ad = unsafe { (ap[j].add(a_d + 4 * b) as *const f32).read_unaligned() };
+                    acc[j] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(ad)), acc[j]);
+                    if KIND == Q41 {
+                        let s =
+                            unsafe { (ap[j].add(a_sums + 4 * b) as *const f32).read_unaligned() };
+                        mins[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(s), mins[j]);
                     }
                 }
             }
-            let d = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(blk.add(qb) as *const __m256i) });
-            let m = if KIND == Q41 {
-                _mm512_cvtph_ps(unsafe {
-                    _mm256_loadu_si256(blk.add(qb + 2 * PANEL) as *const __m256i)
-                })
+            // The last panel of a matrix may hold fewer rows: only theirs are stored.
+            let valid = (n_rows - p * PANEL).min(PANEL);
+            let mask: __mmask16 = if valid == PANEL {
+                0xFFFF
             } else {
-                _mm512_setzero_ps()
+                (1u16 << valid) - 1
             };
             for j in 0..RA {
-                let dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[j], odd[j]));
-                let ad = unsafe { (ap[j].add(a_d + 4 * b) as *const f32).read_unaligned() };
-                acc[j] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(ad)), acc[j]);
-                if KIND == Q41 {
-                    let s = unsafe { (ap[j].add(a_sums + 4 * b) as *const f32).read_unaligned() };
-                    mins[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(s), mins[j]);
-                }
+                // SAFETY: rows `16p..16p + valid` of output row `j`, the caller's contract.
+                unsafe {
+                    _mm512_mask_storeu_ps(
+                        out.add(j * stride + p * PANEL),
+                        mask,
+                        _mm512_add_ps(acc[j], mins[j]),
+                    )
+                };
             }
-        }
-        for j in 0..RA {
-            // SAFETY: `out[j]` holds 16 floats.
-            unsafe { _mm512_storeu_ps(out[j].as_mut_ptr(), _mm512_add_ps(acc[j], mins[j])) };
         }
     }
 }
@@ -591,59 +614,50 @@ mod tests {
         }
     }
 
-    /// Every number of activation rows gives bitwise the element-by-element reference.
-    #[cfg(target_arch = "x86_64")]
+    /// Every grouping of activation rows, on a run of panels whose last is partial, gives
+    /// bitwise the element-by-element reference, and nothing is written past the last row.
     #[test]
     fn panel_kernel_equals_the_reference_bitwise() {
-        if !super::super::Isa::Avx512Vnni.is_supported() {
-            return;
-        }
+        let fast = super::super::Kernels::detect();
+        let scalar = super::super::Kernels::new(super::super::Isa::Scalar).unwrap();
         for kind in KINDS {
             let n = 576 + 32;
             let layout = Layout::new(kind, n);
-            let (_, panel) = rows_and_panel(kind, 13, n, 40);
-            let acts: Vec<Vec<u8>> = (0..8)
+            let n_rows = 2 * PANEL + 8;
+            let panels: Vec<u8> = (0..3)
+                .flat_map(|p| rows_and_panel(kind, PANEL, n, 40 + 100 * p as u32).1)
+                .collect();
+            let acts: Vec<Vec<u8>> = (0..11)
                 .map(|r| {
                     let mut a = vec![0u8; layout.a_row_bytes()];
                     quantize_act_row(&layout, &data(n, 80 + r), &mut a);
                     a
                 })
                 .collect();
-            let a8: [&[u8]; 8] = std::array::from_fn(|j| &acts[j][..]);
-            let id = vnni::kind_id(kind);
-            macro_rules! both {
-                ($k:expr) => {{
-                    const K: u8 = $k;
-                    // SAFETY: support checked above; rows sized by the layout.
-                    unsafe {
-                        let (mut eight, mut one) = ([[0f32; PANEL]; 8], [[0f32; PANEL]; 1]);
-                        vnni::panel::<K, 8>(&layout, &panel, a8, &mut eight);
-                        vnni::panel::<K, 1>(&layout, &panel, [a8[5]], &mut one);
-                        (eight, one[0])
+            let a: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
+            let stride = n_rows + 3;
+            for k in [&fast, &scalar] {
+                let mut out = vec![f32::NAN; a.len() * stride];
+                // SAFETY: `out` holds `a.len()` rows of `stride >= n_rows` values.
+                unsafe { k.packed_panels(&layout, &panels, n_rows, &a, out.as_mut_ptr(), stride) };
+                for (j, aj) in a.iter().enumerate() {
+                    for (p, panel) in panels.chunks_exact(layout.panel_bytes()).enumerate() {
+                        let want = panel_reference(&layout, panel, aj);
+                        for r in 0..PANEL.min(stride - p * PANEL) {
+                            let got = out[j * stride + p * PANEL + r];
+                            if p * PANEL + r < n_rows {
+                                assert_eq!(got.to_bits(), want[r].to_bits(), "{kind:?} [{j}][{r}]");
+                            } else {
+                                assert!(
+                                    got.is_nan(),
+                                    "{kind:?} wrote row {} of {n_rows}",
+                                    p * PANEL + r
+                                );
+                            }
+                        }
                     }
-                }};
-            }
-            let (eight, one) = match id {
-                vnni::Q40 => both!(vnni::Q40),
-                vnni::Q41 => both!(vnni::Q41),
-                _ => both!(vnni::Q8),
-            };
-            for (j, a) in acts.iter().enumerate() {
-                let want = panel_reference(&layout, &panel, a);
-                for r in 0..PANEL {
-                    assert_eq!(
-                        eight[j][r].to_bits(),
-                        want[r].to_bits(),
-                        "{kind:?} 8 acts [{j}][{r}]"
-                    );
                 }
             }
-            let want = panel_reference(&layout, &panel, &acts[5]);
-            assert_eq!(
-                one.map(f32::to_bits),
-                want.map(f32::to_bits),
-                "{kind:?} 1 act"
-            );
         }
     }
 }
