@@ -33,16 +33,31 @@ struct JobRef {
 // every worker that entered it before returning).
 unsafe impl Send for JobRef {}
 
+/// A value alone on its cache lines (two, as the adjacent-line prefetcher pairs them): the
+/// counters every thread writes during a job must not share a line with each other or with
+/// what idle workers spin on.
+#[repr(align(128))]
+struct Line<T>(T);
+
+impl<T> std::ops::Deref for Line<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 struct Shared {
-    generation: AtomicU64,
+    generation: Line<AtomicU64>,
     /// The current job; `None` once retired. Workers enter a job only under this lock.
     job: Mutex<Option<JobRef>>,
     wake: Condvar,
-    next_task: AtomicUsize,
-    /// Tasks of the current job that have finished (or panicked).
-    n_done: AtomicUsize,
+    /// The next task to claim: the one write per task that threads share.
+    next_task: Line<AtomicUsize>,
+    /// Tasks of the current job that have finished (or panicked), added by each thread once
+    /// it finds no task left.
+    n_done: Line<AtomicUsize>,
     /// Workers inside the current job.
-    n_active: AtomicUsize,
+    n_active: Line<AtomicUsize>,
     panicked: AtomicBool,
     shutdown: AtomicBool,
     /// Set by [`ThreadPool::rest`]: idle workers sleep at once instead of spinning.
@@ -81,12 +96,12 @@ fn wait_until(done: impl Fn() -> bool) {
 impl ThreadPool {
     pub fn new(n_threads: usize) -> ThreadPool {
         let shared = Arc::new(Shared {
-            generation: AtomicU64::new(0),
+            generation: Line(AtomicU64::new(0)),
             job: Mutex::new(None),
             wake: Condvar::new(),
-            next_task: AtomicUsize::new(0),
-            n_done: AtomicUsize::new(0),
-            n_active: AtomicUsize::new(0),
+            next_task: Line(AtomicUsize::new(0)),
+            n_done: Line(AtomicUsize::new(0)),
+            n_active: Line(AtomicUsize::new(0)),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             resting: AtomicBool::new(false),
@@ -182,25 +197,26 @@ impl ThreadPool {
     }
 }
 
-/// Claims and runs tasks until none is left; returns the first panic of this thread's tasks
-/// (every task counts as done, panicked or not, so the job always ends).
+/// Claims and runs tasks until none is left, then counts them done (panicked or not, so the
+/// job always ends); returns the first panic of this thread's tasks.
 fn drain(
     s: &Shared,
     task: &(dyn Fn(usize, usize) + Sync + '_),
     n_tasks: usize,
     thread: usize,
 ) -> Option<Box<dyn Any + Send>> {
-    let mut first = None;
+    let (mut first, mut ran) = (None, 0);
     loop {
         let i = s.next_task.fetch_add(1, Ordering::Relaxed);
         if i >= n_tasks {
+            s.n_done.fetch_add(ran, Ordering::Release);
             return first;
         }
         if let Err(p) = catch_unwind(AssertUnwindSafe(|| task(i, thread))) {
             s.panicked.store(true, Ordering::Relaxed);
             first.get_or_insert(p);
         }
-        s.n_done.fetch_add(1, Ordering::Release);
+        ran += 1;
     }
 }
 
