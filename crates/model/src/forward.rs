@@ -417,7 +417,7 @@ impl Model {
     }
 
     /// `x += residual` (when given), then `h = rms_norm(x) * weight`, quantized for the next
-    /// product by `rows_q`: row by row in parallel, each row in one pass.
+    /// product by `rows_q`: in parallel over runs of rows, each row in one pass.
     fn add_norm(
         &self,
         x: &mut [f32],
@@ -430,17 +430,24 @@ impl Model {
         let n = h.len() / d;
         assert_eq!(x.len(), n * d);
         let (xs, hs) = (SharedMut::new(x), SharedMut::new(h));
-        self.pool.run_rows(n, &|i| {
-            // SAFETY: each row's slices belong to this task alone.
-            let (xi, hi) = unsafe { (xs.slice(i * d, d), hs.slice(i * d, d)) };
+        self.pool.run_row_runs(n, &|run| {
+            // SAFETY: each run's rows belong to this task alone.
+            let (xr, hr) = unsafe {
+                (
+                    xs.slice(run.start * d, run.len() * d),
+                    hs.slice(run.start * d, run.len() * d),
+                )
+            };
             if let Some(r) = residual {
-                xi.iter_mut()
-                    .zip(&r[i * d..(i + 1) * d])
+                xr.iter_mut()
+                    .zip(&r[run.start * d..run.end * d])
                     .for_each(|(a, b)| *a += b);
             }
-            rms_norm(xi, weight, eps, hi);
-            // SAFETY: row `i` is this task's alone.
-            unsafe { rows_q.quantize(&self.kernels, i, hi) };
+            rms_norm(xr, weight, eps, hr);
+            for (i, hi) in run.zip(hr.chunks_exact(d)) {
+                // SAFETY: row `i` is this task's alone.
+                unsafe { rows_q.quantize(&self.kernels, i, hi) };
+            }
         });
     }
 
@@ -614,16 +621,39 @@ impl Model {
     }
 }
 
-/// RMS norm of each row, times `weight` (as llama.cpp: sum of squares in f64).
+/// RMS norm of each row, times `weight` (as llama.cpp: the squares summed in f64, in order).
+/// Four rows at a time, so four of those sequential sums advance together.
 fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
-    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let sum: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
-        let mean = (sum / d as f64) as f32;
-        let scale = 1.0 / (mean + eps).sqrt();
-        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
-            *o = (v * scale) * w;
+    let mut rows = x.chunks_exact(4 * d).zip(out.chunks_exact_mut(4 * d));
+    for (xs, outs) in &mut rows {
+        let xr: [&[f32]; 4] = std::array::from_fn(|r| &xs[r * d..(r + 1) * d]);
+        let mut sums = [0f64; 4];
+        for i in 0..d {
+            for (sum, row) in sums.iter_mut().zip(&xr) {
+                *sum += (row[i] * row[i]) as f64;
+            }
         }
+        for ((xr, or), sum) in xr.iter().zip(outs.chunks_exact_mut(d)).zip(sums) {
+            scale_row(xr, weight, eps, sum, or);
+        }
+    }
+    let done = x.len() / (4 * d) * 4 * d;
+    for (xr, or) in x[done..]
+        .chunks_exact(d)
+        .zip(out[done..].chunks_exact_mut(d))
+    {
+        let sum: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
+        scale_row(xr, weight, eps, sum, or);
+    }
+}
+
+/// `out = x / sqrt(mean + eps) * weight`, from the row's sum of squares.
+fn scale_row(x: &[f32], weight: &[f32], eps: f32, sum: f64, out: &mut [f32]) {
+    let mean = (sum / weight.len() as f64) as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = (v * scale) * w;
     }
 }
 
