@@ -146,14 +146,9 @@ impl ThreadPool {
     /// `f(i)` for every `i < n`, spread over the pool in runs of consecutive indices (about
     /// four runs per thread), for per-row work too small to be a task each.
     pub fn run_rows(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
-        self.run_row_runs(n, &|run| run.for_each(f));
-    }
-
-    /// [`ThreadPool::run_rows`], handing each task its whole run of indices.
-    pub fn run_row_runs(&self, n: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
         let per_task = n.div_ceil(4 * self.n_threads()).max(1);
         self.run(n.div_ceil(per_task), &|task| {
-            f(task * per_task..((task + 1) * per_task).min(n))
+            (task * per_task..((task + 1) * per_task).min(n)).for_each(f)
         });
     }
 
