@@ -190,12 +190,8 @@ impl ActScratch {
             }
             let a = &mut self.acts[self.n_acts];
             a.size_for(w, n_rows);
-            let encoding = match &w.packed {
-                Some(l) => Encoding::Packed(*l),
-                None => Encoding::Ggml(act::act_type(w.ty)),
-            };
             q.encodings[self.n_acts] = Some((
-                encoding,
+                key,
                 a.row_bytes,
                 SharedMut::new(&mut a.data[..n_rows * a.row_bytes]),
             ));
@@ -205,17 +201,11 @@ impl ActScratch {
     }
 }
 
-#[derive(Clone, Copy)]
-enum Encoding {
-    Packed(Layout),
-    Ggml(GgmlType),
-}
-
 /// Writes activation rows into the buffers [`ActScratch::prepare`] sized (borrowing the
 /// scratch, so they cannot move while it lives).
 pub struct RowQuantizer<'a> {
     n_cols: usize,
-    encodings: [Option<(Encoding, usize, SharedMut<u8>)>; MAX_PRODUCTS],
+    encodings: [Option<(ActKey, usize, SharedMut<u8>)>; MAX_PRODUCTS],
     _scratch: PhantomData<&'a mut ActScratch>,
 }
 
@@ -226,12 +216,14 @@ impl RowQuantizer<'_> {
     /// `t` is below the prepared row count, and no other thread writes row `t` meanwhile.
     pub unsafe fn quantize(&self, kernels: &Kernels, t: usize, x: &[f32]) {
         assert_eq!(x.len(), self.n_cols, "one activation row");
-        for (encoding, row_bytes, data) in self.encodings.iter().flatten() {
+        for (key, row_bytes, data) in self.encodings.iter().flatten() {
             // SAFETY: row `t` is this caller's alone (the contract above).
             let out = unsafe { data.slice(t * row_bytes, *row_bytes) };
-            match encoding {
-                Encoding::Packed(l) => kernels.quantize_packed_act(l, x, out),
-                Encoding::Ggml(ty) => act::quantize_row(*ty, x, out),
+            match *key {
+                ActKey::Packed(kind) => {
+                    kernels.quantize_packed_act(&Layout::new(kind, self.n_cols), x, out)
+                }
+                ActKey::Ggml(ty) => act::quantize_row(ty, x, out),
             }
         }
     }
