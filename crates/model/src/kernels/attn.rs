@@ -1,32 +1,34 @@
 //! Attention's inner products over f16 K and V rows read in place from the KV blocks. The
-//! scalar functions define the arithmetic; the F16C versions decode eight values per
-//! instruction and are bitwise equal to them (the same products, sums and reduction tree).
+//! scalar functions define the arithmetic (fused multiply-adds, as llama.cpp's f16 dot product
+//! and weighted sum use on x86); the F16C versions decode eight values per instruction and are
+//! bitwise equal to them (the same fused multiply-adds and reduction tree).
 
 use half::f16;
 
-/// `q . k` with eight interleaved partial sums (lane `l` takes elements `l`, `l + 8`, ...),
-/// summed as `((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7))`, then the tail.
+/// `q . k` with eight interleaved partial sums (lane `l` takes elements `l`, `l + 8`, ...,
+/// each with one fused multiply-add), summed as `((s0 + s4) + (s1 + s5)) + ((s2 + s6) +
+/// (s3 + s7))`, then the tail.
 pub fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
     assert_eq!(q.len(), k.len());
     let chunks = q.len() / 8;
     let mut acc = [0f32; 8];
     for ch in 0..chunks {
         for (l, acc) in acc.iter_mut().enumerate() {
-            *acc += q[8 * ch + l] * k[8 * ch + l].to_f32();
+            *acc = q[8 * ch + l].mul_add(k[8 * ch + l].to_f32(), *acc);
         }
     }
     let mut tail = 0f32;
     for i in 8 * chunks..q.len() {
-        tail += q[i] * k[i].to_f32();
+        tail = q[i].mul_add(k[i].to_f32(), tail);
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
-/// `o += p * v`, element by element (a product, then a sum).
+/// `o += p * v`, element by element, one fused multiply-add each.
 pub fn axpy_f16(p: f32, v: &[f16], o: &mut [f32]) {
     assert_eq!(v.len(), o.len());
     for (o, v) in o.iter_mut().zip(v) {
-        *o += p * v.to_f32();
+        *o = p.mul_add(v.to_f32(), *o);
     }
 }
 
@@ -37,8 +39,8 @@ pub mod f16c {
     use half::f16;
 
     /// # Safety
-    /// The CPU must have AVX and F16C.
-    #[target_feature(enable = "avx,f16c")]
+    /// The CPU must have AVX, FMA and F16C.
+    #[target_feature(enable = "avx,fma,f16c")]
     pub unsafe fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
         assert_eq!(q.len(), k.len());
         let chunks = q.len() / 8;
@@ -51,7 +53,7 @@ pub mod f16c {
                     _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(8 * ch) as *const __m128i)),
                 )
             };
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(qv, kv));
+            acc = _mm256_fmadd_ps(qv, kv, acc);
         }
         let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
         // [s0 + s1, s2 + s3, ..] then (s0 + s1) + (s2 + s3).
@@ -59,15 +61,15 @@ pub mod f16c {
         let mut sum = _mm_cvtss_f32(_mm_hadd_ps(h, h));
         let mut tail = 0f32;
         for i in 8 * chunks..q.len() {
-            tail += q[i] * k[i].to_f32();
+            tail = q[i].mul_add(k[i].to_f32(), tail);
         }
         sum += tail;
         sum
     }
 
     /// # Safety
-    /// The CPU must have AVX and F16C.
-    #[target_feature(enable = "avx,f16c")]
+    /// The CPU must have AVX, FMA and F16C.
+    #[target_feature(enable = "avx,fma,f16c")]
     pub unsafe fn axpy_f16(p: f32, v: &[f16], o: &mut [f32]) {
         assert_eq!(v.len(), o.len());
         let chunks = v.len() / 8;
@@ -77,14 +79,11 @@ pub mod f16c {
             unsafe {
                 let vv = _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(8 * ch) as *const __m128i));
                 let at = o.as_mut_ptr().add(8 * ch);
-                _mm256_storeu_ps(
-                    at,
-                    _mm256_add_ps(_mm256_loadu_ps(at), _mm256_mul_ps(pv, vv)),
-                );
+                _mm256_storeu_ps(at, _mm256_fmadd_ps(pv, vv, _mm256_loadu_ps(at)));
             }
         }
         for i in 8 * chunks..v.len() {
-            o[i] += p * v[i].to_f32();
+            o[i] = p.mul_add(v[i].to_f32(), o[i]);
         }
     }
 }
@@ -194,7 +193,7 @@ pub mod fused {
                 let acc: [__m256; 8] = std::array::from_fn(|p| {
                     let mut acc = _mm256_setzero_ps();
                     for ch in 0..CH {
-                        acc = _mm256_add_ps(acc, _mm256_mul_ps(qv[h][ch], kf[p][ch]));
+                        acc = _mm256_fmadd_ps(qv[h][ch], kf[p][ch], acc);
                     }
                     acc
                 });
@@ -213,7 +212,7 @@ pub mod fused {
             for h in 0..G {
                 let mut acc = _mm256_setzero_ps();
                 for ch in 0..CH {
-                    acc = _mm256_add_ps(acc, _mm256_mul_ps(qv[h][ch], kr[ch]));
+                    acc = _mm256_fmadd_ps(qv[h][ch], kr[ch], acc);
                 }
                 // The reduction tree of `dot_f16`, then its (empty) tail.
                 let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
@@ -250,7 +249,7 @@ pub mod fused {
             for h in 0..G {
                 let p = _mm256_set1_ps(scores[h * n_pos + t]);
                 for ch in 0..CH {
-                    o[h][ch] = _mm256_add_ps(o[h][ch], _mm256_mul_ps(p, vr[ch]));
+                    o[h][ch] = _mm256_fmadd_ps(p, vr[ch], o[h][ch]);
                 }
             }
         }

@@ -197,7 +197,7 @@ impl Kernels {
     pub fn dot_f16(&self, q: &[f32], k: &[half::f16]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if self.isa != Isa::Scalar {
-            // SAFETY: both SIMD isas are detected only with AVX2 and F16C.
+            // SAFETY: both SIMD isas are detected only with AVX2, FMA and F16C.
             return unsafe { attn::f16c::dot_f16(q, k) };
         }
         attn::dot_f16(q, k)
