@@ -177,13 +177,16 @@ pub mod fused {
         // K and V rows of one session are scattered over its blocks (and a step's sessions do
         // not fit in cache together): ask for the rows a few positions ahead.
         const AHEAD: usize = 4;
-        // Eight positions at a time: their K rows decoded once into `kf`, each head's eight
-        // partial-sum vectors then reduced together (`reduce8`), by the very additions the
-        // one-position reduction below makes.
-        let full = n_pos - n_pos % 8;
+        // Eight positions at a time: their K rows decoded once into `kf` (zeros past the last
+        // position), each head's eight partial-sum vectors then reduced together (`reduce8`,
+        // the reduction of `dot_f16`), and the scores of the real positions stored.
         let mut kf = [[_mm256_setzero_ps(); CH]; 8];
-        for t0 in (0..full).step_by(8) {
-            for (p, kp) in kf.iter_mut().enumerate() {
+        for t0 in (0..n_pos).step_by(8) {
+            let n = (n_pos - t0).min(8);
+            if n < 8 {
+                kf = [[_mm256_setzero_ps(); CH]; 8];
+            }
+            for (p, kp) in kf.iter_mut().enumerate().take(n) {
                 if t0 + p + 2 * AHEAD < n_pos {
                     prefetch_row(k(t0 + p + 2 * AHEAD));
                 }
@@ -197,28 +200,17 @@ pub mod fused {
                     }
                     acc
                 });
+                // Then `dot_f16`'s (empty) tail, and the scale.
                 let sums = _mm256_add_ps(reduce8(acc), _mm256_setzero_ps());
-                // SAFETY: `h * n_pos + t0 + 8 <= G * n_pos`, asserted above.
+                // SAFETY: `h * n_pos + t0 + n <= G * n_pos`, asserted above; the mask keeps to
+                // the `n` real positions.
                 unsafe {
-                    _mm256_storeu_ps(
+                    _mm256_mask_storeu_ps(
                         scores.as_mut_ptr().add(h * n_pos + t0),
+                        ((1u32 << n) - 1) as __mmask8,
                         _mm256_mul_ps(sums, _mm256_set1_ps(scale)),
                     )
                 };
-            }
-        }
-        for t in full..n_pos {
-            let kr = unsafe { load_row(k(t)) };
-            for h in 0..G {
-                let mut acc = _mm256_setzero_ps();
-                for ch in 0..CH {
-                    acc = _mm256_fmadd_ps(qv[h][ch], kr[ch], acc);
-                }
-                // The reduction tree of `dot_f16`, then its (empty) tail.
-                let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-                let hs = _mm_hadd_ps(s, s);
-                let sum = _mm_cvtss_f32(_mm_hadd_ps(hs, hs)) + 0.0;
-                scores[h * n_pos + t] = sum * scale;
             }
         }
         // SAFETY: this function's features include the softmax's.

@@ -348,7 +348,7 @@ pub mod vnni {
         // the quants, then the per-block sums and corrections in vectors again.
         for g0 in (0..layout.n_blocks).step_by(16) {
             let n = (layout.n_blocks - g0).min(16);
-            let mask: __mmask16 = if n == 16 { 0xFFFF } else { (1u16 << n) - 1 };
+            let mask = ((1u32 << n) - 1) as __mmask16;
             let mut amax = [0f32; 16];
             for (i, m) in amax.iter_mut().enumerate().take(n) {
                 // SAFETY: block `g0 + i` of `x` is in bounds by the assertions above.
@@ -529,11 +529,7 @@ pub mod vnni {
             }
             // The last panel of a matrix may hold fewer rows: only theirs are stored.
             let valid = (n_rows - p * PANEL).min(PANEL);
-            let mask: __mmask16 = if valid == PANEL {
-                0xFFFF
-            } else {
-                (1u16 << valid) - 1
-            };
+            let mask = ((1u32 << valid) - 1) as __mmask16;
             for j in 0..RA {
                 // SAFETY: rows `16p..16p + valid` of output row `j`, the caller's contract.
                 unsafe {
