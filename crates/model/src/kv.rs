@@ -1,12 +1,23 @@
-//! Paged KV cache: fixed-size blocks of positions from a pool with a byte budget.
+//! Paged KV cache: fixed-size blocks of positions from a pool with a byte budget, and a
+//! registry of full blocks that sessions with the same token prefix share.
 //!
 //! A [`KvPool`] hands out blocks of [`BLOCK_POSITIONS`] positions; each block holds K and V
 //! (f16, as llama.cpp stores them by default) of those positions for every layer of one range.
-//! A [`KvCache`] is one session's list of blocks. Blocks are owned by exactly one cache at a
-//! time and go back to the pool when the cache truncates past them or is dropped, so releasing a
-//! session returns its memory to the budget by construction. Sessions own their caches; the
-//! forward pass borrows them, so no session's state lives in the weights.
+//! A [`KvCache`] is one session's list of blocks. Sessions own their caches; the forward pass
+//! borrows them, so no session's state lives in the weights.
+//!
+//! Prefix sharing: the K and V of a position are a function of the tokens up to it alone (the
+//! forward pass is batch- and chunk-invariant, bitwise), so a full block is identified by its
+//! 16 tokens and the block before it. [`KvPool::register`] records a cache's full blocks under
+//! that key; [`KvPool::attach`] starts an empty cache on the registered blocks of the longest
+//! matching prefix. A registered block is read-only: it is shared by reference, and a cache that
+//! must write into one (after truncating into it) first copies it ([`KvCache::reserve`]). A
+//! registered block no cache holds stays as an idle copy that counts as free room: the pool
+//! drops idle blocks, least recently released first, when it needs their room. So a block is
+//! held by one cache, shared by several, or idle, and the pool's count of held blocks never
+//! exceeds the budget.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use half::f16;
@@ -30,19 +41,102 @@ pub struct KvExhausted {
     pub capacity: usize,
 }
 
+/// Registry ids are below this; prefix roots ([`KvPool::register`]) at or above it.
+const ROOT_BASE: u64 = 1 << 63;
+
 struct Block {
     id: u32,
-    data: Box<[f16]>,
+    /// The registry id when the block is registered (shared, read-only); 0 when private.
+    uid: u64,
+    data: Arc<[f16]>,
+}
+
+/// A full block's key: the registry id of the block before it (or the root), and its tokens.
+type PrefixKey = (u64, [u32; BLOCK_POSITIONS]);
+
+struct Registered {
+    key: PrefixKey,
+    id: u32,
+    data: Arc<[f16]>,
+    /// The block's place in the idle order while no cache holds it.
+    idle: Option<u64>,
 }
 
 struct PoolState {
     capacity: usize,
-    in_use: usize,
-    /// Storage of returned blocks, reused before allocating (no allocation once warm).
-    spare: Vec<Box<[f16]>>,
-    /// Ids of returned blocks, reused before minting new ones.
+    /// Blocks that exist: held by caches or kept idle by the registry.
+    alive: usize,
+    /// Storage of dropped blocks, reused before allocating (no allocation once warm).
+    spare: Vec<Arc<[f16]>>,
+    /// Ids of dropped blocks, reused before minting new ones.
     spare_ids: Vec<u32>,
     next_id: u32,
+    keys: HashMap<PrefixKey, u64>,
+    registered: HashMap<u64, Registered>,
+    /// Registered blocks no cache holds, least recently released first.
+    idle: BTreeMap<u64, u64>,
+    next_uid: u64,
+    tick: u64,
+    /// Blocks cache starts took from the registry instead of computing them.
+    attached_total: u64,
+}
+
+impl PoolState {
+    /// Blocks held by caches (idle registered blocks are free room).
+    fn held(&self) -> usize {
+        self.alive - self.idle.len()
+    }
+
+    /// Drops the least recently released idle block.
+    fn drop_idle(&mut self) {
+        let Some((_, uid)) = self.idle.pop_first() else {
+            return;
+        };
+        let r = self
+            .registered
+            .remove(&uid)
+            .expect("idle blocks are registered");
+        self.keys.remove(&r.key);
+        debug_assert_eq!(Arc::strong_count(&r.data), 1);
+        self.spare.push(r.data);
+        self.spare_ids.push(r.id);
+        self.alive -= 1;
+    }
+
+    /// A block a cache lets go of: private storage is dropped, a registered block stays (idle
+    /// once no cache holds it).
+    fn release(&mut self, b: Block) {
+        if b.uid == 0 {
+            debug_assert_eq!(Arc::strong_count(&b.data), 1);
+            self.spare.push(b.data);
+            self.spare_ids.push(b.id);
+            self.alive -= 1;
+            return;
+        }
+        drop(b.data);
+        let r = self
+            .registered
+            .get_mut(&b.uid)
+            .expect("held blocks stay registered");
+        if Arc::strong_count(&r.data) == 1 {
+            self.tick += 1;
+            r.idle = Some(self.tick);
+            self.idle.insert(self.tick, b.uid);
+        }
+    }
+
+    /// Takes a registered block for a cache (no longer idle).
+    fn hold(&mut self, uid: u64) -> Block {
+        let r = self.registered.get_mut(&uid).expect("registered");
+        if let Some(t) = r.idle.take() {
+            self.idle.remove(&t);
+        }
+        Block {
+            id: r.id,
+            uid,
+            data: r.data.clone(),
+        }
+    }
 }
 
 /// A budgeted source of KV blocks for one layer range. Cloning shares the pool.
@@ -61,10 +155,16 @@ impl KvPool {
         KvPool {
             state: Arc::new(Mutex::new(PoolState {
                 capacity: budget_bytes / block.max(1),
-                in_use: 0,
+                alive: 0,
                 spare: Vec::new(),
                 spare_ids: Vec::new(),
                 next_id: 0,
+                keys: HashMap::new(),
+                registered: HashMap::new(),
+                idle: BTreeMap::new(),
+                next_uid: 1,
+                tick: 0,
+                attached_total: 0,
             })),
             range,
             kv_dim,
@@ -99,13 +199,24 @@ impl KvPool {
         self.lock().capacity
     }
 
+    /// Blocks held by caches (a block several caches share counts once).
     pub fn blocks_in_use(&self) -> usize {
-        self.lock().in_use
+        self.lock().held()
+    }
+
+    /// Registered blocks no cache holds: kept for later prefixes, dropped when room is needed.
+    pub fn idle_blocks(&self) -> usize {
+        self.lock().idle.len()
+    }
+
+    /// Blocks cache starts have taken from the registry instead of computing them.
+    pub fn attached_blocks_total(&self) -> u64 {
+        self.lock().attached_total
     }
 
     pub fn free_blocks(&self) -> usize {
         let s = self.lock();
-        s.capacity - s.in_use
+        s.capacity - s.held()
     }
 
     pub fn bytes_in_use(&self) -> usize {
@@ -127,9 +238,92 @@ impl KvPool {
         }
     }
 
+    /// The root of prefix keys for `scope`: caches whose K and V are the same function of their
+    /// tokens share a scope (a shard past a lossy seam encoding scopes them by route stream).
+    pub fn prefix_root(scope: u64) -> u64 {
+        ROOT_BASE | scope
+    }
+
+    /// Starts the empty `cache` on the registered blocks of the longest prefix of `tokens`
+    /// under `root`, at most `max_blocks` of them; returns the positions it now holds.
+    pub fn attach(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        root: u64,
+        max_blocks: usize,
+    ) -> usize {
+        assert!(
+            cache.blocks.is_empty(),
+            "a prefix is attached to an empty cache"
+        );
+        let mut s = self.lock();
+        let mut parent = root;
+        for chunk in tokens.chunks_exact(BLOCK_POSITIONS).take(max_blocks) {
+            let key = (parent, chunk.try_into().expect("a full block of tokens"));
+            let Some(&uid) = s.keys.get(&key) else { break };
+            cache.blocks.push(s.hold(uid));
+            parent = uid;
+        }
+        s.attached_total += cache.blocks.len() as u64;
+        cache.len = cache.blocks.len() * BLOCK_POSITIONS;
+        cache.len
+    }
+
+    /// Registers the full blocks of `cache` not yet registered; `tokens` are the cache's
+    /// positions' tokens. A block whose key is already registered (the same prefix computed by
+    /// another session) is swapped for the registered one, and its own storage dropped.
+    pub fn register(&self, cache: &mut KvCache, tokens: &[u32], root: u64) {
+        let full = (cache.len / BLOCK_POSITIONS).min(tokens.len() / BLOCK_POSITIONS);
+        let mut s = self.lock();
+        for b in 0..full {
+            if cache.blocks[b].uid != 0 {
+                continue;
+            }
+            let parent = if b == 0 {
+                root
+            } else {
+                cache.blocks[b - 1].uid
+            };
+            if parent == 0 {
+                break;
+            }
+            let chunk = &tokens[b * BLOCK_POSITIONS..(b + 1) * BLOCK_POSITIONS];
+            let key = (parent, chunk.try_into().expect("a full block of tokens"));
+            if let Some(&uid) = s.keys.get(&key) {
+                let shared = s.hold(uid);
+                debug_assert!(
+                    shared
+                        .data
+                        .iter()
+                        .zip(cache.blocks[b].data.iter())
+                        .all(|(a, c)| a.to_bits() == c.to_bits()),
+                    "the same prefix gave different K and V"
+                );
+                let own = std::mem::replace(&mut cache.blocks[b], shared);
+                s.release(own);
+            } else {
+                let uid = s.next_uid;
+                s.next_uid += 1;
+                let block = &mut cache.blocks[b];
+                block.uid = uid;
+                s.keys.insert(key, uid);
+                s.registered.insert(
+                    uid,
+                    Registered {
+                        key,
+                        id: block.id,
+                        data: block.data.clone(),
+                        idle: None,
+                    },
+                );
+            }
+        }
+    }
+
     fn take(&self, n: usize, into: &mut Vec<Block>) -> Result<(), KvExhausted> {
         let mut s = self.lock();
-        let free = s.capacity - s.in_use;
+        let free = s.capacity - s.held();
         if n > free {
             return Err(KvExhausted {
                 need: n,
@@ -137,7 +331,10 @@ impl KvPool {
                 capacity: s.capacity,
             });
         }
-        s.in_use += n;
+        while s.capacity - s.alive < n {
+            s.drop_idle();
+        }
+        s.alive += n;
         for _ in 0..n {
             let id = s.spare_ids.pop().unwrap_or_else(|| {
                 s.next_id += 1;
@@ -146,6 +343,7 @@ impl KvPool {
             let data = s.spare.pop();
             into.push(Block {
                 id,
+                uid: 0,
                 // A reused block's old contents are never read: positions are written before
                 // a cache's length covers them.
                 data: data.unwrap_or_else(|| vec![f16::ZERO; self.block_len()].into()),
@@ -154,12 +352,12 @@ impl KvPool {
         Ok(())
     }
 
-    fn give_back(&self, blocks: impl Iterator<Item = Block>) {
+    /// Returns blocks, the last first (so a released chain's tail goes idle before its head,
+    /// and is dropped first).
+    fn give_back(&self, blocks: impl DoubleEndedIterator<Item = Block>) {
         let mut s = self.lock();
-        for b in blocks {
-            s.in_use -= 1;
-            s.spare_ids.push(b.id);
-            s.spare.push(b.data);
+        for b in blocks.rev() {
+            s.release(b);
         }
     }
 }
@@ -206,21 +404,48 @@ impl KvCache {
         self.blocks.iter().map(|b| b.id).collect()
     }
 
+    /// Blocks held that are registered (shared, read-only), in position order.
+    pub fn n_shared_blocks(&self) -> usize {
+        self.blocks.iter().filter(|b| b.uid != 0).count()
+    }
+
     /// Bytes of the blocks held.
     pub fn n_bytes(&self) -> usize {
         self.blocks.len() * self.pool.block_bytes()
     }
 
-    /// Bytes of blocks this cache would need on top of what it holds to reach `len` positions.
-    pub fn extra_bytes_for(&self, len: usize) -> usize {
-        KvPool::blocks_for(len).saturating_sub(self.blocks.len()) * self.pool.block_bytes()
+    /// Whether growing to `len` writes into a registered block (after a truncation into it),
+    /// which must be copied first.
+    fn must_copy_last(&self, len: usize) -> bool {
+        len > self.len
+            && !self.len.is_multiple_of(BLOCK_POSITIONS)
+            && self.blocks[self.len / BLOCK_POSITIONS].uid != 0
     }
 
-    /// Takes blocks from the pool so positions `0..len` have room (all or none).
+    /// Bytes of blocks this cache would need on top of what it holds to reach `len` positions.
+    pub fn extra_bytes_for(&self, len: usize) -> usize {
+        let new = KvPool::blocks_for(len).saturating_sub(self.blocks.len());
+        (new + usize::from(self.must_copy_last(len))) * self.pool.block_bytes()
+    }
+
+    /// Takes blocks from the pool so positions `0..len` have room (all or none), copying a
+    /// registered block the new positions would be written into.
     pub fn reserve(&mut self, len: usize) -> Result<(), KvExhausted> {
-        let need = KvPool::blocks_for(len).saturating_sub(self.blocks.len());
-        if need > 0 {
-            self.pool.clone().take(need, &mut self.blocks)?;
+        let copy = self.must_copy_last(len);
+        let need = KvPool::blocks_for(len).saturating_sub(self.blocks.len()) + usize::from(copy);
+        if need == 0 {
+            return Ok(());
+        }
+        let pool = self.pool.clone();
+        pool.take(need, &mut self.blocks)?;
+        if copy {
+            let at = self.len / BLOCK_POSITIONS;
+            let mut fresh = self.blocks.pop().expect("taken above");
+            Arc::get_mut(&mut fresh.data)
+                .expect("a fresh block is private")
+                .copy_from_slice(&self.blocks[at].data);
+            let shared = std::mem::replace(&mut self.blocks[at], fresh);
+            pool.give_back(std::iter::once(shared));
         }
         Ok(())
     }
@@ -262,7 +487,9 @@ impl KvCache {
     pub(crate) fn row_mut(&mut self, layer: usize, which: usize, pos: usize) -> &mut [f16] {
         let (b, at) = self.offset(layer, which, pos);
         let kv = self.pool.kv_dim;
-        &mut self.blocks[b].data[at..at + kv]
+        let data = Arc::get_mut(&mut self.blocks[b].data)
+            .expect("registered blocks are never written (reserve copies them first)");
+        &mut data[at..at + kv]
     }
 }
 
@@ -345,6 +572,162 @@ mod tests {
             prop_assert_eq!(pool.blocks_in_use(), 0);
             prop_assert_eq!(pool.free_blocks(), blocks);
         }
+    }
+
+    /// What position `pos` of a session whose tokens are `tokens` holds: a function of the
+    /// tokens up to it, as the forward pass guarantees.
+    fn fingerprint(tokens: &[u32], pos: usize) -> f16 {
+        let h = tokens[..=pos]
+            .iter()
+            .fold(pos as u32, |h, &t| h.wrapping_mul(31).wrapping_add(t));
+        f16::from_f32((h % 1000) as f32)
+    }
+
+    /// Tokens of positions `from..to`: `salt` 0 gives every session the same tokens there.
+    fn tokens_of(from: usize, to: usize, salt: u32) -> Vec<u32> {
+        (from..to)
+            .map(|p| if salt == 0 { (p % 5) as u32 } else { salt })
+            .collect()
+    }
+
+    #[derive(Debug, Clone)]
+    enum ShareOp {
+        /// Open a cache and attach the registered prefix of the shared tokens (up to n).
+        Open(usize),
+        Grow(usize, usize, u32),
+        Truncate(usize, usize),
+        Register(usize),
+        Close(usize),
+    }
+
+    fn share_op() -> impl Strategy<Value = ShareOp> {
+        prop_oneof![
+            (0..70usize).prop_map(ShareOp::Open),
+            (0..8usize, 1..40usize, 0..3u32).prop_map(|(s, n, salt)| ShareOp::Grow(s, n, salt)),
+            (0..8usize, 0..60usize).prop_map(|(s, n)| ShareOp::Truncate(s, n)),
+            (0..8usize).prop_map(ShareOp::Register),
+            (0..8usize).prop_map(ShareOp::Close),
+        ]
+    }
+
+    proptest! {
+        /// With prefix sharing: every cache reads exactly what its own tokens wrote (a shared
+        /// block is never written, a truncation into one copies it before the next write), a
+        /// private block belongs to one cache, the pool counts each held block once and never
+        /// more than its capacity, and releasing everything leaves only idle blocks, which
+        /// are free room.
+        #[test]
+        fn shared_prefix_blocks(ops in proptest::collection::vec(share_op(), 1..80), blocks in 2..16usize) {
+            let kv_dim = 4;
+            let block_bytes = BLOCK_POSITIONS * position_bytes(range(), kv_dim);
+            let pool = KvPool::new(range(), kv_dim, blocks * block_bytes);
+            let root = KvPool::prefix_root(0);
+            let mut caches: Vec<(KvCache, Vec<u32>)> = Vec::new();
+            for op in ops {
+                match op {
+                    ShareOp::Open(n) => {
+                        let mut c = pool.new_cache(1 << 20);
+                        let want = tokens_of(0, n, 0);
+                        let got = pool.attach(&mut c, &want, root, n.saturating_sub(1) / BLOCK_POSITIONS);
+                        prop_assert!(got < n.max(1));
+                        prop_assert_eq!(c.n_shared_blocks(), got / BLOCK_POSITIONS);
+                        caches.push((c, want[..got].to_vec()));
+                    }
+                    ShareOp::Grow(i, n, salt) if !caches.is_empty() => {
+                        let k = i % caches.len();
+                        let (c, tokens) = &mut caches[k];
+                        let (from, to) = (c.len(), c.len() + n);
+                        let before = pool.blocks_in_use();
+                        match c.reserve(to) {
+                            Ok(()) => {
+                                tokens.extend(tokens_of(from, to, salt));
+                                for pos in from..to {
+                                    let v = fingerprint(tokens, pos);
+                                    for layer in 0..2 {
+                                        for which in 0..2 {
+                                            c.row_mut(layer, which, pos).fill(v);
+                                        }
+                                    }
+                                }
+                                c.set_len(to);
+                            }
+                            Err(e) => {
+                                prop_assert!(e.need > e.free);
+                                prop_assert_eq!(pool.blocks_in_use(), before);
+                            }
+                        }
+                    }
+                    ShareOp::Truncate(i, n) if !caches.is_empty() => {
+                        let k = i % caches.len();
+                        let (c, tokens) = &mut caches[k];
+                        c.truncate(n);
+                        tokens.truncate(c.len());
+                    }
+                    ShareOp::Register(i) if !caches.is_empty() => {
+                        let k = i % caches.len();
+                        let (c, tokens) = &mut caches[k];
+                        pool.register(c, tokens, root);
+                    }
+                    ShareOp::Close(i) if !caches.is_empty() => {
+                        caches.swap_remove(i % caches.len());
+                    }
+                    _ => {}
+                }
+                let mut private = HashSet::new();
+                let mut held = HashSet::new();
+                for (c, tokens) in &caches {
+                    prop_assert_eq!(c.len(), tokens.len());
+                    for b in &c.blocks {
+                        if b.uid == 0 {
+                            prop_assert!(private.insert(b.id), "private block {} held twice", b.id);
+                        }
+                        held.insert(b.id);
+                    }
+                    for pos in 0..c.len() {
+                        let want = fingerprint(tokens, pos);
+                        for layer in 0..2 {
+                            for which in 0..2 {
+                                prop_assert!(c.row(layer, which, pos).iter().all(|v| v.to_bits() == want.to_bits()),
+                                    "position {} reads another session's data", pos);
+                            }
+                        }
+                    }
+                }
+                prop_assert_eq!(pool.blocks_in_use(), held.len());
+                prop_assert!(pool.blocks_in_use() + pool.idle_blocks() <= pool.capacity_blocks());
+            }
+            caches.clear();
+            prop_assert_eq!(pool.blocks_in_use(), 0);
+            prop_assert_eq!(pool.free_blocks(), blocks);
+        }
+    }
+
+    #[test]
+    fn a_registered_prefix_is_attached_and_survives_its_session() {
+        let pool = KvPool::new(range(), 4, usize::MAX);
+        let root = KvPool::prefix_root(0);
+        let tokens = tokens_of(0, 40, 0);
+        let mut a = pool.new_cache(100);
+        a.reserve(40).unwrap();
+        a.set_len(40);
+        pool.register(&mut a, &tokens, root);
+        assert_eq!(a.n_shared_blocks(), 2);
+        drop(a);
+        assert_eq!((pool.blocks_in_use(), pool.idle_blocks()), (0, 2));
+        let mut b = pool.new_cache(100);
+        // At most one block: the caller keeps at least one position to compute.
+        assert_eq!(pool.attach(&mut b, &tokens, root, 1), 16);
+        assert_eq!((pool.blocks_in_use(), pool.idle_blocks()), (1, 1));
+        let mut c = pool.new_cache(100);
+        assert_eq!(pool.attach(&mut c, &tokens, root, 5), 32);
+        assert_eq!(pool.blocks_in_use(), 2);
+        // Another root (another seam encoding) shares nothing.
+        let mut d = pool.new_cache(100);
+        assert_eq!(pool.attach(&mut d, &tokens, KvPool::prefix_root(7), 5), 0);
+        // A different first block shares nothing either.
+        let mut e = pool.new_cache(100);
+        assert_eq!(pool.attach(&mut e, &tokens_of(0, 40, 1), root, 5), 0);
+        assert_eq!(pool.attached_blocks_total(), 3);
     }
 
     #[test]

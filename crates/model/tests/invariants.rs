@@ -390,3 +390,72 @@ fn memory_follows_the_range() {
     let want = sum(&|n| in_layers(n, 2, 4) || n == "output.weight" || n == "output_norm.weight");
     assert_eq!(last.weight_bytes(), want);
 }
+
+/// Feeds `ids` at positions `start..` to one cache and returns the logits of every row.
+fn feed(m: &Model, cache: &mut KvCache, start: usize, ids: &[u32]) -> Vec<f32> {
+    let rows: Vec<Row> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, &token)| Row {
+            seq: 0,
+            pos: start + i,
+            token,
+            want_logits: true,
+        })
+        .collect();
+    logits(
+        m.forward(
+            Batch {
+                rows: &rows,
+                hidden: None,
+            },
+            &mut [cache],
+        )
+        .unwrap(),
+    )
+}
+
+#[test]
+fn a_session_started_on_a_shared_prefix_gives_bitwise_its_own_logits() {
+    for spec in specs() {
+        let m = load(&spec, None, 2);
+        let n_vocab = m.config().n_vocab;
+        let pool = m.new_pool(usize::MAX);
+        let root = model::KvPool::prefix_root(0);
+        let ids = prompt(5, 40);
+        // Computed alone, from nothing.
+        let reference = run_alone(&m, &ids, ids.len());
+        // A first session computes the prompt in two chunks and registers its full blocks.
+        let mut first = pool.new_cache(64);
+        feed(&m, &mut first, 0, &ids[..25]);
+        feed(&m, &mut first, 25, &ids[25..]);
+        pool.register(&mut first, &ids, root);
+        assert_eq!(first.n_shared_blocks(), 2);
+        // A second starts on those blocks and computes only the rest.
+        let mut second = pool.new_cache(64);
+        let held = pool.attach(&mut second, &ids, root, (ids.len() - 1) / 16);
+        assert_eq!(held, 32);
+        let got = feed(&m, &mut second, held, &ids[held..]);
+        assert_eq!(
+            bits(&got),
+            bits(&reference[held * n_vocab..]),
+            "{:?}",
+            spec.weight_type
+        );
+        // Rewinding into a shared block and recomputing from there copies the block first:
+        // the result is the same, and the first session's blocks are untouched.
+        second.truncate(20);
+        let again = feed(&m, &mut second, 20, &ids[20..]);
+        assert_eq!(bits(&again), bits(&reference[20 * n_vocab..]));
+        assert_eq!(second.n_shared_blocks(), 1);
+        drop(second);
+        let mut third = pool.new_cache(64);
+        let held = pool.attach(&mut third, &ids, root, 2);
+        let got = feed(&m, &mut third, held, &ids[held..]);
+        assert_eq!(bits(&got), bits(&reference[held * n_vocab..]));
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}

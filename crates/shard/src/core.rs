@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use gguf::{GgufFile, Value, Writer};
 use model::sampling::{log_probs, top_k, Sampler, SamplingParams};
-use model::{Batch, KvCache, KvPool, LayerRange, Model, ModelOptions, Row};
+use model::{Batch, KvCache, KvPool, LayerRange, Model, ModelOptions, Row, BLOCK_POSITIONS};
 use proto::v1::{
     Budgets, CacheRecipe, Fragment, SessionError, SessionOutput, ShardInfo, ShardStats, TopLogprob,
 };
@@ -34,6 +34,9 @@ pub struct Counters {
     pub scratch_bytes_last_step: AtomicU64,
     /// Activation bytes sent downstream and not yet answered (route streams add and subtract).
     pub inflight_bytes: AtomicU64,
+    /// Positions sessions started on from the prefix cache instead of computing them.
+    pub prefix_reused_tokens: AtomicU64,
+    pub kv_blocks_idle: AtomicU64,
 }
 
 /// One step as the compute thread sees it.
@@ -46,6 +49,10 @@ pub struct StepJob {
     pub hidden: Option<Vec<f32>>,
     /// When the step arrived (the policy's clock; the compute thread never reads one).
     pub now: Instant,
+    /// Sessions whose K and V are the same function of their tokens share cached prefix
+    /// blocks: 0 where the incoming hidden states are exact (f32 seams), the route stream
+    /// where a lossy seam encoding makes them depend on the route's cut points.
+    pub prefix_scope: u64,
 }
 
 /// What a step produced.
@@ -275,6 +282,8 @@ impl ShardCore {
             inflight_bytes: c.inflight_bytes.load(Ordering::Relaxed),
             inflight_bytes_budget: self.config.inflight_budget_bytes as u64,
             weights_bytes_budget: self.config.weights_budget_bytes as u64,
+            prefix_reused_tokens: c.prefix_reused_tokens.load(Ordering::Relaxed),
+            kv_blocks_idle: c.kv_blocks_idle.load(Ordering::Relaxed),
         }
     }
 }
@@ -341,9 +350,22 @@ impl Worker {
             .store(p.capacity_blocks() as u64, Ordering::Relaxed);
         c.kv_block_bytes
             .store(p.block_bytes() as u64, Ordering::Relaxed);
+        c.kv_blocks_idle
+            .store(p.idle_blocks() as u64, Ordering::Relaxed);
         self.counters
             .sessions
             .store(self.sessions.len() as u64, Ordering::Relaxed);
+    }
+
+    /// The key root of this shard's cached prefix blocks for `job`'s route.
+    fn prefix_root(&self, job: &StepJob) -> u64 {
+        // The first range's K and V depend on the tokens alone; later ranges' also on how the
+        // hidden states crossed the seams.
+        KvPool::prefix_root(if self.model.is_first() {
+            0
+        } else {
+            job.prefix_scope
+        })
     }
 
     fn policy(&self) -> engine::EvictionPolicy {
@@ -375,7 +397,7 @@ impl Worker {
     }
 
     /// Decides, fragment by fragment, what can run; creates sessions for new fragments.
-    fn admit(&mut self, job: &StepJob, out: &mut StepOutcome) -> Vec<usize> {
+    fn admit(&mut self, job: &mut StepJob, out: &mut StepOutcome) -> Vec<usize> {
         let label = &self.config.label;
         let budget = self.kv_pool.budget_bytes();
         // Bytes of blocks the fragments accepted so far will take when the step runs.
@@ -384,7 +406,9 @@ impl Worker {
         let (mut rows, mut outputs) = (0usize, 0usize);
         let scratch_budget = self.config.scratch_budget_bytes;
         let mut accepted = Vec::new();
-        for (i, f) in job.fragments.iter().enumerate() {
+        let root = self.prefix_root(job);
+        for i in 0..job.fragments.len() {
+            let f = &job.fragments[i];
             let id = f.session_id;
             let start = f.start_pos as usize;
             let end = start + f.tokens.len();
@@ -418,6 +442,7 @@ impl Worker {
                 ));
                 continue;
             }
+            let mut created = false;
             match self.sessions.get_mut(&id) {
                 Some(s) if s.epoch != job.epoch => {
                     out.errors.push(refusal(
@@ -444,7 +469,7 @@ impl Worker {
                     s.kv.truncate(start);
                     s.tokens.truncate(start);
                 }
-                None if start != 0 => {
+                None if start != 0 && f.prefix.len() != start => {
                     out.errors.push(refusal(
                         id,
                         "cache_miss",
@@ -468,20 +493,59 @@ impl Worker {
                         .sampling
                         .as_ref()
                         .map(|s| Sampler::new(sampling_params(s)));
+                    let mut kv = self.kv_pool.new_cache(self.config.n_ctx);
+                    if start != 0 {
+                        // An upstream shard started this session on cached prefix blocks: start
+                        // on the same positions here, or the route must compute them.
+                        let held = if self.config.prefix_cache {
+                            self.kv_pool
+                                .attach(&mut kv, &f.prefix, root, start / BLOCK_POSITIONS)
+                        } else {
+                            0
+                        };
+                        if held != start {
+                            out.errors.push(refusal(
+                                id,
+                                "cache_miss",
+                                format!("the {start}-position prefix session {id} starts on is not cached on shard {label}"),
+                            ));
+                            continue;
+                        }
+                    }
                     self.sessions.insert(
                         id,
                         Session {
                             epoch: job.epoch,
                             stream_id: job.stream_id,
-                            kv: self.kv_pool.new_cache(self.config.n_ctx),
-                            tokens: Vec::new(),
+                            kv,
+                            tokens: f.prefix.clone(),
                             sampler,
                             n_top: f.n_top_logprobs,
                             last_used: job.now,
                         },
                     );
+                    created = true;
                 }
             }
+            if self.config.prefix_cache && start == 0 && f.reuse_prefix && self.model.is_first() {
+                // Start on the cached blocks of the longest registered prefix, keeping at
+                // least one token to compute; the rest of the fragment goes on from there.
+                let s = self.sessions.get_mut(&id).expect("held or created above");
+                let max_blocks = (f.tokens.len() - 1) / BLOCK_POSITIONS;
+                let held = if s.kv.is_empty() {
+                    self.kv_pool.attach(&mut s.kv, &f.tokens, root, max_blocks)
+                } else {
+                    0
+                };
+                if held > 0 {
+                    let f = &mut job.fragments[i];
+                    f.prefix = f.tokens.drain(..held).collect();
+                    f.start_pos = held as u32;
+                    s.tokens.clone_from(&f.prefix);
+                }
+            }
+            let f = &job.fragments[i];
+            let end = f.start_pos as usize + f.tokens.len();
             let need = self.sessions[&id].kv.extra_bytes_for(end);
             let in_use = |w: &Self| w.kv_pool.bytes_in_use() + planned;
             if in_use(self) + need > budget {
@@ -511,26 +575,26 @@ impl Worker {
                         mib(budget as u64)
                     ),
                 ));
-                if self.sessions.get(&id).is_some_and(|s| s.kv.is_empty()) {
+                if created || self.sessions.get(&id).is_some_and(|s| s.kv.is_empty()) {
                     self.sessions.remove(&id);
                 }
                 continue;
             }
             planned += need;
-            (rows, outputs) = (n_rows, n_outputs);
+            (rows, outputs) = (rows + f.tokens.len(), n_outputs);
             accepted.push(i);
         }
         accepted
     }
 
-    fn step(&mut self, job: StepJob) -> StepOutcome {
+    fn step(&mut self, mut job: StepJob) -> StepOutcome {
         let t0 = Instant::now();
         let mut out = StepOutcome::default();
         for id in &job.release {
             self.sessions.remove(id);
         }
         self.expire(&job);
-        let accepted = self.admit(&job, &mut out);
+        let accepted = self.admit(&mut job, &mut out);
         let (n_rows, n_outputs) = accepted.iter().fold((0, 0), |(r, o), &i| {
             let f = &job.fragments[i];
             (r + f.tokens.len(), o + usize::from(f.want_output))
@@ -667,13 +731,25 @@ impl Worker {
                     .extend_from_slice(&f.tokens);
             }
         }
+        if self.config.prefix_cache {
+            // Full blocks become shareable as soon as they are written.
+            let root = self.prefix_root(&job);
+            for &i in &accepted {
+                if let Some(s) = self.sessions.get_mut(&job.fragments[i].session_id) {
+                    self.kv_pool.register(&mut s.kv, &s.tokens, root);
+                }
+            }
+        }
         for f in &out.accepted {
-            let counter = if f.start_pos > 0 && f.tokens.len() == 1 {
+            let counter = if f.start_pos > 0 && f.tokens.len() == 1 && f.prefix.is_empty() {
                 &self.counters.decode_tokens
             } else {
                 &self.counters.prefill_tokens
             };
             counter.fetch_add(f.tokens.len() as u64, Ordering::Relaxed);
+            self.counters
+                .prefix_reused_tokens
+                .fetch_add(f.prefix.len() as u64, Ordering::Relaxed);
         }
         self.counters.steps.fetch_add(1, Ordering::Relaxed);
         self.publish_gauges();

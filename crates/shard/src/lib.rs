@@ -38,6 +38,9 @@ pub struct ShardConfig {
     pub inflight_budget_bytes: usize,
     /// The model must never be evicted from this node (advertised to trackers).
     pub pinned: bool,
+    /// Start sessions on cached KV blocks of a token prefix other sessions computed (full
+    /// blocks, registered after each step; K and V are a function of the tokens alone).
+    pub prefix_cache: bool,
     /// The address this shard is known by (for errors, metrics and hop timings).
     pub label: String,
     /// Shared secret every connection must present.

@@ -247,6 +247,11 @@ where
                     release: step.release.clone(),
                     hidden: if over { None } else { hidden },
                     now: received,
+                    prefix_scope: if seam == SeamDtype::SeamF16 {
+                        stream_id
+                    } else {
+                        0
+                    },
                 })
                 .await;
             out.errors.extend(refused);

@@ -35,6 +35,7 @@ fn config(kv_budget_bytes: usize, kv_ttl: Duration) -> ShardConfig {
         scratch_budget_bytes: 64 << 20,
         inflight_budget_bytes: 64 << 20,
         pinned: false,
+        prefix_cache: true,
         label: "test-shard".into(),
         cluster_token: "unused-in-process-token".into(),
     }
@@ -133,6 +134,17 @@ fn frag(session_id: u64, start_pos: u32, tokens: &[u32]) -> Fragment {
         sampling: (start_pos == 0).then(Sampling::default),
         n_top_logprobs: 0,
         want_logprob: false,
+        reuse_prefix: false,
+        prefix: vec![],
+    }
+}
+
+/// A session's first fragment as the tracker sends it: the shard may start it on a cached
+/// prefix.
+fn first_frag(session_id: u64, tokens: &[u32]) -> Fragment {
+    Fragment {
+        reuse_prefix: true,
+        ..frag(session_id, 0, tokens)
     }
 }
 
@@ -394,4 +406,69 @@ async fn sessions_idle_past_the_ttl_are_forgotten() {
     assert_eq!(core.stats().evictions, 1);
     let r = route.step(1, vec![frag(1, 3, &[t1])], vec![]).await;
     assert_eq!(reasons(&r), vec![(1, "cache_miss".to_string())]);
+}
+
+/// Sessions with the same prompt share the cached blocks of its full 16-position blocks: the
+/// second computes only the rest and samples the same token, each block is counted once, a
+/// session's own blocks stay its own, and release leaves the shared blocks idle (free room)
+/// until a later session starts on them. A fragment naming a prefix this shard does not hold
+/// is a cache miss.
+#[tokio::test]
+async fn sessions_with_a_shared_prompt_prefix_share_its_cached_blocks() {
+    let core = core(64 << 20);
+    let digest = core.info.model_digest.clone();
+    let mut route = open(&core, 1, &digest).await.unwrap();
+    let prompt: Vec<u32> = (0..40).map(|i| 20 + (i * 7) % 50).collect();
+    let first = route.step(1, vec![first_frag(1, &prompt)], vec![]).await;
+    let after_one = core.stats();
+    assert_eq!(after_one.kv_blocks_in_use, 3);
+    assert_eq!(after_one.prefix_reused_tokens, 0);
+    let second = route.step(1, vec![first_frag(2, &prompt)], vec![]).await;
+    assert_eq!(second.outputs[0].token, first.outputs[0].token);
+    let after_two = core.stats();
+    // 32 positions taken from the cache, 8 computed into one block of its own.
+    assert_eq!(after_two.prefix_reused_tokens, 32);
+    assert_eq!(after_two.prefill_tokens - after_one.prefill_tokens, 8);
+    assert_eq!(after_two.kv_blocks_in_use, 4);
+    // Both continue as a fresh shard computes the prompt alone.
+    let fresh = self::core(64 << 20);
+    let mut alone = open(&fresh, 1, &digest).await.unwrap();
+    let t = first.outputs[0].token;
+    let want = {
+        alone.step(1, vec![frag(9, 0, &prompt)], vec![]).await;
+        alone.step(1, vec![frag(9, 40, &[t])], vec![]).await.outputs[0].token
+    };
+    for id in [1, 2] {
+        let got = route.step(1, vec![frag(id, 40, &[t])], vec![]).await;
+        assert_eq!(got.outputs[0].token, want, "session {id}");
+    }
+    // Releasing both: nothing is held; the prompt's two full blocks stay idle.
+    route.step(1, vec![], vec![1, 2]).await;
+    let released = core.stats();
+    assert_eq!(
+        (released.kv_blocks_in_use, released.kv_bytes_in_use),
+        (0, 0)
+    );
+    assert_eq!(released.kv_blocks_idle, 2);
+    let third = route.step(1, vec![first_frag(3, &prompt)], vec![]).await;
+    assert_eq!(third.outputs[0].token, t);
+    assert_eq!(core.stats().prefix_reused_tokens, 64);
+    assert_eq!(core.stats().kv_blocks_idle, 0);
+    // A recomputation (no reuse asked) computes everything.
+    let before = core.stats().prefill_tokens;
+    route.step(1, vec![frag(4, 0, &prompt)], vec![]).await;
+    assert_eq!(core.stats().prefill_tokens - before, 40);
+    // A later shard told to start on a prefix it does not hold refuses with cache_miss.
+    let other: Vec<u32> = (0..16).map(|i| 90 + i).collect();
+    let missing = Fragment {
+        prefix: other,
+        ..frag(5, 16, &[7])
+    };
+    let r = route.step(1, vec![missing], vec![]).await;
+    assert_eq!(reasons(&r), vec![(5, "cache_miss".to_string())]);
+    assert!(
+        r.errors[0].message.contains("16-position prefix"),
+        "{}",
+        r.errors[0].message
+    );
 }

@@ -57,6 +57,10 @@ pub struct ShardLimits {
     /// Pin this node's model: a tracker refuses to evict it.
     #[arg(long)]
     pin: bool,
+    /// Compute every session's prompt in full instead of starting it on the cached KV blocks
+    /// of a token prefix another session already computed.
+    #[arg(long)]
+    no_prefix_cache: bool,
     #[arg(long, default_value_t = 256)]
     max_sessions: usize,
     /// Milliseconds a session may sit idle before its KV is forgotten.
@@ -100,6 +104,9 @@ impl ShardLimits {
         ];
         if let Some(t) = self.threads {
             v.extend(["--threads".to_string(), t.to_string()]);
+        }
+        if self.no_prefix_cache {
+            v.push("--no-prefix-cache".into());
         }
         if self.pin {
             v.push("--pin".into());
@@ -332,6 +339,7 @@ fn shard_config(
         scratch_budget_bytes: limits.scratch_budget_mib << 20,
         inflight_budget_bytes: limits.inflight_budget_mib << 20,
         pinned: limits.pin,
+        prefix_cache: !limits.no_prefix_cache,
         label,
         cluster_token: token,
     }

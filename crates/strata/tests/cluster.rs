@@ -522,3 +522,41 @@ fn evicted_sessions_are_replayed_and_clients_see_identical_output() {
         "an evicted session should have been replayed"
     );
 }
+
+/// A prompt seen before starts on the cached KV blocks of its full 16-position blocks on every
+/// shard of a 3-shard route (each shard takes the same positions from its cache), and the
+/// answers stay those of one process: asked again alone, and by four sessions at once.
+#[test]
+fn a_repeated_prompt_starts_on_cached_prefix_blocks_on_every_shard_with_the_same_answer() {
+    let _serial = serial();
+    let prompt: Vec<u32> = eight_prompts()[4..].concat();
+    assert!(prompt.len() > 32, "two full blocks and more");
+    let want = one_process(&prompt, 16);
+    let c = cluster(&["0..10", "10..20", "20..30"]);
+    let reused = |c: &Cluster| -> Vec<f64> {
+        std::thread::sleep(Duration::from_millis(300));
+        c.shards
+            .iter()
+            .map(|s| {
+                metric(
+                    &c.tracker.addr,
+                    "strata_shard_prefix_reused_tokens_total",
+                    &s.addr,
+                )
+            })
+            .collect()
+    };
+    assert_eq!(complete_ids(&c.tracker.addr, &prompt, 16), want);
+    assert_eq!(
+        reused(&c),
+        vec![0.0; 3],
+        "nothing cached before the first request"
+    );
+    assert_eq!(complete_ids(&c.tracker.addr, &prompt, 16), want);
+    let blocks = ((prompt.len() - 1) / 16 * 16) as f64;
+    assert_eq!(reused(&c), vec![blocks; 3]);
+    for got in concurrently(&c.tracker.addr, &vec![prompt.clone(); 4], 16) {
+        assert_eq!(got, want);
+    }
+    assert_eq!(reused(&c), vec![5.0 * blocks; 3]);
+}

@@ -251,6 +251,12 @@ pub async fn monitor(
                         st.decode_tokens as f64,
                     );
                     metrics.set("strata_shard_steps_total", &l, st.steps as f64);
+                    metrics.set(
+                        "strata_shard_prefix_reused_tokens_total",
+                        &l,
+                        st.prefix_reused_tokens as f64,
+                    );
+                    metrics.set("strata_shard_kv_blocks_idle", &l, st.kv_blocks_idle as f64);
                     metrics.set("strata_shard_kv_bytes", &l, st.kv_bytes_in_use as f64);
                     metrics.set(
                         "strata_shard_kv_budget_bytes",

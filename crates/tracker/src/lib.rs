@@ -193,6 +193,16 @@ fn declare(m: &Metrics) {
         ),
         ("strata_shard_steps_total", "gauge", "steps a shard ran"),
         (
+            "strata_shard_prefix_reused_tokens_total",
+            "gauge",
+            "prompt positions a shard took from its prefix cache instead of computing them",
+        ),
+        (
+            "strata_shard_kv_blocks_idle",
+            "gauge",
+            "cached prefix blocks no session holds (free room, kept for later prompts)",
+        ),
+        (
             "strata_shard_kv_bytes",
             "gauge",
             "KV bytes in use per shard",
