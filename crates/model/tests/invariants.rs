@@ -59,26 +59,7 @@ fn run_alone(m: &Model, ids: &[u32], chunk: usize) -> Vec<f32> {
     let mut cache = m.new_cache(256);
     let mut all = Vec::new();
     for (ci, part) in ids.chunks(chunk).enumerate() {
-        let rows: Vec<Row> = part
-            .iter()
-            .enumerate()
-            .map(|(i, &token)| Row {
-                seq: 0,
-                pos: ci * chunk + i,
-                token,
-                want_logits: true,
-            })
-            .collect();
-        all.extend(logits(
-            m.forward(
-                Batch {
-                    rows: &rows,
-                    hidden: None,
-                },
-                &mut [&mut cache],
-            )
-            .unwrap(),
-        ));
+        all.extend(feed(m, &mut cache, ci * chunk, part));
     }
     all
 }
