@@ -244,8 +244,10 @@ impl KvPool {
         ROOT_BASE | scope
     }
 
-    /// Starts the empty `cache` on the registered blocks of the longest prefix of `tokens`
-    /// under `root`, at most `max_blocks` of them; returns the positions it now holds.
+    /// Extends `cache` with the registered blocks that continue it along `tokens` (the tokens
+    /// of its next positions), at most `max_blocks` of them, and returns the positions added.
+    /// The cache must be empty (its blocks then start at `root`) or end on the boundary of a
+    /// registered block; otherwise nothing is added.
     pub fn attach(
         &self,
         cache: &mut KvCache,
@@ -253,21 +255,26 @@ impl KvPool {
         root: u64,
         max_blocks: usize,
     ) -> usize {
-        assert!(
-            cache.blocks.is_empty(),
-            "a prefix is attached to an empty cache"
-        );
+        let mut parent = match cache.blocks.last() {
+            None => root,
+            Some(b) if cache.len == cache.blocks.len() * BLOCK_POSITIONS => b.uid,
+            Some(_) => 0,
+        };
+        if parent == 0 || max_blocks == 0 {
+            return 0;
+        }
         let mut s = self.lock();
-        let mut parent = root;
+        let before = cache.blocks.len();
         for chunk in tokens.chunks_exact(BLOCK_POSITIONS).take(max_blocks) {
             let key = (parent, chunk.try_into().expect("a full block of tokens"));
             let Some(&uid) = s.keys.get(&key) else { break };
             cache.blocks.push(s.hold(uid));
             parent = uid;
         }
-        s.attached_total += cache.blocks.len() as u64;
+        let added = cache.blocks.len() - before;
+        s.attached_total += added as u64;
         cache.len = cache.blocks.len() * BLOCK_POSITIONS;
-        cache.len
+        added * BLOCK_POSITIONS
     }
 
     /// Registers the full blocks of `cache` not yet registered; `tokens` are the cache's
@@ -594,6 +601,8 @@ mod tests {
     enum ShareOp {
         /// Open a cache and attach the registered prefix of the shared tokens (up to n).
         Open(usize),
+        /// Continue a cache with registered blocks of the shared tokens (up to n positions).
+        Extend(usize, usize),
         Grow(usize, usize, u32),
         Truncate(usize, usize),
         Register(usize),
@@ -603,6 +612,7 @@ mod tests {
     fn share_op() -> impl Strategy<Value = ShareOp> {
         prop_oneof![
             (0..70usize).prop_map(ShareOp::Open),
+            (0..8usize, 0..50usize).prop_map(|(s, n)| ShareOp::Extend(s, n)),
             (0..8usize, 1..40usize, 0..3u32).prop_map(|(s, n, salt)| ShareOp::Grow(s, n, salt)),
             (0..8usize, 0..60usize).prop_map(|(s, n)| ShareOp::Truncate(s, n)),
             (0..8usize).prop_map(ShareOp::Register),
@@ -632,6 +642,16 @@ mod tests {
                         prop_assert!(got < n.max(1));
                         prop_assert_eq!(c.n_shared_blocks(), got / BLOCK_POSITIONS);
                         caches.push((c, want[..got].to_vec()));
+                    }
+                    ShareOp::Extend(i, n) if !caches.is_empty() => {
+                        let k = i % caches.len();
+                        let (c, tokens) = &mut caches[k];
+                        let from = c.len();
+                        let next = tokens_of(from, from + n, 0);
+                        let got = pool.attach(c, &next, root, n / BLOCK_POSITIONS);
+                        prop_assert!(got <= n && got % BLOCK_POSITIONS == 0);
+                        prop_assert!(got == 0 || from % BLOCK_POSITIONS == 0);
+                        tokens.extend_from_slice(&next[..got]);
                     }
                     ShareOp::Grow(i, n, salt) if !caches.is_empty() => {
                         let k = i % caches.len();
@@ -727,7 +747,10 @@ mod tests {
         // A different first block shares nothing either.
         let mut e = pool.new_cache(100);
         assert_eq!(pool.attach(&mut e, &tokens_of(0, 40, 1), root, 5), 0);
-        assert_eq!(pool.attached_blocks_total(), 3);
+        // A cache on a registered block boundary continues along the chain.
+        assert_eq!(pool.attach(&mut b, &tokens[16..], root, 5), 16);
+        assert_eq!((b.len(), pool.blocks_in_use()), (32, 2));
+        assert_eq!(pool.attached_blocks_total(), 4);
     }
 
     #[test]

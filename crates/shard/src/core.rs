@@ -412,7 +412,17 @@ impl Worker {
             let id = f.session_id;
             let start = f.start_pos as usize;
             let end = start + f.tokens.len();
-            if f.tokens.is_empty() {
+            // Where the session's positions must end before this fragment: an upstream shard
+            // may have taken `prefix` (the positions just before `start_pos`) from its cache.
+            let Some(base) = start.checked_sub(f.prefix.len()) else {
+                out.errors.push(refusal(
+                    id,
+                    "invalid_request",
+                    format!("fragment of session {id} names a prefix longer than its start"),
+                ));
+                continue;
+            };
+            if f.tokens.is_empty() && f.prefix.is_empty() {
                 out.errors.push(refusal(
                     id,
                     "invalid_request",
@@ -455,21 +465,21 @@ impl Worker {
                     ));
                     continue;
                 }
-                Some(s) if start > s.kv.len() => {
+                Some(s) if base > s.kv.len() => {
                     out.errors.push(refusal(
                         id,
                         "cache_miss",
-                        format!("session {id} holds {} positions on shard {label}; fragment starts at {start}", s.kv.len()),
+                        format!("session {id} holds {} positions on shard {label}; fragment starts at {base}", s.kv.len()),
                     ));
                     continue;
                 }
                 Some(s) => {
                     // A fragment that starts inside the cache rewinds it (replay after a retry);
                     // whole blocks past the new end go back to the pool.
-                    s.kv.truncate(start);
-                    s.tokens.truncate(start);
+                    s.kv.truncate(base);
+                    s.tokens.truncate(base);
                 }
-                None if start != 0 && f.prefix.len() != start => {
+                None if base != 0 => {
                     out.errors.push(refusal(
                         id,
                         "cache_miss",
@@ -493,32 +503,13 @@ impl Worker {
                         .sampling
                         .as_ref()
                         .map(|s| Sampler::new(sampling_params(s)));
-                    let mut kv = self.kv_pool.new_cache(self.config.n_ctx);
-                    if start != 0 {
-                        // An upstream shard started this session on cached prefix blocks: start
-                        // on the same positions here, or the route must compute them.
-                        let held = if self.config.prefix_cache {
-                            self.kv_pool
-                                .attach(&mut kv, &f.prefix, root, start / BLOCK_POSITIONS)
-                        } else {
-                            0
-                        };
-                        if held != start {
-                            out.errors.push(refusal(
-                                id,
-                                "cache_miss",
-                                format!("the {start}-position prefix session {id} starts on is not cached on shard {label}"),
-                            ));
-                            continue;
-                        }
-                    }
                     self.sessions.insert(
                         id,
                         Session {
                             epoch: job.epoch,
                             stream_id: job.stream_id,
-                            kv,
-                            tokens: f.prefix.clone(),
+                            kv: self.kv_pool.new_cache(self.config.n_ctx),
+                            tokens: Vec::new(),
                             sampler,
                             n_top: f.n_top_logprobs,
                             last_used: job.now,
@@ -527,21 +518,48 @@ impl Worker {
                     created = true;
                 }
             }
-            if self.config.prefix_cache && start == 0 && f.reuse_prefix && self.model.is_first() {
-                // Start on the cached blocks of the longest registered prefix, keeping at
-                // least one token to compute; the rest of the fragment goes on from there.
-                let s = self.sessions.get_mut(&id).expect("held or created above");
-                let max_blocks = (f.tokens.len() - 1) / BLOCK_POSITIONS;
-                let held = if s.kv.is_empty() {
-                    self.kv_pool.attach(&mut s.kv, &f.tokens, root, max_blocks)
+            let s = self.sessions.get_mut(&id).expect("held or created above");
+            if !f.prefix.is_empty() {
+                // An upstream shard took these positions from its prefix cache: take the same
+                // ones here, or the route must compute them.
+                let held = if self.config.prefix_cache {
+                    self.kv_pool.attach(
+                        &mut s.kv,
+                        &f.prefix,
+                        root,
+                        f.prefix.len() / BLOCK_POSITIONS,
+                    )
                 } else {
                     0
                 };
+                if held != f.prefix.len() {
+                    s.kv.truncate(base);
+                    if created {
+                        self.sessions.remove(&id);
+                    }
+                    out.errors.push(refusal(
+                        id,
+                        "cache_miss",
+                        format!("session {id} continues at position {base} with a {}-position prefix that is not cached on shard {label}", f.prefix.len()),
+                    ));
+                    continue;
+                }
+                s.tokens.extend_from_slice(&f.prefix);
+            } else if self.config.prefix_cache && f.reuse_prefix && self.model.is_first() {
+                // Continue on the cached blocks of the longest registered prefix; a fragment
+                // that samples keeps at least one token to compute. The rest of the fragment
+                // goes on from there, naming the positions taken.
+                let max_blocks = if f.want_output {
+                    (f.tokens.len() - 1) / BLOCK_POSITIONS
+                } else {
+                    f.tokens.len() / BLOCK_POSITIONS
+                };
+                let held = self.kv_pool.attach(&mut s.kv, &f.tokens, root, max_blocks);
                 if held > 0 {
                     let f = &mut job.fragments[i];
                     f.prefix = f.tokens.drain(..held).collect();
-                    f.start_pos = held as u32;
-                    s.tokens.clone_from(&f.prefix);
+                    f.start_pos += held as u32;
+                    s.tokens.extend_from_slice(&f.prefix);
                 }
             }
             let f = &job.fragments[i];
@@ -646,7 +664,10 @@ impl Worker {
             }
         }
         // Borrow every accepted session's cache at once, in the order of `ids`.
-        let result = {
+        let result = if rows.is_empty() {
+            // Every accepted fragment was taken whole from the prefix cache: nothing to run.
+            Ok(Vec::new())
+        } else {
             let mut by_id: HashMap<u64, &mut KvCache> = self
                 .sessions
                 .iter_mut()

@@ -454,6 +454,26 @@ async fn sessions_with_a_shared_prompt_prefix_share_its_cached_blocks() {
     assert_eq!(third.outputs[0].token, t);
     assert_eq!(core.stats().prefix_reused_tokens, 64);
     assert_eq!(core.stats().kv_blocks_idle, 0);
+    // A prompt in chunks: a chunk that does not sample may be taken whole from the cache
+    // (nothing computed), and the next continues from there.
+    let (reused, computed) = (
+        core.stats().prefix_reused_tokens,
+        core.stats().prefill_tokens,
+    );
+    let head = Fragment {
+        want_output: false,
+        ..first_frag(6, &prompt[..32])
+    };
+    let r = route.step(1, vec![head], vec![]).await;
+    assert!(r.errors.is_empty() && r.outputs.is_empty(), "{r:?}");
+    let tail = Fragment {
+        reuse_prefix: true,
+        ..frag(6, 32, &prompt[32..])
+    };
+    let r = route.step(1, vec![tail], vec![]).await;
+    assert_eq!(r.outputs[0].token, t);
+    assert_eq!(core.stats().prefix_reused_tokens - reused, 32);
+    assert_eq!(core.stats().prefill_tokens - computed, 8);
     // A recomputation (no reuse asked) computes everything.
     let before = core.stats().prefill_tokens;
     route.step(1, vec![frag(4, 0, &prompt)], vec![]).await;
@@ -467,7 +487,9 @@ async fn sessions_with_a_shared_prompt_prefix_share_its_cached_blocks() {
     let r = route.step(1, vec![missing], vec![]).await;
     assert_eq!(reasons(&r), vec![(5, "cache_miss".to_string())]);
     assert!(
-        r.errors[0].message.contains("16-position prefix"),
+        r.errors[0].message.contains(
+            "session 5 continues at position 0 with a 16-position prefix that is not cached"
+        ),
         "{}",
         r.errors[0].message
     );

@@ -525,7 +525,10 @@ fn evicted_sessions_are_replayed_and_clients_see_identical_output() {
 
 /// A prompt seen before starts on the cached KV blocks of its full 16-position blocks on every
 /// shard of a 3-shard route (each shard takes the same positions from its cache), and the
-/// answers stay those of one process: asked again alone, and by four sessions at once.
+/// answers stay those of one process: asked again alone, by four sessions at once, and through
+/// a second tracker that prefills in 16-token chunks (each chunk taken from the cache). A route
+/// whose last shard keeps no prefix cache answers the first shard's reuse with cache_miss and
+/// the tracker recomputes the session: the same answer again.
 #[test]
 fn a_repeated_prompt_starts_on_cached_prefix_blocks_on_every_shard_with_the_same_answer() {
     let _serial = serial();
@@ -533,30 +536,66 @@ fn a_repeated_prompt_starts_on_cached_prefix_blocks_on_every_shard_with_the_same
     assert!(prompt.len() > 32, "two full blocks and more");
     let want = one_process(&prompt, 16);
     let c = cluster(&["0..10", "10..20", "20..30"]);
-    let reused = |c: &Cluster| -> Vec<f64> {
+    let reused = |tracker: &str, shards: &[Proc]| -> Vec<f64> {
         std::thread::sleep(Duration::from_millis(300));
-        c.shards
+        shards
             .iter()
-            .map(|s| {
-                metric(
-                    &c.tracker.addr,
-                    "strata_shard_prefix_reused_tokens_total",
-                    &s.addr,
-                )
-            })
+            .map(|s| metric(tracker, "strata_shard_prefix_reused_tokens_total", &s.addr))
             .collect()
     };
-    assert_eq!(complete_ids(&c.tracker.addr, &prompt, 16), want);
+    let t = c.tracker.addr.clone();
+    assert_eq!(complete_ids(&t, &prompt, 16), want);
     assert_eq!(
-        reused(&c),
+        reused(&t, &c.shards),
         vec![0.0; 3],
         "nothing cached before the first request"
     );
-    assert_eq!(complete_ids(&c.tracker.addr, &prompt, 16), want);
+    assert_eq!(complete_ids(&t, &prompt, 16), want);
     let blocks = ((prompt.len() - 1) / 16 * 16) as f64;
-    assert_eq!(reused(&c), vec![blocks; 3]);
-    for got in concurrently(&c.tracker.addr, &vec![prompt.clone(); 4], 16) {
+    assert_eq!(reused(&t, &c.shards), vec![blocks; 3]);
+    for got in concurrently(&t, &vec![prompt.clone(); 4], 16) {
         assert_eq!(got, want);
     }
-    assert_eq!(reused(&c), vec![5.0 * blocks; 3]);
+    assert_eq!(reused(&t, &c.shards), vec![5.0 * blocks; 3]);
+
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let refs: Vec<&Proc> = c.shards.iter().collect();
+    let chunked = procs::tracker(
+        exe(),
+        &refs,
+        &token,
+        &[
+            "--health-period-ms",
+            "100",
+            "--max-step-tokens",
+            "16",
+            "--prefill-chunk",
+            "16",
+        ],
+    );
+    assert_eq!(complete_ids(&chunked.addr, &prompt, 16), want);
+    assert_eq!(reused(&chunked.addr, &c.shards), vec![6.0 * blocks; 3]);
+    drop(c);
+
+    let m = model();
+    let first = procs::shard(exe(), &m, "0..15", &token, &["--threads", "1"]);
+    let last = procs::shard(
+        exe(),
+        &m,
+        "15..30",
+        &token,
+        &["--threads", "1", "--no-prefix-cache"],
+    );
+    let tracker = procs::tracker(
+        exe(),
+        &[&first, &last],
+        &token,
+        &["--health-period-ms", "100"],
+    );
+    for _ in 0..2 {
+        assert_eq!(complete_ids(&tracker.addr, &prompt, 16), want);
+    }
+    let shards = [first, last];
+    assert_eq!(reused(&tracker.addr, &shards), vec![blocks, 0.0]);
+    assert_eq!(tracker_metric(&tracker.addr, "strata_replays_total"), 1.0);
 }

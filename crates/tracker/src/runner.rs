@@ -514,9 +514,9 @@ impl Runner {
                     },
                     n_top_logprobs: live.and_then(|l| l.logprobs).unwrap_or(0),
                     want_logprob: live.is_some_and(|l| l.logprobs.is_some()),
-                    // Shards may start a new session on cached blocks of a shared prefix; a
-                    // session being recomputed after a cache miss computes everything.
-                    reuse_prefix: item.start_pos == 0 && live.is_some_and(|l| l.n_replays == 0),
+                    // Shards may take a prompt's positions from cached blocks of a shared
+                    // prefix; a session being recomputed after a cache miss computes them.
+                    reuse_prefix: item.tokens.len() > 1 && live.is_some_and(|l| l.n_replays == 0),
                     prefix: Vec::new(),
                 }
             })
