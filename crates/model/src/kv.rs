@@ -649,8 +649,8 @@ mod tests {
                         let from = c.len();
                         let next = tokens_of(from, from + n, 0);
                         let got = pool.attach(c, &next, root, n / BLOCK_POSITIONS);
-                        prop_assert!(got <= n && got % BLOCK_POSITIONS == 0);
-                        prop_assert!(got == 0 || from % BLOCK_POSITIONS == 0);
+                        prop_assert!(got <= n && got.is_multiple_of(BLOCK_POSITIONS));
+                        prop_assert!(got == 0 || from.is_multiple_of(BLOCK_POSITIONS));
                         tokens.extend_from_slice(&next[..got]);
                     }
                     ShareOp::Grow(i, n, salt) if !caches.is_empty() => {
