@@ -60,6 +60,20 @@ pub enum Output {
     Logits(Vec<f32>),
 }
 
+/// Fewest rows a step runs data-parallel ([`Model::split`]): below, each lane would stream
+/// every weight for a row or two, where sharing the weights across threads costs less.
+const MIN_PARALLEL_ROWS: usize = 8;
+
+/// `v[..len]`, grown if shorter. Buffers sized by the step only grow, and a step uses a prefix
+/// (every buffer is written in full before it is read): a decode step after a prefill step must
+/// not shrink them, or the next prefill zeroes megabytes again.
+fn grow(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if v.len() < len {
+        v.resize(len, 0.0);
+    }
+    &mut v[..len]
+}
+
 /// The weights of one layer range, ready to run.
 pub struct Model {
     config: LlamaConfig,
@@ -69,6 +83,14 @@ pub struct Model {
     pool: ThreadPool,
     /// Per-step buffers, reused (forward passes run one at a time).
     workspace: Mutex<Workspace>,
+    /// With several threads, one lane per thread for data-parallel steps ([`Model::split`]).
+    lanes: Vec<Lane>,
+}
+
+/// One group of sessions' own way through the layers: a single-thread pool and buffers.
+struct Lane {
+    pool: ThreadPool,
+    ws: Mutex<Workspace>,
 }
 
 /// A forward pass's activations: the residual stream, one layer's intermediates, quantized
@@ -92,6 +114,10 @@ struct Workspace {
     /// Attention scratch (rounded query, scores) per pool thread, sized by the caller before
     /// each attention job so that no worker allocates.
     attn_scratch: Vec<Vec<f32>>,
+    /// A data-parallel step's groups: rows, first session, sessions.
+    groups: Vec<(std::ops::Range<usize>, usize, usize)>,
+    /// A lane's rows, sessions renumbered from its first.
+    rows: Vec<Row>,
 }
 
 impl Model {
@@ -120,6 +146,13 @@ impl Model {
             kernels,
             pool: ThreadPool::new(opts.n_threads),
             workspace: Mutex::new(Workspace::default()),
+            lanes: (0..opts.n_threads.max(1))
+                .filter(|_| opts.n_threads > 1)
+                .map(|_| Lane {
+                    pool: ThreadPool::new(1),
+                    ws: Mutex::new(Workspace::default()),
+                })
+                .collect(),
         })
     }
 
@@ -226,16 +259,6 @@ impl Model {
         let mut guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
         let ws = &mut *guard;
         self.validate(batch, caches, &mut ws.ends)?;
-        let kv = c.kv_dim();
-        // Buffers sized by the step only grow, and a step uses a prefix (every buffer is written
-        // in full before it is read): a decode step after a prefill step must not shrink them,
-        // or the next prefill zeroes megabytes again.
-        fn grow(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
-            if v.len() < len {
-                v.resize(len, 0.0);
-            }
-            &mut v[..len]
-        }
         match batch.hidden {
             Some(h) => {
                 ws.x.clear();
@@ -268,113 +291,42 @@ impl Model {
                 return Err(Error::KvExhausted(e));
             }
         }
-        ws.rope.fill(c, rows);
-        let Workspace {
-            x,
-            h,
-            q,
-            k,
-            v,
-            attn,
-            o,
-            g,
-            u,
-            acts,
-            ..
-        } = ws;
-        let (h, q, k, v) = (
-            grow(h, n * d),
-            grow(q, n * d),
-            grow(k, n * kv),
-            grow(v, n * kv),
-        );
-        let (attn, o) = (grow(attn, n * d), grow(o, n * d));
-        let (g, u) = (grow(g, n * c.n_ff), grow(u, n * c.n_ff));
-        for (li, lw) in self.weights.layers.iter().enumerate() {
-            // The previous layer's FFN output joins the residual stream here.
-            let residual = (li > 0).then_some(&o[..]);
-            let rows_q = acts.prepare(&[&lw.wq, &lw.wk, &lw.wv], n);
-            self.add_norm(x, residual, &lw.attn_norm, h, &rows_q);
-            matmul_prepared(
-                &self.kernels,
-                &self.pool,
-                &mut [
-                    Product { w: &lw.wq, out: q },
-                    Product { w: &lw.wk, out: k },
-                    Product { w: &lw.wv, out: v },
-                ],
-                acts,
-            );
-            {
-                let (rope, q, k) = (&ws.rope, SharedMut::new(q), SharedMut::new(k));
-                self.pool.run_rows(n, &|i| {
-                    // SAFETY: each row's slices belong to this task alone.
-                    let (qi, ki) = unsafe { (q.slice(i * d, d), k.slice(i * kv, kv)) };
-                    rope.apply_row(i, qi, c.head_dim);
-                    rope.apply_row(i, ki, c.head_dim);
-                });
-            }
-            for (i, row) in rows.iter().enumerate() {
-                let cache = &mut caches[row.seq];
-                for (which, src) in [(0, &*k), (1, &*v)] {
-                    // Round to nearest even, eight values per instruction where F16C exists.
-                    cache
-                        .row_mut(li, which, row.pos)
-                        .convert_from_f32_slice(&src[i * kv..(i + 1) * kv]);
-                }
-            }
-            self.attention(li, rows, caches, q, attn, &mut ws.attn_scratch);
-            matmul(
-                &self.kernels,
-                &self.pool,
-                attn,
-                &mut [Product { w: &lw.wo, out: o }],
-                acts,
-            );
-            let rows_q = acts.prepare(&[&lw.w_gate, &lw.w_up], n);
-            self.add_norm(x, Some(o), &lw.ffn_norm, h, &rows_q);
-            matmul_prepared(
-                &self.kernels,
-                &self.pool,
-                &mut [
-                    Product {
-                        w: &lw.w_gate,
-                        out: g,
-                    },
-                    Product {
-                        w: &lw.w_up,
-                        out: u,
-                    },
-                ],
-                acts,
-            );
-            {
-                // SiLU and the down projection's activation row, in one pass per row.
-                let rows_q = acts.prepare(&[&lw.w_down], n);
-                let (gs, u, f) = (SharedMut::new(g), &*u, c.n_ff);
-                self.pool.run_rows(n, &|i| {
-                    // SAFETY: each row's slice (and quantized row) belongs to this task alone.
-                    unsafe {
-                        let gi = gs.slice(i * f, f);
-                        self.kernels.silu_mul(gi, &u[i * f..(i + 1) * f]);
-                        rows_q.quantize(&self.kernels, i, gi);
-                    }
-                });
-            }
-            matmul_prepared(
-                &self.kernels,
-                &self.pool,
-                &mut [Product {
-                    w: &lw.w_down,
-                    out: o,
-                }],
-                acts,
-            );
+        let mut groups = std::mem::take(&mut ws.groups);
+        if self.split(rows, &mut groups) {
+            // Data parallel: each group of whole sessions runs every layer on its own thread,
+            // with its own buffers (no synchronization inside a layer); a row's arithmetic is the
+            // same as on the shared path.
+            let xs = SharedMut::new(&mut ws.x[..n * d]);
+            let cs = SharedMut::new(caches);
+            let groups = &groups;
+            self.pool.run(groups.len(), &|g| {
+                let (r, first_seq, n_seq) = groups[g].clone();
+                let lane = &self.lanes[g];
+                let mut lws = lane.ws.lock().unwrap_or_else(|e| e.into_inner());
+                let lws = &mut *lws;
+                // SAFETY: groups hold disjoint runs of rows and of sessions.
+                let (x, caches) = unsafe {
+                    (
+                        xs.slice(r.start * d, r.len() * d),
+                        cs.slice(first_seq, n_seq),
+                    )
+                };
+                lws.x.clear();
+                lws.x.extend_from_slice(x);
+                let mut own = std::mem::take(&mut lws.rows);
+                own.clear();
+                own.extend(rows[r].iter().map(|row| Row {
+                    seq: row.seq - first_seq,
+                    ..*row
+                }));
+                self.run_layers(&lane.pool, lws, &own, caches);
+                x.copy_from_slice(&lws.x[..x.len()]);
+                lws.rows = own;
+            });
+        } else {
+            self.run_layers(&self.pool, ws, rows, caches);
         }
-        if !self.weights.layers.is_empty() {
-            x.iter_mut().zip(o.iter()).for_each(|(a, b)| *a += b);
-        }
-
+        ws.groups = groups;
         for (c, &end) in caches.iter_mut().zip(&ws.ends) {
             c.set_len(end);
         }
@@ -416,10 +368,161 @@ impl Model {
         Ok(())
     }
 
+    /// Whether to run `rows` data-parallel, and how: one group of whole sessions per lane, in
+    /// order, with about the same number of rows each. Only for batches of several sessions in
+    /// session order that split evenly enough (a long prompt's rows stay on the shared path,
+    /// where every thread works on them).
+    fn split(
+        &self,
+        rows: &[Row],
+        groups: &mut Vec<(std::ops::Range<usize>, usize, usize)>,
+    ) -> bool {
+        groups.clear();
+        let (n, t) = (rows.len(), self.lanes.len());
+        if t < 2 || n < MIN_PARALLEL_ROWS || rows.windows(2).any(|w| w[1].seq < w[0].seq) {
+            return false;
+        }
+        let mut start = 0;
+        for g in 0..t {
+            if start == n {
+                break;
+            }
+            let mut end = (start + (n - start).div_ceil(t - g)).min(n);
+            while end < n && rows[end].seq == rows[end - 1].seq {
+                end += 1;
+            }
+            let first = rows[start].seq;
+            groups.push((start..end, first, rows[end - 1].seq + 1 - first));
+            start = end;
+        }
+        let longest = groups.iter().map(|g| g.0.len()).max().unwrap_or(0);
+        groups.len() == t && longest * t <= n + n / 4 + t
+    }
+
+    /// Every layer of the range over the rows' hidden states in `ws.x`, on `pool`; each row's K
+    /// and V go to its session's cache (room reserved by the caller).
+    fn run_layers(
+        &self,
+        pool: &ThreadPool,
+        ws: &mut Workspace,
+        rows: &[Row],
+        caches: &mut [&mut KvCache],
+    ) {
+        let c = &self.config;
+        let (n, d, kv) = (rows.len(), c.n_embd, c.kv_dim());
+        ws.rope.fill(c, rows);
+        let Workspace {
+            x,
+            h,
+            q,
+            k,
+            v,
+            attn,
+            o,
+            g,
+            u,
+            acts,
+            ..
+        } = ws;
+        let (h, q, k, v) = (
+            grow(h, n * d),
+            grow(q, n * d),
+            grow(k, n * kv),
+            grow(v, n * kv),
+        );
+        let (attn, o) = (grow(attn, n * d), grow(o, n * d));
+        let (g, u) = (grow(g, n * c.n_ff), grow(u, n * c.n_ff));
+        for (li, lw) in self.weights.layers.iter().enumerate() {
+            // The previous layer's FFN output joins the residual stream here.
+            let residual = (li > 0).then_some(&o[..]);
+            let rows_q = acts.prepare(&[&lw.wq, &lw.wk, &lw.wv], n);
+            self.add_norm(pool, x, residual, &lw.attn_norm, h, &rows_q);
+            matmul_prepared(
+                &self.kernels,
+                pool,
+                &mut [
+                    Product { w: &lw.wq, out: q },
+                    Product { w: &lw.wk, out: k },
+                    Product { w: &lw.wv, out: v },
+                ],
+                acts,
+            );
+            {
+                let (rope, q, k) = (&ws.rope, SharedMut::new(q), SharedMut::new(k));
+                pool.run_rows(n, &|i| {
+                    // SAFETY: each row's slices belong to this task alone.
+                    let (qi, ki) = unsafe { (q.slice(i * d, d), k.slice(i * kv, kv)) };
+                    rope.apply_row(i, qi, c.head_dim);
+                    rope.apply_row(i, ki, c.head_dim);
+                });
+            }
+            for (i, row) in rows.iter().enumerate() {
+                let cache = &mut caches[row.seq];
+                for (which, src) in [(0, &*k), (1, &*v)] {
+                    // Round to nearest even, eight values per instruction where F16C exists.
+                    cache
+                        .row_mut(li, which, row.pos)
+                        .convert_from_f32_slice(&src[i * kv..(i + 1) * kv]);
+                }
+            }
+            self.attention(pool, li, rows, caches, q, attn, &mut ws.attn_scratch);
+            matmul(
+                &self.kernels,
+                pool,
+                attn,
+                &mut [Product { w: &lw.wo, out: o }],
+                acts,
+            );
+            let rows_q = acts.prepare(&[&lw.w_gate, &lw.w_up], n);
+            self.add_norm(pool, x, Some(o), &lw.ffn_norm, h, &rows_q);
+            matmul_prepared(
+                &self.kernels,
+                pool,
+                &mut [
+                    Product {
+                        w: &lw.w_gate,
+                        out: g,
+                    },
+                    Product {
+                        w: &lw.w_up,
+                        out: u,
+                    },
+                ],
+                acts,
+            );
+            {
+                // SiLU and the down projection's activation row, in one pass per row.
+                let rows_q = acts.prepare(&[&lw.w_down], n);
+                let (gs, u, f) = (SharedMut::new(g), &*u, c.n_ff);
+                pool.run_rows(n, &|i| {
+                    // SAFETY: each row's slice (and quantized row) belongs to this task alone.
+                    unsafe {
+                        let gi = gs.slice(i * f, f);
+                        self.kernels.silu_mul(gi, &u[i * f..(i + 1) * f]);
+                        rows_q.quantize(&self.kernels, i, gi);
+                    }
+                });
+            }
+            matmul_prepared(
+                &self.kernels,
+                pool,
+                &mut [Product {
+                    w: &lw.w_down,
+                    out: o,
+                }],
+                acts,
+            );
+        }
+        if !self.weights.layers.is_empty() {
+            x.iter_mut().zip(o.iter()).for_each(|(a, b)| *a += b);
+        }
+    }
+
     /// `x += residual` (when given), then `h = rms_norm(x) * weight`, quantized for the next
     /// product by `rows_q`: in parallel, each row in one pass.
     fn add_norm(
         &self,
+        pool: &ThreadPool,
         x: &mut [f32],
         residual: Option<&[f32]>,
         weight: &[f32],
@@ -431,7 +534,7 @@ impl Model {
         assert_eq!(x.len(), n * d);
         let (xs, hs) = (SharedMut::new(x), SharedMut::new(h));
         // Tasks of four rows: `rms_norm` advances four rows' sums together.
-        self.pool.run(n.div_ceil(4), &|task| {
+        pool.run(n.div_ceil(4), &|task| {
             let run = 4 * task..(4 * task + 4).min(n);
             // SAFETY: each run's rows belong to this task alone.
             let (xr, hr) = unsafe {
@@ -537,6 +640,7 @@ impl Model {
     /// Causal attention of every row over its own session's cache.
     fn attention(
         &self,
+        pool: &ThreadPool,
         li: usize,
         rows: &[Row],
         caches: &[&mut KvCache],
@@ -552,7 +656,7 @@ impl Model {
         // A task takes every query head sharing one KV head, so each K and V row is decoded once
         // for all of them; with few rows, one task per query head keeps every thread busy. The
         // arithmetic of each head is the same either way.
-        let per_task = if rows.len() * c.n_head_kv >= 4 * self.pool.n_threads() {
+        let per_task = if rows.len() * c.n_head_kv >= 4 * pool.n_threads() {
             group
         } else {
             1
@@ -563,63 +667,62 @@ impl Model {
         // reallocate step after step).
         let longest = rows.iter().map(|r| r.pos + 1).max().unwrap_or(0);
         let n_ctx = caches.iter().map(|c| c.n_ctx()).max().unwrap_or(0);
-        scratch.resize_with(self.pool.n_threads(), Vec::new);
+        scratch.resize_with(pool.n_threads(), Vec::new);
         for s in scratch.iter_mut() {
             if s.len() < per_task * (hd + longest + 1) {
                 s.resize(per_task * (hd + n_ctx.max(longest) + 1), 0.0);
             }
         }
         let scratch = SharedMut::new(scratch);
-        self.pool
-            .run_on(rows.len() * tasks_per_row, &|task, thread| {
-                let (i, first) = (task / tasks_per_row, (task % tasks_per_row) * per_task);
-                let row = rows[i];
-                let cache: &KvCache = caches[row.seq];
-                let kvh = first / group;
-                let n_pos = row.pos + 1;
-                // SAFETY: a thread runs one task at a time; only it uses its entry.
-                let scratch = unsafe { &mut scratch.slice(thread, 1)[0] };
-                let need = per_task * (hd + n_pos + 1);
-                let (qs, rest) = scratch[..need].split_at_mut(per_task * hd);
-                let (scores, inv) = rest.split_at_mut(per_task * n_pos);
-                let q_row = &q[i * c.n_embd + first * hd..][..per_task * hd];
-                // SAFETY: each task writes its own heads' head_dim slices of `out`.
-                let o = unsafe { out_ptr.slice(i * c.n_embd + first * hd, per_task * hd) };
-                if self.kernels.fused_attention(
-                    hd,
-                    q_row,
-                    n_pos,
-                    scale,
-                    |t| &cache.row(li, 0, t)[kvh * hd..][..hd],
-                    |t| &cache.row(li, 1, t)[kvh * hd..][..hd],
-                    scores,
-                    o,
-                ) {
-                    return;
+        pool.run_on(rows.len() * tasks_per_row, &|task, thread| {
+            let (i, first) = (task / tasks_per_row, (task % tasks_per_row) * per_task);
+            let row = rows[i];
+            let cache: &KvCache = caches[row.seq];
+            let kvh = first / group;
+            let n_pos = row.pos + 1;
+            // SAFETY: a thread runs one task at a time; only it uses its entry.
+            let scratch = unsafe { &mut scratch.slice(thread, 1)[0] };
+            let need = per_task * (hd + n_pos + 1);
+            let (qs, rest) = scratch[..need].split_at_mut(per_task * hd);
+            let (scores, inv) = rest.split_at_mut(per_task * n_pos);
+            let q_row = &q[i * c.n_embd + first * hd..][..per_task * hd];
+            // SAFETY: each task writes its own heads' head_dim slices of `out`.
+            let o = unsafe { out_ptr.slice(i * c.n_embd + first * hd, per_task * hd) };
+            if self.kernels.fused_attention(
+                hd,
+                q_row,
+                n_pos,
+                scale,
+                |t| &cache.row(li, 0, t)[kvh * hd..][..hd],
+                |t| &cache.row(li, 1, t)[kvh * hd..][..hd],
+                scores,
+                o,
+            ) {
+                return;
+            }
+            // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity.
+            for (d, &x) in qs.iter_mut().zip(q_row) {
+                *d = f16::from_f32(x).to_f32();
+            }
+            // K and V are read from the session's blocks in place, one head row at a time.
+            for t in 0..n_pos {
+                let k = &cache.row(li, 0, t)[kvh * hd..][..hd];
+                for (h, qh) in qs.chunks_exact(hd).enumerate() {
+                    scores[h * n_pos + t] = self.kernels.dot_f16(qh, k) * scale;
                 }
-                // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity.
-                for (d, &x) in qs.iter_mut().zip(q_row) {
-                    *d = f16::from_f32(x).to_f32();
+            }
+            for (h, s) in scores.chunks_exact_mut(n_pos).enumerate() {
+                inv[h] = exp::softmax_numerators(s);
+            }
+            o.fill(0.0);
+            for t in 0..n_pos {
+                let v = &cache.row(li, 1, t)[kvh * hd..][..hd];
+                for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
+                    let p = f16::from_f32(scores[h * n_pos + t] * inv[h]).to_f32();
+                    self.kernels.axpy_f16(p, v, oh);
                 }
-                // K and V are read from the session's blocks in place, one head row at a time.
-                for t in 0..n_pos {
-                    let k = &cache.row(li, 0, t)[kvh * hd..][..hd];
-                    for (h, qh) in qs.chunks_exact(hd).enumerate() {
-                        scores[h * n_pos + t] = self.kernels.dot_f16(qh, k) * scale;
-                    }
-                }
-                for (h, s) in scores.chunks_exact_mut(n_pos).enumerate() {
-                    inv[h] = exp::softmax_numerators(s);
-                }
-                o.fill(0.0);
-                for t in 0..n_pos {
-                    let v = &cache.row(li, 1, t)[kvh * hd..][..hd];
-                    for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
-                        let p = f16::from_f32(scores[h * n_pos + t] * inv[h]).to_f32();
-                        self.kernels.axpy_f16(p, v, oh);
-                    }
-                }
-            });
+            }
+        });
     }
 }
 

@@ -182,6 +182,112 @@ fn a_sessions_logits_do_not_depend_on_its_batch_companions() {
     }
 }
 
+/// Batches in session order run data-parallel (each thread takes whole sessions through every
+/// layer with its own buffers): a session's logits are bitwise those it gets alone, wherever
+/// it sits, with prompts and single decode rows mixed, on two and three threads, on the whole
+/// model and on a range past layer 0.
+#[test]
+fn data_parallel_batches_give_bitwise_the_logits_alone() {
+    for spec in specs() {
+        for n_threads in [2, 3] {
+            let m = load(&spec, None, n_threads);
+            let n_vocab = m.config().n_vocab;
+            // Sessions 0..6: prompts of 1 to 6 tokens (a single token is a decode-sized row).
+            let prompts: Vec<Vec<u32>> = (0..6)
+                .map(|i| prompt(40 + i as u32, 1 + (i * 5) % 6))
+                .collect();
+            let alone: Vec<Vec<f32>> = prompts.iter().map(|p| run_alone(&m, p, p.len())).collect();
+            let mut caches: Vec<KvCache> = prompts.iter().map(|_| m.new_cache(64)).collect();
+            let rows: Vec<Row> = prompts
+                .iter()
+                .enumerate()
+                .flat_map(|(seq, p)| {
+                    p.iter().enumerate().map(move |(pos, &token)| Row {
+                        seq,
+                        pos,
+                        token,
+                        want_logits: true,
+                    })
+                })
+                .collect();
+            let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+            let all = feed_rows(&m, &rows, &mut refs);
+            let mut at = 0;
+            for (seq, p) in prompts.iter().enumerate() {
+                let got = &all[at * n_vocab..(at + p.len()) * n_vocab];
+                at += p.len();
+                assert!(
+                    bits(got) == bits(&alone[seq]),
+                    "{:?} on {n_threads} threads: session {seq} differs",
+                    spec.weight_type
+                );
+            }
+        }
+        // A range past layer 0 takes hidden states: split [0, 1) then [1, n) with the second
+        // range data-parallel equals the whole model alone.
+        let a = load(&spec, Some(LayerRange { start: 0, end: 1 }), 1);
+        let b = load(
+            &spec,
+            Some(LayerRange {
+                start: 1,
+                end: spec.n_layers,
+            }),
+            2,
+        );
+        let whole = load(&spec, None, 1);
+        let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(60 + i, 2 + i as usize)).collect();
+        let rows: Vec<Row> = prompts
+            .iter()
+            .enumerate()
+            .flat_map(|(seq, p)| {
+                p.iter().enumerate().map(move |(pos, &token)| Row {
+                    seq,
+                    pos,
+                    token,
+                    want_logits: true,
+                })
+            })
+            .collect();
+        let mut ca: Vec<KvCache> = prompts.iter().map(|_| a.new_cache(64)).collect();
+        let mut cb: Vec<KvCache> = prompts.iter().map(|_| b.new_cache(64)).collect();
+        let Output::Hidden(h) = a
+            .forward(
+                Batch {
+                    rows: &rows,
+                    hidden: None,
+                },
+                &mut ca.iter_mut().collect::<Vec<_>>(),
+            )
+            .unwrap()
+        else {
+            panic!("first range returns hidden states")
+        };
+        let got = logits(
+            b.forward(
+                Batch {
+                    rows: &rows,
+                    hidden: Some(&h),
+                },
+                &mut cb.iter_mut().collect::<Vec<_>>(),
+            )
+            .unwrap(),
+        );
+        let want: Vec<f32> = prompts
+            .iter()
+            .flat_map(|p| run_alone(&whole, p, p.len()))
+            .collect();
+        assert!(
+            bits(&got) == bits(&want),
+            "{:?}: split data-parallel differs",
+            spec.weight_type
+        );
+    }
+}
+
+fn feed_rows(m: &Model, rows: &[Row], caches: &mut [&mut KvCache]) -> Vec<f32> {
+    logits(m.forward(Batch { rows, hidden: None }, caches).unwrap())
+}
+
 #[test]
 fn chunked_prefill_gives_bitwise_the_one_shot_logits() {
     for spec in specs() {

@@ -44,10 +44,13 @@ static GLOBAL: Counting = Counting;
 fn a_warm_batched_decode_step_allocates_nothing() {
     let path = testkit::write_tiny_model(&TinySpec::default(), "no-alloc");
     let file = gguf::GgufFile::open(&path).unwrap();
-    for (range, threads) in [
-        (None, 2),
-        (Some(LayerRange { start: 0, end: 2 }), 2),
-        (None, 1),
+    // Four sessions run on the shared path; sixteen data-parallel (one lane per thread).
+    for (range, threads, n_seq) in [
+        (None, 2, 4),
+        (Some(LayerRange { start: 0, end: 2 }), 2, 4),
+        (None, 1, 4),
+        (None, 2, 16),
+        (Some(LayerRange { start: 2, end: 4 }), 2, 16),
     ] {
         let m = Model::load(
             &file,
@@ -58,7 +61,6 @@ fn a_warm_batched_decode_step_allocates_nothing() {
             },
         )
         .unwrap();
-        let n_seq = 4;
         let mut caches: Vec<_> = (0..n_seq).map(|_| m.new_cache(64)).collect();
         let mut out = Vec::new();
         let width = m.config().n_embd;
@@ -92,7 +94,7 @@ fn a_warm_batched_decode_step_allocates_nothing() {
         assert_eq!(
             ALLOCATIONS.load(Ordering::SeqCst),
             0,
-            "range {range:?}, {threads} threads: allocations during warm decode steps"
+            "range {range:?}, {threads} threads, {n_seq} sessions: allocations during warm decode steps"
         );
     }
 }
