@@ -198,18 +198,7 @@ fn data_parallel_batches_give_bitwise_the_logits_alone() {
                 .collect();
             let alone: Vec<Vec<f32>> = prompts.iter().map(|p| run_alone(&m, p, p.len())).collect();
             let mut caches: Vec<KvCache> = prompts.iter().map(|_| m.new_cache(64)).collect();
-            let rows: Vec<Row> = prompts
-                .iter()
-                .enumerate()
-                .flat_map(|(seq, p)| {
-                    p.iter().enumerate().map(move |(pos, &token)| Row {
-                        seq,
-                        pos,
-                        token,
-                        want_logits: true,
-                    })
-                })
-                .collect();
+            let rows = rows_in_session_order(&prompts);
             let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
             let all = feed_rows(&m, &rows, &mut refs);
             let mut at = 0;
@@ -236,18 +225,7 @@ fn data_parallel_batches_give_bitwise_the_logits_alone() {
         );
         let whole = load(&spec, None, 1);
         let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(60 + i, 2 + i as usize)).collect();
-        let rows: Vec<Row> = prompts
-            .iter()
-            .enumerate()
-            .flat_map(|(seq, p)| {
-                p.iter().enumerate().map(move |(pos, &token)| Row {
-                    seq,
-                    pos,
-                    token,
-                    want_logits: true,
-                })
-            })
-            .collect();
+        let rows = rows_in_session_order(&prompts);
         let mut ca: Vec<KvCache> = prompts.iter().map(|_| a.new_cache(64)).collect();
         let mut cb: Vec<KvCache> = prompts.iter().map(|_| b.new_cache(64)).collect();
         let Output::Hidden(h) = a
@@ -282,6 +260,22 @@ fn data_parallel_batches_give_bitwise_the_logits_alone() {
             spec.weight_type
         );
     }
+}
+
+/// Every prompt's rows from position 0, session after session.
+fn rows_in_session_order(prompts: &[Vec<u32>]) -> Vec<Row> {
+    prompts
+        .iter()
+        .enumerate()
+        .flat_map(|(seq, p)| {
+            p.iter().enumerate().map(move |(pos, &token)| Row {
+                seq,
+                pos,
+                token,
+                want_logits: true,
+            })
+        })
+        .collect()
 }
 
 fn feed_rows(m: &Model, rows: &[Row], caches: &mut [&mut KvCache]) -> Vec<f32> {
