@@ -422,7 +422,9 @@ impl Worker {
                 ));
                 continue;
             };
-            if f.tokens.is_empty() && f.prefix.is_empty() {
+            // Only positions taken whole from a prefix cache come without tokens to compute, and
+            // such a fragment cannot sample.
+            if f.tokens.is_empty() && (f.prefix.is_empty() || f.want_output) {
                 out.errors.push(refusal(
                     id,
                     "invalid_request",
@@ -550,7 +552,7 @@ impl Worker {
                 // that samples keeps at least one token to compute. The rest of the fragment
                 // goes on from there, naming the positions taken.
                 let max_blocks = if f.want_output {
-                    (f.tokens.len() - 1) / BLOCK_POSITIONS
+                    f.tokens.len().saturating_sub(1) / BLOCK_POSITIONS
                 } else {
                     f.tokens.len() / BLOCK_POSITIONS
                 };

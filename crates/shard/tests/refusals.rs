@@ -486,6 +486,13 @@ async fn sessions_with_a_shared_prompt_prefix_share_its_cached_blocks() {
     };
     let r = route.step(1, vec![missing], vec![]).await;
     assert_eq!(reasons(&r), vec![(5, "cache_miss".to_string())]);
+    // Positions from a prefix with nothing to compute cannot sample: refused, not run.
+    let sampling_nothing = Fragment {
+        prefix: prompt[..16].to_vec(),
+        ..frag(7, 16, &[])
+    };
+    let r7 = route.step(1, vec![sampling_nothing], vec![]).await;
+    assert_eq!(reasons(&r7), vec![(7, "invalid_request".to_string())]);
     assert!(
         r.errors[0].message.contains(
             "session 5 continues at position 0 with a 16-position prefix that is not cached"
