@@ -421,6 +421,14 @@ impl KvCache {
         self.blocks.len() * self.pool.block_bytes()
     }
 
+    /// Bytes dropping this cache would make free: its private blocks and the registered ones no
+    /// other cache holds (those go idle); a block other caches share stays held.
+    pub fn releasable_bytes(&self) -> usize {
+        // Only the registry and this cache hold a registered block that no other cache does.
+        let alone = |b: &Block| b.uid == 0 || Arc::strong_count(&b.data) <= 2;
+        self.blocks.iter().filter(|b| alone(b)).count() * self.pool.block_bytes()
+    }
+
     /// Whether growing to `len` writes into a registered block (after a truncation into it),
     /// which must be copied first.
     fn must_copy_last(&self, len: usize) -> bool {
@@ -689,7 +697,10 @@ mod tests {
                         pool.register(c, tokens, root);
                     }
                     ShareOp::Close(i) if !caches.is_empty() => {
-                        caches.swap_remove(i % caches.len());
+                        let k = i % caches.len();
+                        let (free, freed) = (pool.free_blocks(), caches[k].0.releasable_bytes());
+                        caches.swap_remove(k);
+                        prop_assert_eq!(pool.free_blocks(), free + freed / block_bytes);
                     }
                     _ => {}
                 }
@@ -741,6 +752,8 @@ mod tests {
         let mut c = pool.new_cache(100);
         assert_eq!(pool.attach(&mut c, &tokens, root, 5), 32);
         assert_eq!(pool.blocks_in_use(), 2);
+        // Dropping c would free only the block b does not share.
+        assert_eq!(c.releasable_bytes(), pool.block_bytes());
         // Another root (another seam encoding) shares nothing.
         let mut d = pool.new_cache(100);
         assert_eq!(pool.attach(&mut d, &tokens, KvPool::prefix_root(7), 5), 0);

@@ -381,7 +381,7 @@ impl Worker {
             .map(|(&session, s)| engine::Resident {
                 session,
                 last_used: s.last_used,
-                bytes: s.kv.n_bytes(),
+                bytes: s.kv.releasable_bytes(),
                 in_step: job.fragments.iter().any(|f| f.session_id == session),
             })
             .collect()
