@@ -114,8 +114,8 @@ struct Workspace {
     /// Attention scratch (rounded query, scores) per pool thread, sized by the caller before
     /// each attention job so that no worker allocates.
     attn_scratch: Vec<Vec<f32>>,
-    /// A data-parallel step's groups: rows, first session, sessions.
-    groups: Vec<(std::ops::Range<usize>, usize, usize)>,
+    /// A data-parallel step's groups: runs of rows holding whole sessions.
+    groups: Vec<std::ops::Range<usize>>,
     /// A lane's rows, sessions renumbered from its first.
     rows: Vec<Row>,
 }
@@ -146,8 +146,11 @@ impl Model {
             kernels,
             pool: ThreadPool::new(opts.n_threads),
             workspace: Mutex::new(Workspace::default()),
-            lanes: (0..opts.n_threads.max(1))
-                .filter(|_| opts.n_threads > 1)
+            lanes: (0..if opts.n_threads > 1 {
+                opts.n_threads
+            } else {
+                0
+            })
                 .map(|_| Lane {
                     pool: ThreadPool::new(1),
                     ws: Mutex::new(Workspace::default()),
@@ -300,7 +303,9 @@ impl Model {
             let cs = SharedMut::new(caches);
             let groups = &groups;
             self.pool.run(groups.len(), &|g| {
-                let (r, first_seq, n_seq) = groups[g].clone();
+                let r = groups[g].clone();
+                let first_seq = rows[r.start].seq;
+                let n_seq = rows[r.end - 1].seq + 1 - first_seq;
                 let lane = &self.lanes[g];
                 let mut lws = lane.ws.lock().unwrap_or_else(|e| e.into_inner());
                 let lws = &mut *lws;
@@ -372,11 +377,7 @@ impl Model {
     /// order, with about the same number of rows each. Only for batches of several sessions in
     /// session order that split evenly enough (a long prompt's rows stay on the shared path,
     /// where every thread works on them).
-    fn split(
-        &self,
-        rows: &[Row],
-        groups: &mut Vec<(std::ops::Range<usize>, usize, usize)>,
-    ) -> bool {
+    fn split(&self, rows: &[Row], groups: &mut Vec<std::ops::Range<usize>>) -> bool {
         groups.clear();
         let (n, t) = (rows.len(), self.lanes.len());
         if t < 2 || n < MIN_PARALLEL_ROWS || rows.windows(2).any(|w| w[1].seq < w[0].seq) {
@@ -391,11 +392,10 @@ impl Model {
             while end < n && rows[end].seq == rows[end - 1].seq {
                 end += 1;
             }
-            let first = rows[start].seq;
-            groups.push((start..end, first, rows[end - 1].seq + 1 - first));
+            groups.push(start..end);
             start = end;
         }
-        let longest = groups.iter().map(|g| g.0.len()).max().unwrap_or(0);
+        let longest = groups.iter().map(|g| g.len()).max().unwrap_or(0);
         groups.len() == t && longest * t <= n + n / 4 + t
     }
 

@@ -9,8 +9,8 @@
 //! Prefix sharing: the K and V of a position are a function of the tokens up to it alone (the
 //! forward pass is batch- and chunk-invariant, bitwise), so a full block is identified by its
 //! 16 tokens and the block before it. [`KvPool::register`] records a cache's full blocks under
-//! that key; [`KvPool::attach`] starts an empty cache on the registered blocks of the longest
-//! matching prefix. A registered block is read-only: it is shared by reference, and a cache that
+//! that key; [`KvPool::attach`] extends a cache (empty, or ending on a registered block) with
+//! the registered blocks of the longest prefix of its next tokens. A registered block is read-only: it is shared by reference, and a cache that
 //! must write into one (after truncating into it) first copies it ([`KvCache::reserve`]). A
 //! registered block no cache holds stays as an idle copy that counts as free room: the pool
 //! drops idle blocks, least recently released first, when it needs their room. So a block is
@@ -41,7 +41,7 @@ pub struct KvExhausted {
     pub capacity: usize,
 }
 
-/// Registry ids are below this; prefix roots ([`KvPool::register`]) at or above it.
+/// Registry ids are below this; prefix roots ([`KvPool::prefix_root`]) at or above it.
 const ROOT_BASE: u64 = 1 << 63;
 
 struct Block {

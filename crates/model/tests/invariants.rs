@@ -91,28 +91,7 @@ fn split_ranges_give_bitwise_the_unsplit_logits() {
                     want_logits: true,
                 })
                 .collect();
-            let Output::Hidden(h) = a
-                .forward(
-                    Batch {
-                        rows: &rows,
-                        hidden: None,
-                    },
-                    &mut [&mut ca],
-                )
-                .unwrap()
-            else {
-                panic!("first range returns hidden states")
-            };
-            let got = logits(
-                b.forward(
-                    Batch {
-                        rows: &rows,
-                        hidden: Some(&h),
-                    },
-                    &mut [&mut cb],
-                )
-                .unwrap(),
-            );
+            let got = split_logits(&a, &b, &rows, &mut [&mut ca], &mut [&mut cb]);
             assert!(
                 got == reference,
                 "{:?}: split at {k} differs",
@@ -228,27 +207,12 @@ fn data_parallel_batches_give_bitwise_the_logits_alone() {
         let rows = rows_in_session_order(&prompts);
         let mut ca: Vec<KvCache> = prompts.iter().map(|_| a.new_cache(64)).collect();
         let mut cb: Vec<KvCache> = prompts.iter().map(|_| b.new_cache(64)).collect();
-        let Output::Hidden(h) = a
-            .forward(
-                Batch {
-                    rows: &rows,
-                    hidden: None,
-                },
-                &mut ca.iter_mut().collect::<Vec<_>>(),
-            )
-            .unwrap()
-        else {
-            panic!("first range returns hidden states")
-        };
-        let got = logits(
-            b.forward(
-                Batch {
-                    rows: &rows,
-                    hidden: Some(&h),
-                },
-                &mut cb.iter_mut().collect::<Vec<_>>(),
-            )
-            .unwrap(),
+        let got = split_logits(
+            &a,
+            &b,
+            &rows,
+            &mut ca.iter_mut().collect::<Vec<_>>(),
+            &mut cb.iter_mut().collect::<Vec<_>>(),
         );
         let want: Vec<f32> = prompts
             .iter()
@@ -276,6 +240,29 @@ fn rows_in_session_order(prompts: &[Vec<u32>]) -> Vec<Row> {
             })
         })
         .collect()
+}
+
+/// Logits of `rows` run through range `a` then, from its hidden states, range `b`.
+fn split_logits(
+    a: &Model,
+    b: &Model,
+    rows: &[Row],
+    ca: &mut [&mut KvCache],
+    cb: &mut [&mut KvCache],
+) -> Vec<f32> {
+    let Output::Hidden(h) = a.forward(Batch { rows, hidden: None }, ca).unwrap() else {
+        panic!("first range returns hidden states")
+    };
+    logits(
+        b.forward(
+            Batch {
+                rows,
+                hidden: Some(&h),
+            },
+            cb,
+        )
+        .unwrap(),
+    )
 }
 
 fn feed_rows(m: &Model, rows: &[Row], caches: &mut [&mut KvCache]) -> Vec<f32> {
@@ -484,16 +471,7 @@ fn feed(m: &Model, cache: &mut KvCache, start: usize, ids: &[u32]) -> Vec<f32> {
             want_logits: true,
         })
         .collect();
-    logits(
-        m.forward(
-            Batch {
-                rows: &rows,
-                hidden: None,
-            },
-            &mut [cache],
-        )
-        .unwrap(),
-    )
+    feed_rows(m, &rows, &mut [cache])
 }
 
 #[test]

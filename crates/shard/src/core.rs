@@ -397,7 +397,8 @@ impl Worker {
     }
 
     /// Decides, fragment by fragment, what can run; creates sessions for new fragments.
-    fn admit(&mut self, job: &mut StepJob, out: &mut StepOutcome) -> Vec<usize> {
+    /// `root` is the key root of this step's prefix blocks ([`Worker::prefix_root`]).
+    fn admit(&mut self, job: &mut StepJob, root: u64, out: &mut StepOutcome) -> Vec<usize> {
         let label = &self.config.label;
         let budget = self.kv_pool.budget_bytes();
         // Bytes of blocks the fragments accepted so far will take when the step runs.
@@ -406,7 +407,6 @@ impl Worker {
         let (mut rows, mut outputs) = (0usize, 0usize);
         let scratch_budget = self.config.scratch_budget_bytes;
         let mut accepted = Vec::new();
-        let root = self.prefix_root(job);
         for i in 0..job.fragments.len() {
             let f = &job.fragments[i];
             let id = f.session_id;
@@ -614,7 +614,8 @@ impl Worker {
             self.sessions.remove(id);
         }
         self.expire(&job);
-        let accepted = self.admit(&mut job, &mut out);
+        let root = self.prefix_root(&job);
+        let accepted = self.admit(&mut job, root, &mut out);
         let (n_rows, n_outputs) = accepted.iter().fold((0, 0), |(r, o), &i| {
             let f = &job.fragments[i];
             (r + f.tokens.len(), o + usize::from(f.want_output))
@@ -756,7 +757,6 @@ impl Worker {
         }
         if self.config.prefix_cache {
             // Full blocks become shareable as soon as they are written.
-            let root = self.prefix_root(&job);
             for &i in &accepted {
                 if let Some(s) = self.sessions.get_mut(&job.fragments[i].session_id) {
                     self.kv_pool.register(&mut s.kv, &s.tokens, root);
