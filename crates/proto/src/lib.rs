@@ -2,9 +2,12 @@
 //!
 //! The key design decision: one long-lived bidirectional `Route` stream per hop. The tracker
 //! opens it to the first shard with a `RouteSetup` naming the rest of the route; each shard
-//! opens the next hop itself and relays replies back up the chain, so a step's activations
-//! cross each seam exactly once and many steps can be in flight along the route. Wire types are
-//! converted to domain types at the edges (shard and tracker), never used inside policy code.
+//! opens the next hop itself, so a step's activations cross each seam exactly once and many
+//! steps can be in flight along the route. The last shard answers the tracker directly, on a
+//! `Replies` stream the tracker opened on it beforehand (one message per step on the way back,
+//! not one per hop); each shard acknowledges every step to the shard before it, which is how
+//! in-flight activation bytes are released and a silent or dead shard is noticed. Wire types
+//! are converted to domain types at the edges (shard and tracker), never used inside policy code.
 
 /// Generated protobuf messages and the tonic client and server.
 #[allow(clippy::all, missing_docs)] // reason: generated code
@@ -18,7 +21,7 @@ mod transport;
 pub use transport::{connect, Auth, GrpcShard, ReplyStream, ShardTransport, TokenCheck};
 
 /// Bumped on any incompatible change of the messages.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The metadata key every connection carries the cluster token in.
 pub const TOKEN_HEADER: &str = "x-strata-cluster-token";

@@ -13,8 +13,8 @@ use tonic::{Request, Status};
 
 use crate::v1::shard_client::ShardClient;
 use crate::v1::{
-    DescribeRequest, RouteMsg, RouteReply, ShardInfo, ShardStats, StatsRequest, VocabReply,
-    VocabRequest,
+    DescribeRequest, RepliesRequest, RouteMsg, RouteReply, ShardInfo, ShardStats, StatsRequest,
+    VocabReply, VocabRequest,
 };
 use crate::{MAX_MESSAGE_BYTES, TOKEN_HEADER};
 
@@ -32,6 +32,9 @@ pub trait ShardTransport: Send + Sync {
     /// Opens a route stream: messages sent on `outbound` (a `RouteSetup` first) reach the shard;
     /// its replies come back on the returned stream.
     async fn route(&self, outbound: mpsc::Receiver<RouteMsg>) -> Result<ReplyStream, Status>;
+    /// Opens the stream on which this shard, as the last of a route whose setup carries `key`,
+    /// sends that route's step replies.
+    async fn replies(&self, key: u64) -> Result<ReplyStream, Status>;
 }
 
 /// Adds the cluster token to every outgoing request.
@@ -168,6 +171,21 @@ impl ShardTransport for GrpcShard {
             .await
             .map_err(|_| {
                 Status::deadline_exceeded(format!("{} did not open the route stream", self.address))
+            })??
+            .into_inner();
+        Ok(Box::pin(replies))
+    }
+
+    async fn replies(&self, key: u64) -> Result<ReplyStream, Status> {
+        let mut client = self.client.clone();
+        let open = client.replies(Request::new(RepliesRequest { key }));
+        let replies = tokio::time::timeout(Duration::from_secs(5), open)
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(format!(
+                    "{} did not open the replies stream",
+                    self.address
+                ))
             })??
             .into_inner();
         Ok(Box::pin(replies))

@@ -92,6 +92,8 @@ pub struct ShardCore {
     pub counters: Arc<Counters>,
     jobs: std::sync::mpsc::Sender<Job>,
     next_stream: AtomicU64,
+    /// Replies streams the tracker opened on this shard, until the route naming them starts.
+    pub(crate) reply_sinks: crate::route::ReplySinks,
 }
 
 impl std::fmt::Debug for ShardCore {
@@ -229,6 +231,7 @@ impl ShardCore {
             counters,
             jobs: tx,
             next_stream: AtomicU64::new(1),
+            reply_sinks: Default::default(),
         }))
     }
 

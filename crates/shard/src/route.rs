@@ -1,9 +1,10 @@
 //! One route stream on a shard: execute steps in order, forward the accepted work to the next
-//! shard, relay its replies back up, and turn a dead or silent downstream into typed failures.
+//! shard (or, on the last shard, answer the tracker), acknowledge each step to the shard before,
+//! and turn a dead or silent downstream into typed failures.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
@@ -18,19 +19,69 @@ use tonic::Status;
 use crate::core::{ShardCore, StepJob};
 use crate::mib;
 
-/// A step sent downstream and not yet answered.
+type ReplyTx = mpsc::Sender<Result<RouteReply, Status>>;
+
+/// Replies streams the tracker opened on this shard, by key, each waiting for the route whose
+/// setup names it (this shard being that route's last).
+#[derive(Default)]
+pub(crate) struct ReplySinks(Mutex<HashMap<u64, ReplyTx>>);
+
+impl ReplySinks {
+    /// Registers a Replies stream under `key`; streams whose reader went away are forgotten.
+    pub(crate) fn open(&self, key: u64) -> Result<ReplyStream, Status> {
+        if key == 0 {
+            return Err(Status::invalid_argument(
+                "a replies stream needs a nonzero key",
+            ));
+        }
+        let mut sinks = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        sinks.retain(|_, tx| !tx.is_closed());
+        if sinks.contains_key(&key) {
+            return Err(Status::already_exists(format!(
+                "a replies stream with key {key} is already open"
+            )));
+        }
+        let (tx, rx) = mpsc::channel(256);
+        sinks.insert(key, tx);
+        Ok(Box::pin(ReceiverStream::new(rx)))
+    }
+
+    fn take(&self, key: u64) -> Option<ReplyTx> {
+        let mut sinks = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        sinks.remove(&key).filter(|tx| !tx.is_closed())
+    }
+}
+
+/// Seam round trips the relay measured and the next forwarded step reports (bounded: with no
+/// step to carry them, the oldest are kept and the rest dropped).
+#[derive(Default)]
+struct SeamRtts(Mutex<Vec<u64>>);
+
+impl SeamRtts {
+    const MAX: usize = 256;
+
+    fn push(&self, micros: u64) {
+        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if v.len() < Self::MAX {
+            v.push(micros);
+        }
+    }
+
+    fn take(&self) -> Vec<u64> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// A step sent downstream and not yet acknowledged.
 struct Pending {
     sent: Instant,
     deadline: Duration,
-    hop: HopTiming,
-    /// Refusals this shard made itself, merged into the downstream reply.
-    errors: Vec<proto::v1::SessionError>,
-    /// Activation bytes sent with the step (in flight until the reply comes back).
+    /// Activation bytes sent with the step (in flight until the acknowledgement comes back).
     bytes: u64,
 }
 
-/// Steps waiting for their downstream reply. Their activation bytes count as in flight on the
-/// shard until the reply arrives or the relay ends (whichever way it ends).
+/// Steps waiting for their downstream acknowledgement. Their activation bytes count as in
+/// flight on the shard until it arrives or the relay ends (whichever way it ends).
 struct PendingSteps {
     core: Arc<ShardCore>,
     steps: HashMap<u64, Pending>,
@@ -112,6 +163,23 @@ where
             setup.downstream.len()
         )));
     }
+    // On a route of several shards the last answers the tracker directly, on the Replies
+    // stream the tracker opened on it; its upstream stream carries acknowledgements.
+    let several = has_downstream || !core.is_first();
+    if several && setup.reply_key == 0 {
+        return Err(Status::invalid_argument(
+            "a route of several shards needs a reply_key: its last shard answers the tracker on a replies stream",
+        ));
+    }
+    let sink = match (core.is_last() && several).then_some(setup.reply_key) {
+        Some(key) => Some(core.reply_sinks.take(key).ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "no replies stream with key {key} is open on shard {}",
+                core.config.label
+            ))
+        })?),
+        None => None,
+    };
     let seam = SeamDtype::try_from(setup.seam_dtype).unwrap_or(SeamDtype::SeamF32);
     let stream_id = core.new_stream_id();
     let (up_tx, up_rx) = mpsc::channel::<Result<RouteReply, Status>>(256);
@@ -126,6 +194,7 @@ where
             seam_dtype: setup.seam_dtype,
             model_digest: setup.model_digest.clone(),
             recipes: setup.recipes.get(1..).unwrap_or_default().to_vec(),
+            reply_key: setup.reply_key,
         };
         let _ = dn_tx
             .send(RouteMsg {
@@ -143,6 +212,7 @@ where
     // Tells the inbound loop to stop when the downstream hop dies.
     let (stop_tx, mut stop_rx) = watch::channel(false);
     let (reg_tx, reg_rx) = mpsc::unbounded_channel::<(u64, Pending)>();
+    let rtts = Arc::new(SeamRtts::default());
     let dn_tx = match downstream {
         Some((addr, dn_tx, replies)) => {
             tokio::spawn(relay(
@@ -152,6 +222,7 @@ where
                 reg_rx,
                 up_tx.clone(),
                 stop_tx,
+                Arc::clone(&rtts),
             ));
             Some(dn_tx)
         }
@@ -235,7 +306,7 @@ where
             } else {
                 Vec::new()
             };
-            let mut out = core
+            let out = core
                 .step(StepJob {
                     stream_id,
                     epoch: if step.epoch == epoch {
@@ -254,29 +325,39 @@ where
                     },
                 })
                 .await;
-            out.errors.extend(refused);
+            // Refusals travel with the step to the last shard, which answers with all of them.
+            let mut errors = step.errors;
+            errors.extend(out.errors);
+            errors.extend(refused);
+            let mut hops = step.hops;
             let mut hop = HopTiming {
                 shard: label.clone(),
                 compute_micros: out.compute_micros,
-                seam_bytes: 0,
-                downstream_micros: 0,
+                ..Default::default()
             };
             match &dn_tx {
                 None => {
+                    hop.held_micros = received.elapsed().as_micros() as u64;
+                    hops.push(hop);
                     let reply = RouteReply {
                         step_id: step.step_id,
                         outputs: out.outputs,
-                        errors: out.errors,
+                        errors,
                         step_error: None,
-                        hops: vec![hop],
+                        hops,
                     };
-                    if up_tx.send(Ok(reply)).await.is_err() {
+                    let answered = match &sink {
+                        Some(sink) => sink.send(Ok(reply)).await.is_ok(),
+                        None => up_tx.send(Ok(reply)).await.is_ok(),
+                    };
+                    if !answered {
                         break;
                     }
                 }
                 Some(dn_tx) => {
                     let activations = proto::encode_activations(&out.hidden, seam);
                     hop.seam_bytes = activations.len() as u64;
+                    hop.seam_rtt_micros = rtts.take();
                     core.counters
                         .seam_bytes_out
                         .fetch_add(hop.seam_bytes, Ordering::Relaxed);
@@ -285,8 +366,6 @@ where
                     let pending = Pending {
                         sent: Instant::now(),
                         deadline: Duration::from_millis(deadline_ms as u64),
-                        hop,
-                        errors: out.errors,
                         bytes: activations.len() as u64,
                     };
                     // Counted before the relay can see (and subtract) it.
@@ -299,6 +378,8 @@ where
                             .fetch_sub(unsent.0 .1.bytes, Ordering::Relaxed);
                         break;
                     }
+                    hop.held_micros = received.elapsed().as_micros() as u64;
+                    hops.push(hop);
                     let next = Step {
                         step_id: step.step_id,
                         epoch: step.epoch,
@@ -306,6 +387,8 @@ where
                         release: step.release,
                         activations,
                         deadline_ms,
+                        errors,
+                        hops,
                     };
                     if dn_tx
                         .send(RouteMsg {
@@ -318,6 +401,23 @@ where
                     }
                 }
             }
+            // The shard before this one learns that the step has passed: its activation bytes
+            // are no longer in flight, and how long this shard held the step (for its seam
+            // round trip). The tracker, upstream of the first shard, waits for replies instead.
+            if several && !core.is_first() {
+                let ack = RouteReply {
+                    step_id: step.step_id,
+                    hops: vec![HopTiming {
+                        shard: label.clone(),
+                        held_micros: received.elapsed().as_micros() as u64,
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                };
+                if up_tx.send(Ok(ack)).await.is_err() {
+                    break;
+                }
+            }
         }
         // The upstream end went away (or downstream died): forget this stream's sessions.
         core.release_stream(stream_id);
@@ -325,15 +425,17 @@ where
     Ok(Box::pin(ReceiverStream::new(up_rx)))
 }
 
-/// Relays downstream replies upstream, adding this hop's timing; turns a broken or silent
+/// Reads the next shard's acknowledgements (releasing in-flight bytes, measuring the seam's
+/// round trip) and relays failures from further down upstream; turns a broken or silent
 /// downstream into a `shard_failed` reply for every step still waiting.
 async fn relay(
     core: Arc<ShardCore>,
     next_addr: String,
     mut replies: ReplyStream,
     mut reg_rx: mpsc::UnboundedReceiver<(u64, Pending)>,
-    up_tx: mpsc::Sender<Result<RouteReply, Status>>,
+    up_tx: ReplyTx,
     stop_tx: watch::Sender<bool>,
+    rtts: Arc<SeamRtts>,
 ) {
     let mut pending = PendingSteps {
         core,
@@ -347,18 +449,21 @@ async fn relay(
                 None => return,
             },
             reply = replies.next() => match reply {
-                Some(Ok(mut r)) => {
+                Some(Ok(r)) => {
                     // Registration always precedes the send downstream, but may not have been
                     // read yet: drain it first.
                     while let Ok((id, p)) = reg_rx.try_recv() {
                         pending.steps.insert(id, p);
                     }
-                    if let Some(mut p) = pending.remove(r.step_id) {
-                        p.hop.downstream_micros = p.sent.elapsed().as_micros() as u64;
-                        r.hops.insert(0, p.hop);
-                        r.errors.extend(p.errors);
+                    if r.step_error.is_none() {
+                        // An acknowledgement.
+                        if let Some(p) = pending.remove(r.step_id) {
+                            let held = r.hops.first().map_or(0, |h| h.held_micros);
+                            rtts.push((p.sent.elapsed().as_micros() as u64).saturating_sub(held));
+                        }
+                        continue;
                     }
-                    let fatal = r.step_error.is_some();
+                    pending.remove(r.step_id);
                     if up_tx.send(Ok(r)).await.is_err() {
                         // Steps still registered are dropped with `pending` (their bytes too).
                         while let Ok((id, p)) = reg_rx.try_recv() {
@@ -366,9 +471,7 @@ async fn relay(
                         }
                         return;
                     }
-                    if fatal {
-                        break "a shard further down the route failed".to_string();
-                    }
+                    break "a shard further down the route failed".to_string();
                 }
                 Some(Err(status)) => break format!("the stream to {next_addr} failed: {}", status.message()),
                 None => break format!("{next_addr} closed the route stream"),

@@ -6,7 +6,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use proto::v1::shard_server::{Shard, ShardServer};
 use proto::v1::{
-    DescribeRequest, RouteMsg, ShardInfo, ShardStats, StatsRequest, VocabReply, VocabRequest,
+    DescribeRequest, RepliesRequest, RouteMsg, ShardInfo, ShardStats, StatsRequest, VocabReply,
+    VocabRequest,
 };
 use proto::{ReplyStream, ShardTransport, TokenCheck};
 use tokio::sync::mpsc;
@@ -46,6 +47,15 @@ impl Shard for ShardService {
     ) -> Result<Response<ReplyStream>, Status> {
         run_route(Arc::clone(&self.core), req.into_inner())
             .await
+            .map(Response::new)
+    }
+
+    type RepliesStream = ReplyStream;
+
+    async fn replies(&self, req: Request<RepliesRequest>) -> Result<Response<ReplyStream>, Status> {
+        self.core
+            .reply_sinks
+            .open(req.into_inner().key)
             .map(Response::new)
     }
 }
@@ -115,5 +125,9 @@ impl ShardTransport for LocalShard {
             ReceiverStream::new(outbound).map(Ok),
         )
         .await
+    }
+
+    async fn replies(&self, key: u64) -> Result<ReplyStream, Status> {
+        self.core.reply_sinks.open(key)
     }
 }

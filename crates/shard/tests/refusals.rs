@@ -1,16 +1,16 @@
 //! A shard's typed refusals and KV accounting, driven through the in-memory transport on a tiny
 //! model: cache miss, stale epoch, recipe mismatch, KV budget, and exact release.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{config, frag};
 use futures::StreamExt;
-use proto::v1::{
-    route_msg, CacheRecipe, Fragment, RouteMsg, RouteReply, RouteSetup, Sampling, Step,
-};
+use proto::v1::{route_msg, CacheRecipe, Fragment, RouteMsg, RouteReply, RouteSetup, Step};
 use proto::{ReplyStream, ShardTransport};
 use shard::{LocalShard, ShardConfig, ShardCore};
-use testkit::TinySpec;
 use tokio::sync::mpsc;
 
 fn core(kv_budget_bytes: usize) -> Arc<ShardCore> {
@@ -19,26 +19,6 @@ fn core(kv_budget_bytes: usize) -> Arc<ShardCore> {
 
 fn core_with(kv_budget_bytes: usize, kv_ttl: Duration) -> Arc<ShardCore> {
     ShardCore::load(config(kv_budget_bytes, kv_ttl)).unwrap()
-}
-
-fn config(kv_budget_bytes: usize, kv_ttl: Duration) -> ShardConfig {
-    let path = testkit::write_tiny_model(&TinySpec::default(), "shard-refusals");
-    ShardConfig {
-        model_path: path,
-        layers: None,
-        n_threads: 1,
-        n_ctx: 64,
-        kv_budget_bytes,
-        kv_ttl,
-        max_sessions: 8,
-        weights_budget_bytes: 1 << 30,
-        scratch_budget_bytes: 64 << 20,
-        inflight_budget_bytes: 64 << 20,
-        pinned: false,
-        prefix_cache: true,
-        label: "test-shard".into(),
-        cluster_token: "unused-in-process-token".into(),
-    }
 }
 
 /// Weights over their budget are refused at load naming the numbers; a step whose
@@ -111,6 +91,7 @@ async fn open_with(
         seam_dtype: 0,
         model_digest: digest.into(),
         recipes,
+        reply_key: 0,
     };
     tx.send(RouteMsg {
         msg: Some(route_msg::Msg::Setup(setup)),
@@ -123,20 +104,6 @@ async fn open_with(
         replies,
         next_step: 1,
     })
-}
-
-fn frag(session_id: u64, start_pos: u32, tokens: &[u32]) -> Fragment {
-    Fragment {
-        session_id,
-        start_pos,
-        tokens: tokens.to_vec(),
-        want_output: true,
-        sampling: (start_pos == 0).then(Sampling::default),
-        n_top_logprobs: 0,
-        want_logprob: false,
-        reuse_prefix: false,
-        prefix: vec![],
-    }
 }
 
 /// A session's first fragment as the tracker sends it: the shard may start it on a cached
@@ -162,6 +129,8 @@ impl Route {
             release,
             activations: vec![],
             deadline_ms: 10_000,
+            errors: vec![],
+            hops: vec![],
         };
         self.next_step += 1;
         self.tx

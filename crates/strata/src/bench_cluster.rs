@@ -75,11 +75,13 @@ fn shard_gauge(metrics: &str, name: &str, shard: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// p50 and p99 of each `strata_seam_latency_seconds` hop, from the histogram buckets.
-fn seam_quantiles(metrics: &str) -> Vec<(String, f64, f64, u64)> {
+/// p50 and p99 of histogram `name` per `hop` label ("route" where it has none), from the
+/// buckets.
+fn quantiles(metrics: &str, name: &str) -> Vec<(String, f64, f64, u64)> {
+    let prefix = format!("{name}_bucket{{");
     let mut hops: Vec<(String, Vec<(f64, u64)>)> = Vec::new();
     for line in metrics.lines() {
-        let Some(rest) = line.strip_prefix("strata_seam_latency_seconds_bucket{") else {
+        let Some(rest) = line.strip_prefix(prefix.as_str()) else {
             continue;
         };
         let Some((labels, count)) = rest.split_once("} ") else {
@@ -90,9 +92,10 @@ fn seam_quantiles(metrics: &str) -> Vec<(String, f64, f64, u64)> {
                 .split(',')
                 .find_map(|kv| kv.strip_prefix(k)?.strip_prefix("=\"")?.strip_suffix('"'))
         };
-        let (Some(hop), Some(le)) = (label("hop"), label("le")) else {
+        let Some(le) = label("le") else {
             continue;
         };
+        let hop = label("hop").unwrap_or("route");
         let le = if le == "+Inf" {
             f64::INFINITY
         } else {
@@ -197,15 +200,19 @@ pub fn run(
         }));
     }
     let metrics = client::get(&addr, "/metrics").body;
-    let hops: Vec<Value> = seam_quantiles(&metrics)
-        .into_iter()
-        .map(|(hop, p50, p99, n)| json!({"hop": hop, "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "steps": n}))
-        .collect();
+    let summary = |name: &str| -> Vec<Value> {
+        quantiles(&metrics, name)
+            .into_iter()
+            .map(|(hop, p50, p99, n)| json!({"hop": hop, "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "n": n}))
+            .collect()
+    };
+    let hops = summary("strata_seam_latency_seconds");
+    let overhead = summary("strata_route_overhead_seconds");
     let health = client::get(&addr, "/health").json();
     if as_json {
         println!(
             "{}",
-            json!({"url": url, "gen_tokens": gen_tokens, "runs": rows, "seam": hops, "shards": health["shards"]})
+            json!({"url": url, "gen_tokens": gen_tokens, "runs": rows, "seam": hops, "route_overhead": overhead, "shards": health["shards"]})
         );
         return Ok(());
     }
@@ -225,14 +232,14 @@ pub fn run(
             r["aggregate_tps"].as_f64().unwrap_or(0.0)
         );
     }
-    println!("\nseam latency per hop (bucket bounds, from the tracker's histogram):");
-    for h in &hops {
+    println!("\nmessaging per step: the route's round trip less the time shards held the step, and each seam's round trip (bucket bounds, from the tracker's histograms):");
+    for h in overhead.iter().chain(&hops) {
         println!(
-            "  {}: p50 <= {:.2} ms, p99 <= {:.2} ms over {} steps",
+            "  {}: p50 <= {:.2} ms, p99 <= {:.2} ms over {} samples",
             h["hop"].as_str().unwrap_or(""),
             h["p50_ms"].as_f64().unwrap_or(0.0),
             h["p99_ms"].as_f64().unwrap_or(0.0),
-            h["steps"]
+            h["n"]
         );
     }
     let mib = |b: f64| b / (1 << 20) as f64;

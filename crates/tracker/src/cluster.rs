@@ -182,11 +182,25 @@ impl Cluster {
     }
 
     /// Opens a route stream through every shard for `epoch`.
-    pub async fn open_route(
-        &self,
-        epoch: u64,
-        seam: SeamDtype,
-    ) -> Result<(mpsc::Sender<RouteMsg>, ReplyStream), String> {
+    pub async fn open_route(&self, epoch: u64, seam: SeamDtype) -> Result<RouteLink, String> {
+        // On a route of several shards the last one answers here directly: its replies stream
+        // is opened first, under a key the route's setup then names.
+        let (reply_key, direct) = match self.shards.len() {
+            1 => (0, None),
+            _ => {
+                let key = std::hash::BuildHasher::hash_one(
+                    &std::collections::hash_map::RandomState::new(),
+                    (epoch, std::time::SystemTime::now()),
+                )
+                .max(1);
+                let last = &self.shards[self.shards.len() - 1];
+                let direct = last
+                    .replies(key)
+                    .await
+                    .map_err(|e| format!("{}: {}", last.address(), e.message()))?;
+                (key, Some(direct))
+            }
+        };
         let (tx, rx) = mpsc::channel(64);
         let setup = RouteSetup {
             epoch,
@@ -198,17 +212,22 @@ impl Cluster {
                 .iter()
                 .map(|i| i.recipe.clone().unwrap_or_default())
                 .collect(),
+            reply_key,
         };
         tx.send(RouteMsg {
             msg: Some(route_msg::Msg::Setup(setup)),
         })
         .await
         .map_err(|_| "route channel closed".to_string())?;
-        let replies = self.shards[0]
+        let upstream = self.shards[0]
             .route(rx)
             .await
             .map_err(|e| e.message().to_string())?;
-        Ok((tx, replies))
+        Ok(RouteLink {
+            tx,
+            upstream,
+            direct,
+        })
     }
 
     /// Probes every shard with a short deadline and returns the first that does not answer.
@@ -220,6 +239,15 @@ impl Cluster {
         }
         None
     }
+}
+
+/// An open route: steps go in on `tx`. On a route of one shard its replies come back on
+/// `upstream`; on a longer route they come from the last shard on `direct`, and `upstream` (the
+/// first shard's stream) carries only failures.
+pub struct RouteLink {
+    pub tx: mpsc::Sender<RouteMsg>,
+    pub upstream: ReplyStream,
+    pub direct: Option<ReplyStream>,
 }
 
 /// Probes every shard every `period`, publishing health snapshots and per-shard metrics.

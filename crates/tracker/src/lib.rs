@@ -106,7 +106,12 @@ fn declare(m: &Metrics) {
         (
             "strata_seam_latency_seconds",
             "histogram",
-            "network time per hop and step",
+            "round trip across a seam as its sending shard measured it: a step to the next shard and back its acknowledgement, less the time the next shard held the step",
+        ),
+        (
+            "strata_route_overhead_seconds",
+            "histogram",
+            "messaging time of a step: its round trip from the tracker less the time the shards held it",
         ),
         (
             "strata_seam_bytes_total",

@@ -107,7 +107,12 @@ struct Live {
 
 struct Link {
     tx: mpsc::Sender<RouteMsg>,
-    replies: ReplyStream,
+    /// The first shard's stream: the replies on a route of one shard, else failures only.
+    upstream: ReplyStream,
+    /// The last shard's replies on a route of several shards; `None` once it has ended
+    /// cleanly (something upstream closed the route, and the upstream stream says what).
+    direct: Option<ReplyStream>,
+    replies_upstream: bool,
 }
 
 pub struct Runner {
@@ -141,8 +146,19 @@ struct InFlight {
 }
 
 enum Waited {
-    Reply(Option<Result<RouteReply, tonic::Status>>),
+    Upstream(Option<Result<RouteReply, tonic::Status>>),
+    Direct(Option<Result<RouteReply, tonic::Status>>),
     Timeout,
+}
+
+/// The next item of the last shard's replies stream, or never when there is none.
+async fn next_direct(
+    direct: &mut Option<ReplyStream>,
+) -> Option<Result<RouteReply, tonic::Status>> {
+    match direct {
+        Some(d) => d.next().await,
+        None => std::future::pending().await,
+    }
 }
 
 impl Runner {
@@ -250,7 +266,8 @@ impl Runner {
                 .as_mut()
                 .expect("steps are in flight only with a link");
             let waited = tokio::select! {
-                reply = link.replies.next() => Waited::Reply(reply),
+                reply = link.upstream.next() => Waited::Upstream(reply),
+                reply = next_direct(&mut link.direct) => Waited::Direct(reply),
                 _ = tokio::time::sleep_until(due.into()) => Waited::Timeout,
                 cmd = commands.recv() => match cmd {
                     // A new request can join the next step while this one is in flight.
@@ -261,29 +278,20 @@ impl Runner {
                     None => return,
                 },
             };
-            match waited {
-                Waited::Reply(Some(Ok(reply))) => {
-                    let f = self.in_flight.pop_front().expect("oldest step");
-                    if reply.step_id != f.plan.step_id {
-                        let shard = self.cluster.addresses()[0].clone();
-                        self.route_failed(ApiError::shard_failed(
-                            &shard,
-                            format!(
-                                "reply for step {} while step {} was the oldest in flight",
-                                reply.step_id, f.plan.step_id
-                            ),
-                        ));
-                        continue;
-                    }
-                    self.apply(f.plan, reply, f.sent)
+            let first = || self.cluster.addresses()[0].clone();
+            let last = || self.cluster.addresses().last().cloned().unwrap_or_default();
+            let reply = match waited {
+                Waited::Upstream(Some(Ok(r)))
+                    if r.step_error.is_some() || link.replies_upstream =>
+                {
+                    r
                 }
-                Waited::Reply(Some(Err(status))) => {
-                    let shard = self.cluster.addresses()[0].clone();
-                    self.route_failed(ApiError::shard_failed(&shard, status.message().to_string()));
-                }
-                Waited::Reply(None) => {
-                    let shard = self.cluster.addresses()[0].clone();
-                    self.route_failed(ApiError::shard_failed(&shard, "the route stream ended"));
+                Waited::Direct(Some(Ok(r))) => r,
+                Waited::Direct(None) => {
+                    // The last shard's route ended because a shard before it closed it: the
+                    // upstream stream names that shard (or the step deadline runs out).
+                    link.direct = None;
+                    continue;
                 }
                 Waited::Timeout => {
                     let culprit = self
@@ -298,8 +306,50 @@ impl Runner {
                             deadline.as_millis()
                         ),
                     ));
+                    continue;
                 }
+                broken => {
+                    let (shard, why) = match broken {
+                        Waited::Upstream(Some(Ok(r))) => (
+                            first(),
+                            format!(
+                                "an unexpected answer to step {} on the route stream",
+                                r.step_id
+                            ),
+                        ),
+                        Waited::Upstream(Some(Err(status))) => {
+                            (first(), status.message().to_string())
+                        }
+                        Waited::Direct(Some(Err(status))) => (last(), status.message().to_string()),
+                        // The first shard closed the route stream.
+                        _ => (first(), "the route stream ended".to_string()),
+                    };
+                    self.route_failed(ApiError::shard_failed(&shard, why));
+                    continue;
+                }
+            };
+            if let Some(e) = &reply.step_error {
+                // The route is broken: every session on it fails (route_failed resets them all).
+                let err = if e.reason == "shard_failed" {
+                    ApiError::shard_failed(&e.shard, e.message.clone())
+                } else {
+                    ApiError::from_shard_refusal(&e.reason, &e.message)
+                };
+                self.route_failed(err);
+                continue;
             }
+            let f = self.in_flight.pop_front().expect("oldest step");
+            if reply.step_id != f.plan.step_id {
+                self.route_failed(ApiError::shard_failed(
+                    &last(),
+                    format!(
+                        "reply for step {} while step {} was the oldest in flight",
+                        reply.step_id, f.plan.step_id
+                    ),
+                ));
+                continue;
+            }
+            self.apply(f.plan, reply, f.sent);
         }
     }
 
@@ -375,9 +425,14 @@ impl Runner {
         }
         self.epoch += 1;
         match self.cluster.open_route(self.epoch, self.config.seam).await {
-            Ok((tx, replies)) => {
+            Ok(route) => {
                 tracing::info!(epoch = self.epoch, "route open");
-                self.link = Some(Link { tx, replies });
+                self.link = Some(Link {
+                    tx: route.tx,
+                    upstream: route.upstream,
+                    replies_upstream: route.direct.is_none(),
+                    direct: route.direct,
+                });
                 self.down_reason = None;
                 self.metrics
                     .set("strata_route_epoch", &[], self.epoch as f64);
@@ -528,6 +583,8 @@ impl Runner {
             release: plan.release.iter().map(|s| s.0).collect(),
             activations: Vec::new(),
             deadline_ms: deadline.as_millis() as u32,
+            errors: Vec::new(),
+            hops: Vec::new(),
         }
     }
 
@@ -550,18 +607,7 @@ impl Runner {
     }
 
     fn apply(&mut self, plan: engine::StepPlan, reply: RouteReply, sent: Instant) {
-        let round_trip = sent.elapsed();
-        self.record_hops(&reply, round_trip);
-        if let Some(e) = &reply.step_error {
-            // The route is broken: every session on it fails (route_failed resets them all).
-            let err = if e.reason == "shard_failed" {
-                ApiError::shard_failed(&e.shard, e.message.clone())
-            } else {
-                ApiError::from_shard_refusal(&e.reason, &e.message)
-            };
-            self.route_failed(err);
-            return;
-        }
+        self.record_hops(&reply, sent.elapsed());
         let mut failed = Vec::new();
         let mut replays = Vec::new();
         for e in &reply.errors {
@@ -729,34 +775,35 @@ impl Runner {
         });
     }
 
-    /// Seam bytes and latency per hop: hop i's downstream time minus what the next shard spent.
+    /// Per step: the route's messaging time (the round trip less the time the shards held the
+    /// step), each seam's bytes and the round trips its sending shard measured, each shard's
+    /// compute.
     fn record_hops(&self, reply: &RouteReply, round_trip: Duration) {
         let hops = &reply.hops;
         if hops.is_empty() {
             return;
         }
-        let inner = |i: usize| (hops[i].compute_micros + hops[i].downstream_micros) as f64 / 1e6;
-        let first = format!("tracker->{}", hops[0].shard);
-        let seam0 = (round_trip.as_secs_f64() - inner(0)).max(0.0);
+        let held: u64 = hops.iter().map(|h| h.held_micros).sum();
         self.metrics.observe(
-            "strata_seam_latency_seconds",
-            &[("hop", &first)],
+            "strata_route_overhead_seconds",
+            &[],
             LATENCY_BUCKETS,
-            seam0,
+            (round_trip.as_secs_f64() - held as f64 / 1e6).max(0.0),
         );
-        for i in 0..hops.len().saturating_sub(1) {
-            let hop = format!("{}->{}", hops[i].shard, hops[i + 1].shard);
-            let latency = (hops[i].downstream_micros as f64 / 1e6 - inner(i + 1)).max(0.0);
-            self.metrics.observe(
-                "strata_seam_latency_seconds",
-                &[("hop", &hop)],
-                LATENCY_BUCKETS,
-                latency,
-            );
+        for pair in hops.windows(2) {
+            let hop = format!("{}->{}", pair[0].shard, pair[1].shard);
+            for &rtt in &pair[0].seam_rtt_micros {
+                self.metrics.observe(
+                    "strata_seam_latency_seconds",
+                    &[("hop", &hop)],
+                    LATENCY_BUCKETS,
+                    rtt as f64 / 1e6,
+                );
+            }
             self.metrics.inc(
                 "strata_seam_bytes_total",
                 &[("hop", &hop)],
-                hops[i].seam_bytes as f64,
+                pair[0].seam_bytes as f64,
             );
         }
         for h in hops {

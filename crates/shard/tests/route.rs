@@ -1,0 +1,209 @@
+//! A route of two shards over gRPC on 127.0.0.1 (tiny model, both shards in this process): the
+//! last shard answers on the replies stream the tracker opened, refusals and timings of the
+//! first shard travel with the step, every step is acknowledged upstream (releasing in-flight
+//! bytes and measuring the seam's round trip), and a route without a valid reply key is refused.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{config, frag};
+use futures::{FutureExt, StreamExt};
+use proto::v1::{route_msg, Fragment, RouteMsg, RouteReply, RouteSetup, Step};
+use proto::{GrpcShard, ReplyStream, ShardTransport};
+use shard::{ShardConfig, ShardCore};
+use tokio::sync::mpsc;
+
+const TOKEN: &str = "route-test-token-0123456789";
+
+fn load(layers: Option<(usize, usize)>, label: &str) -> Arc<ShardCore> {
+    ShardCore::load(ShardConfig {
+        layers,
+        label: label.into(),
+        cluster_token: TOKEN.into(),
+        ..config(1 << 20, Duration::from_secs(600))
+    })
+    .unwrap()
+}
+
+/// Serves a shard of `layers` on an ephemeral port; returns its core and a client.
+async fn serve(layers: (usize, usize)) -> (Arc<ShardCore>, GrpcShard) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let core = load(Some(layers), &addr);
+    tokio::spawn(shard::serve(
+        Arc::clone(&core),
+        listener,
+        std::future::pending(),
+    ));
+    (core, proto::connect(&addr, TOKEN).unwrap())
+}
+
+async fn open(
+    first: &GrpcShard,
+    core: &ShardCore,
+    downstream: &str,
+    reply_key: u64,
+) -> Result<(mpsc::Sender<RouteMsg>, ReplyStream), tonic::Status> {
+    let (tx, rx) = mpsc::channel(8);
+    let setup = RouteSetup {
+        epoch: 1,
+        downstream: vec![downstream.to_string()],
+        seam_dtype: 0,
+        model_digest: core.info.model_digest.clone(),
+        recipes: vec![],
+        reply_key,
+    };
+    tx.send(RouteMsg {
+        msg: Some(route_msg::Msg::Setup(setup)),
+    })
+    .await
+    .unwrap();
+    let upstream = first.route(rx).await?;
+    Ok((tx, upstream))
+}
+
+async fn send(tx: &mpsc::Sender<RouteMsg>, step_id: u64, fragments: Vec<Fragment>) {
+    let step = Step {
+        step_id,
+        epoch: 1,
+        fragments,
+        deadline_ms: 10_000,
+        ..Default::default()
+    };
+    tx.send(RouteMsg {
+        msg: Some(route_msg::Msg::Step(step)),
+    })
+    .await
+    .unwrap();
+}
+
+async fn next(replies: &mut ReplyStream) -> RouteReply {
+    tokio::time::timeout(Duration::from_secs(10), replies.next())
+        .await
+        .expect("a reply in time")
+        .expect("the stream is open")
+        .expect("a reply, not an error")
+}
+
+/// Waits until the first shard holds no activation bytes in flight (its acknowledgements are
+/// in), within a bound.
+async fn acknowledged(core: &ShardCore) {
+    let t = Instant::now();
+    while core.stats().inflight_bytes != 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no acknowledgement came back"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_shard_answers_on_the_replies_stream_and_acknowledges_every_step_upstream() {
+    let (a_core, a) = serve((0, 2)).await;
+    let (b_core, b) = serve((2, 4)).await;
+    let b_addr = b.address().to_string();
+
+    // Without a reply key, or naming a replies stream that is not open, the route is refused.
+    let e = open(&a, &a_core, &b_addr, 0).await.err().unwrap();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("reply_key"), "{e}");
+    let e = open(&a, &a_core, &b_addr, 7).await.err().unwrap();
+    assert!(
+        e.message().contains(&format!(
+            "no replies stream with key 7 is open on shard {b_addr}"
+        )),
+        "{e}"
+    );
+    // A key is single-use while its stream is open.
+    let mut replies = b.replies(9).await.unwrap();
+    assert_eq!(
+        b.replies(9).await.err().unwrap().code(),
+        tonic::Code::AlreadyExists
+    );
+    let (tx, mut upstream) = open(&a, &a_core, &b_addr, 9).await.unwrap();
+
+    // The answer of the split model is the unsplit model's.
+    let whole = load(None, "whole");
+    let prompt = [3, 1, 4, 1, 5];
+    let n_embd = a_core.info.n_embd as u64;
+    send(&tx, 1, vec![frag(1, 0, &prompt)]).await;
+    let r1 = next(&mut replies).await;
+    assert_eq!(r1.step_id, 1);
+    assert_eq!(r1.outputs.len(), 1);
+    let shards: Vec<&str> = r1.hops.iter().map(|h| h.shard.as_str()).collect();
+    assert_eq!(shards, [a.address(), b_addr.as_str()]);
+    assert_eq!(r1.hops[0].seam_bytes, prompt.len() as u64 * n_embd * 4);
+    assert_eq!(
+        r1.hops[1].seam_bytes, 0,
+        "the last shard sends no activations"
+    );
+    for h in &r1.hops {
+        assert!(h.held_micros >= h.compute_micros, "{h:?}");
+    }
+    assert!(
+        r1.hops[0].seam_rtt_micros.is_empty(),
+        "nothing was acknowledged before the first step"
+    );
+    {
+        let (wtx, mut wreplies) = {
+            let (wtx, rx) = mpsc::channel(8);
+            wtx.send(RouteMsg {
+                msg: Some(route_msg::Msg::Setup(RouteSetup {
+                    epoch: 1,
+                    model_digest: whole.info.model_digest.clone(),
+                    ..Default::default()
+                })),
+            })
+            .await
+            .unwrap();
+            (
+                wtx,
+                shard::LocalShard::new(Arc::clone(&whole))
+                    .route(rx)
+                    .await
+                    .unwrap(),
+            )
+        };
+        send(&wtx, 1, vec![frag(1, 0, &prompt)]).await;
+        let w = next(&mut wreplies).await;
+        assert_eq!(w.outputs[0].token, r1.outputs[0].token);
+    }
+
+    // The acknowledgement releases the first shard's in-flight bytes; the next step reports the
+    // seam round trip it measured. A fragment the first shard refuses (a session it does not
+    // hold) reaches the tracker in the last shard's reply.
+    acknowledged(&a_core).await;
+    let token = r1.outputs[0].token;
+    send(
+        &tx,
+        2,
+        vec![frag(1, prompt.len() as u32, &[token]), frag(2, 3, &[7])],
+    )
+    .await;
+    let r2 = next(&mut replies).await;
+    assert_eq!(r2.step_id, 2);
+    assert_eq!(r2.outputs.len(), 1);
+    assert_eq!(r2.outputs[0].session_id, 1);
+    let refused: Vec<(u64, &str)> = r2
+        .errors
+        .iter()
+        .map(|e| (e.session_id, e.reason.as_str()))
+        .collect();
+    assert_eq!(refused, [(2, "cache_miss")]);
+    assert_eq!(r2.hops[0].seam_bytes, n_embd * 4, "only the accepted row");
+    assert_eq!(r2.hops[0].seam_rtt_micros.len(), 1);
+    acknowledged(&a_core).await;
+    assert_eq!(b_core.stats().inflight_bytes, 0);
+
+    // The first shard's stream carried no answers: the tracker gets each reply once, directly.
+    assert!(upstream.next().now_or_never().is_none());
+    drop(tx);
+    // Closing the route ends the replies stream too.
+    let end = tokio::time::timeout(Duration::from_secs(10), replies.next())
+        .await
+        .expect("the replies stream ends");
+    assert!(end.is_none());
+}
