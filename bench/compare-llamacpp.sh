@@ -10,9 +10,11 @@
 #   - aggregate decode at concurrency 1, 4, 8 and 16 (32-token prompts, 64 new tokens):
 #     llama-server with 8 slots against `strata serve --shards 1`, both driven by
 #     `strata bench --url` over HTTP;
-#   - single-stream decode of a 2-shard route (`strata serve --shards 2`) against one process,
-#     with the threads split between the shards and with every shard given all of them (a
-#     single stream visits the shards in turn, so both can use every core);
+#   - single-stream decode of a 2-shard route (`strata serve --shards 2`) against one process
+#     (`strata serve --shards 1`), with every shard given all the threads (a single stream
+#     visits the shards in turn, so both can use every core) and with the threads split between
+#     the shards; measured back to back in each round (one process first) and compared per
+#     round, so a phase of the machine that slows one of them does not skew the ratio;
 #   - peak resident memory of a server with a 4096-token context after one request.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,10 +59,11 @@ for r in $(seq 1 "$reps"); do
   kill $pid; wait $pid 2>/dev/null || true
 
   per=$(( threads / 2 )); [ "$per" -ge 1 ] || per=1
-  for variant in "split:$per" "all:$threads"; do
-    "$strata" serve --model "$model" --shards 2 --threads "${variant#*:}" --listen 127.0.0.1:18192 >/dev/null 2>&1 &
+  for variant in "one:1:$threads" "all:2:$threads" "split:2:$per"; do
+    IFS=: read -r name shards t <<< "$variant"
+    "$strata" serve --model "$model" --shards "$shards" --threads "$t" --listen 127.0.0.1:18192 >/dev/null 2>&1 &
     pid=$!; wait_http 18192
-    "$strata" bench --url http://127.0.0.1:18192 --prompt-tokens 32 --gen-tokens 64 --concurrency 1 --requests 3 --json > "$out/strata-2shard-${variant%%:*}-$r.json"
+    "$strata" bench --url http://127.0.0.1:18192 --prompt-tokens 32 --gen-tokens 64 --concurrency 1 --requests 5 --json > "$out/strata-stream-$name-$r.json"
     kill $pid; wait $pid 2>/dev/null || true
   done
 done
@@ -106,10 +109,11 @@ print(f"| test | llama.cpp | strata | strata / llama.cpp |")
 print(f"| --- | ---: | ---: | ---: |")
 for name, l, s in rows:
     print(f"| {name} | {l:.1f} | {s:.1f} | {s / l:.2f} |")
-one = med(per_stream("strata-serve", r) for r in rounds)
-split = med(per_stream("strata-2shard-split", r) for r in rounds)
-full = med(per_stream("strata-2shard-all", r) for r in rounds)
-print(f"\nsingle-stream decode (per-stream p50): one process {one:.1f} t/s; 2-shard route, threads split {split:.1f} t/s (ratio {split / one:.2f}), every shard all threads {full:.1f} t/s (ratio {full / one:.2f})")
+stream = lambda name: [per_stream(f"strata-stream-{name}", r) for r in rounds]
+one, full, split = stream("one"), stream("all"), stream("split")
+ratio = lambda xs: med(x / o for x, o in zip(xs, one))
+print(f"\nsingle-stream decode (per-stream p50, medians): one process {med(one):.1f} t/s; 2-shard route, every shard all threads {med(full):.1f} t/s, threads split {med(split):.1f} t/s")
+print(f"2-shard route / one process, median of the per-round ratios: every shard all threads {ratio(full):.2f}, threads split {ratio(split):.2f} (rounds: {', '.join(f'{f / o:.2f}' for f, o in zip(full, one))})")
 c1 = med(agg("strata-serve", r, conc[0]) for r in rounds)
 cn = med(agg("strata-serve", r, conc[-1]) for r in rounds)
 print(f"strata serve aggregate, {conc[-1]} concurrent / 1: {cn:.1f} / {c1:.1f} = {cn / c1:.2f}x")
