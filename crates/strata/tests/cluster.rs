@@ -164,7 +164,30 @@ fn two_and_three_shard_routes_match_one_process_and_both_shards_work() {
                 s.addr
             );
         }
+        // Every seam carried activations and had its round trip measured (from the next
+        // shard's acknowledgements); the route's messaging time was recorded per step.
+        for pair in c.shards.windows(2) {
+            let hop = format!("{}->{}", pair[0].addr, pair[1].addr);
+            let bytes = hop_metric(&c.tracker.addr, "strata_seam_bytes_total", &hop);
+            let rtts = hop_metric(&c.tracker.addr, "strata_seam_latency_seconds_count", &hop);
+            assert!(
+                bytes > 0.0 && rtts > 0.0,
+                "hop {hop}: {bytes} bytes, {rtts} round trips"
+            );
+        }
+        assert!(tracker_metric(&c.tracker.addr, "strata_route_overhead_seconds_count") > 0.0);
     }
+}
+
+/// The sum of metric `name` over the series labelled `hop`.
+fn hop_metric(addr: &str, name: &str, hop: &str) -> f64 {
+    let label = format!("hop=\"{hop}\"");
+    get(addr, "/metrics")
+        .body
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(&label))
+        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
+        .sum()
 }
 
 #[test]

@@ -1,6 +1,8 @@
-//! Shard failures on a real 2-shard route: SIGKILL and SIGSTOP mid-generation give every
-//! affected request a structured error within a bound, the tracker stays up and refuses new
-//! work with a retryable 503 while the shard is down, and serves again once it is back.
+//! Shard failures on a real route: SIGKILL and SIGSTOP mid-generation give every affected
+//! request a structured error naming the shard within a bound, the tracker stays up and
+//! refuses new work with a retryable 503 while the shard is down, and serves again once it is
+//! back. On a route of three, killing the middle shard names it, although the last shard (which
+//! answers the tracker directly) only sees its route end.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -76,6 +78,31 @@ fn shard_status(addr: &str, shard: &str) -> String {
         .unwrap_or_default()
 }
 
+/// Starts a shard of `layers` again on the address of `dead` (dropping what is left of it) and
+/// waits until the tracker at `addr` answers again, with the tokens it gave before the fault.
+fn restart_and_recover(
+    addr: &str,
+    dead: Proc,
+    model: &Path,
+    layers: &str,
+    token: &Path,
+    baseline: &Value,
+) -> Proc {
+    let at = dead.addr.clone();
+    drop(dead);
+    let back = procs::shard_on(exe(), model, layers, token, &at, &["--threads", "1"]);
+    let ok = wait_until(Duration::from_secs(30), || {
+        greedy(addr, "The capital of France is", 12).0 == 200
+    });
+    assert!(ok.is_some(), "the route did not recover");
+    let (_, again) = greedy(addr, "The capital of France is", 12);
+    assert_eq!(
+        again["choices"][0]["token_ids"],
+        baseline["choices"][0]["token_ids"]
+    );
+    back
+}
+
 #[test]
 fn killing_or_freezing_a_shard_fails_sessions_in_bounded_time_and_the_route_recovers() {
     let model = testkit::real_model();
@@ -142,24 +169,7 @@ fn killing_or_freezing_a_shard_fails_sessions_in_bounded_time_and_the_route_reco
     assert_eq!(body["error"]["retryable"], true);
 
     // Bring the shard back where it was: requests succeed again without restarting the tracker.
-    drop(b);
-    let b = procs::shard_on(
-        exe(),
-        &model,
-        "15..30",
-        &token,
-        &b_addr,
-        &["--threads", "1"],
-    );
-    let back = wait_until(Duration::from_secs(30), || {
-        greedy(&addr, "The capital of France is", 12).0 == 200
-    });
-    assert!(back.is_some(), "the route did not recover");
-    let (_, again) = greedy(&addr, "The capital of France is", 12);
-    assert_eq!(
-        again["choices"][0]["token_ids"],
-        baseline["choices"][0]["token_ids"]
-    );
+    let b = restart_and_recover(&addr, b, &model, "15..30", &token, &baseline);
 
     // SIGSTOP: the same bounded failure, through deadlines.
     let (last, took) = stream_through_fault(&addr, || b.signal(SIGSTOP));
@@ -182,4 +192,33 @@ fn killing_or_freezing_a_shard_fails_sessions_in_bounded_time_and_the_route_reco
     assert!(took < Duration::from_secs(2));
     drop(tracker);
     let _keep: Vec<Proc> = vec![a, b];
+}
+
+#[test]
+fn killing_the_middle_shard_of_three_fails_sessions_naming_it_and_the_route_recovers() {
+    let model = testkit::real_model();
+    let token = procs::token_file("fault-test-token-0123456789");
+    let a = procs::shard(exe(), &model, "0..10", &token, &["--threads", "1"]);
+    let b = procs::shard(exe(), &model, "10..20", &token, &["--threads", "1"]);
+    let c = procs::shard(exe(), &model, "20..30", &token, &["--threads", "1"]);
+    let b_addr = b.addr.clone();
+    let tracker = procs::tracker(exe(), &[&a, &b, &c], &token, &["--health-period-ms", "100"]);
+    let addr = tracker.addr.clone();
+    let (status, baseline) = greedy(&addr, "The capital of France is", 12);
+    assert_eq!(status, 200, "{baseline}");
+
+    let (last, took) = stream_through_fault(&addr, || b.signal(SIGKILL));
+    assert_shard_failed(&last, &b_addr);
+    assert!(
+        took < Duration::from_secs(2),
+        "stream failed after {took:?}"
+    );
+    eprintln!("SIGKILL of the middle shard: stream ended {took:?} after the kill");
+    let (status, body) = greedy(&addr, "hello", 4);
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["retryable"], true);
+
+    let b = restart_and_recover(&addr, b, &model, "10..20", &token, &baseline);
+    drop(tracker);
+    let _keep: Vec<Proc> = vec![a, b, c];
 }
