@@ -121,6 +121,28 @@ pub fn connect(address: &str, token: &str) -> Result<GrpcShard, Status> {
     })
 }
 
+impl GrpcShard {
+    /// Waits up to 5 s for the shard to open the `what` stream of replies.
+    async fn opened(
+        &self,
+        what: &str,
+        open: impl std::future::Future<
+            Output = Result<tonic::Response<tonic::Streaming<RouteReply>>, Status>,
+        >,
+    ) -> Result<ReplyStream, Status> {
+        let replies = tokio::time::timeout(Duration::from_secs(5), open)
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(format!(
+                    "{} did not open the {what} stream",
+                    self.address
+                ))
+            })??
+            .into_inner();
+        Ok(Box::pin(replies))
+    }
+}
+
 fn with_timeout<T>(msg: T, timeout: Duration) -> Request<T> {
     let mut r = Request::new(msg);
     r.set_timeout(timeout);
@@ -166,28 +188,16 @@ impl ShardTransport for GrpcShard {
     async fn route(&self, outbound: mpsc::Receiver<RouteMsg>) -> Result<ReplyStream, Status> {
         let stream = tokio_stream::wrappers::ReceiverStream::new(outbound);
         let mut client = self.client.clone();
-        let open = client.route(Request::new(stream));
-        let replies = tokio::time::timeout(Duration::from_secs(5), open)
+        self.opened("route", client.route(Request::new(stream)))
             .await
-            .map_err(|_| {
-                Status::deadline_exceeded(format!("{} did not open the route stream", self.address))
-            })??
-            .into_inner();
-        Ok(Box::pin(replies))
     }
 
     async fn replies(&self, key: u64) -> Result<ReplyStream, Status> {
         let mut client = self.client.clone();
-        let open = client.replies(Request::new(RepliesRequest { key }));
-        let replies = tokio::time::timeout(Duration::from_secs(5), open)
-            .await
-            .map_err(|_| {
-                Status::deadline_exceeded(format!(
-                    "{} did not open the replies stream",
-                    self.address
-                ))
-            })??
-            .into_inner();
-        Ok(Box::pin(replies))
+        self.opened(
+            "replies",
+            client.replies(Request::new(RepliesRequest { key })),
+        )
+        .await
     }
 }

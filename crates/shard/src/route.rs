@@ -404,7 +404,7 @@ where
             // The shard before this one learns that the step has passed: its activation bytes
             // are no longer in flight, and how long this shard held the step (for its seam
             // round trip). The tracker, upstream of the first shard, waits for replies instead.
-            if several && !core.is_first() {
+            if !core.is_first() {
                 // The step (or reply) just sent is what the route waits for: let it reach its
                 // socket before the acknowledgement takes this thread.
                 tokio::task::yield_now().await;

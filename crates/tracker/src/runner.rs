@@ -112,6 +112,7 @@ struct Link {
     /// The last shard's replies on a route of several shards; `None` once it has ended
     /// cleanly (something upstream closed the route, and the upstream stream says what).
     direct: Option<ReplyStream>,
+    /// A route of one shard: its replies come on `upstream`.
     replies_upstream: bool,
 }
 
