@@ -64,6 +64,11 @@ struct Shared {
     resting: AtomicBool,
     /// Workers that have started running (see [`ThreadPool::new`]).
     n_started: AtomicUsize,
+    /// The CPU the caller of the current job ran on when it published it (`usize::MAX` when
+    /// unknown): a worker woken onto that CPU moves off it (see [`worker`]).
+    caller_cpu: AtomicUsize,
+    /// How many times a worker moved off its caller's CPU.
+    n_moves: AtomicU64,
 }
 
 /// A pool of `n_threads - 1` workers plus the calling thread.
@@ -106,6 +111,8 @@ impl ThreadPool {
             shutdown: AtomicBool::new(false),
             resting: AtomicBool::new(false),
             n_started: AtomicUsize::new(0),
+            caller_cpu: AtomicUsize::new(usize::MAX),
+            n_moves: AtomicU64::new(0),
         });
         let workers = (1..n_threads.max(1))
             .map(|i| {
@@ -129,6 +136,11 @@ impl ThreadPool {
 
     pub fn n_threads(&self) -> usize {
         self.workers.len() + 1
+    }
+
+    /// How many times a worker found itself on its caller's CPU and moved off it.
+    pub fn n_moves(&self) -> u64 {
+        self.shared.n_moves.load(Ordering::Relaxed)
     }
 
     /// Tells idle workers to sleep now rather than spin for the next job: called when a burst
@@ -171,6 +183,8 @@ impl ThreadPool {
             >(task)
         };
         s.resting.store(false, Ordering::Relaxed);
+        s.caller_cpu
+            .store(cpu::current().unwrap_or(usize::MAX), Ordering::Relaxed);
         s.next_task.store(0, Ordering::Relaxed);
         s.n_done.store(0, Ordering::Relaxed);
         {
@@ -254,6 +268,17 @@ fn worker(s: &Shared, thread: usize) {
             *job
         };
         if let Some(job) = job {
+            // A worker woken onto the CPU its caller runs on preempts the caller, runs the
+            // job alone, then spins for the next one while the caller that would publish it
+            // waits for the CPU: a fork-join pair sharing one core is slower than one thread.
+            // The scheduler keeps such a pair together once it placed them so (both threads
+            // last ran there, and with a busy last-level cache it does not look for an idle
+            // core), so the worker moves itself to another of its allowed CPUs.
+            if let Some(c) = cpu::current() {
+                if c == s.caller_cpu.load(Ordering::Relaxed) && cpu::move_off(c) {
+                    s.n_moves.fetch_add(1, Ordering::Relaxed);
+                }
+            }
             // SAFETY: see `ThreadPool::run`: the closure outlives this use.
             let task = unsafe { &*job.task };
             drop(drain(s, task, job.n_tasks, thread));
@@ -272,6 +297,55 @@ impl Drop for ThreadPool {
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
+    }
+}
+
+/// Which CPU a thread runs on, and moving it (Linux; elsewhere nothing is known or moved).
+mod cpu {
+    #[cfg(target_os = "linux")]
+    pub fn current() -> Option<usize> {
+        // SAFETY: no arguments; returns -1 on failure.
+        let c = unsafe { libc::sched_getcpu() };
+        usize::try_from(c).ok()
+    }
+
+    /// Moves the calling thread off `cpu` to another CPU it is allowed on, keeping its allowed
+    /// set as it was; false if it has no other.
+    #[cfg(target_os = "linux")]
+    pub fn move_off(cpu: usize) -> bool {
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // SAFETY: `cpu_set_t` is plain data (all zeros is the empty set); the calls get its
+        // size, and `CPU_*` index within it (`cpu` is below `CPU_SETSIZE`: it came from
+        // `sched_getcpu` and was found set in the mask).
+        unsafe {
+            let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+            if libc::sched_getaffinity(0, size, &mut allowed) != 0
+                || cpu >= libc::CPU_SETSIZE as usize
+                || !libc::CPU_ISSET(cpu, &allowed)
+                || libc::CPU_COUNT(&allowed) < 2
+            {
+                return false;
+            }
+            let mut others = allowed;
+            libc::CPU_CLR(cpu, &mut others);
+            // The kernel migrates a thread off a CPU it is no longer allowed on before the
+            // call returns; restoring the set then leaves it where it is.
+            if libc::sched_setaffinity(0, size, &others) != 0 {
+                return false;
+            }
+            libc::sched_setaffinity(0, size, &allowed);
+            true
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    pub fn current() -> Option<usize> {
+        None
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    pub fn move_off(_cpu: usize) -> bool {
+        false
     }
 }
 
@@ -327,6 +401,41 @@ mod tests {
             });
             assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1));
         }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_thread_moved_off_its_cpu_runs_elsewhere_and_keeps_its_allowed_set() {
+        let affinity = || {
+            // SAFETY: plain data filled by the call.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                assert_eq!(
+                    libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
+                    0
+                );
+                (0..libc::CPU_SETSIZE as usize)
+                    .filter(|&c| libc::CPU_ISSET(c, &set))
+                    .collect::<Vec<_>>()
+            }
+        };
+        std::thread::spawn(move || {
+            let allowed = affinity();
+            let here = cpu::current().expect("sched_getcpu works on Linux");
+            if allowed.len() < 2 {
+                // Nowhere else to go: nothing moves.
+                assert!(!cpu::move_off(here));
+                assert_eq!(cpu::current(), Some(here));
+                return;
+            }
+            assert!(cpu::move_off(here));
+            let now = cpu::current().unwrap();
+            assert_ne!(now, here, "still on CPU {here}");
+            assert!(allowed.contains(&now));
+            assert_eq!(affinity(), allowed);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
