@@ -21,7 +21,7 @@ mod transport;
 pub use transport::{connect, Auth, GrpcShard, ReplyStream, ShardTransport, TokenCheck};
 
 /// Bumped on any incompatible change of the messages.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The metadata key every connection carries the cluster token in.
 pub const TOKEN_HEADER: &str = "x-strata-cluster-token";

@@ -37,6 +37,27 @@ pub struct Counters {
     /// Positions sessions started on from the prefix cache instead of computing them.
     pub prefix_reused_tokens: AtomicU64,
     pub kv_blocks_idle: AtomicU64,
+    /// Early decode steps (see [`EarlyJob`]): started, used as the tracker's step, discarded.
+    pub early_steps_started: AtomicU64,
+    pub early_steps_used: AtomicU64,
+    pub early_steps_discarded: AtomicU64,
+}
+
+impl Counters {
+    /// Counts a step that ran these fragments.
+    pub fn count_step(&self, fragments: &[Fragment]) {
+        for f in fragments {
+            let counter = if f.start_pos > 0 && f.tokens.len() == 1 && f.prefix.is_empty() {
+                &self.decode_tokens
+            } else {
+                &self.prefill_tokens
+            };
+            counter.fetch_add(f.tokens.len() as u64, Ordering::Relaxed);
+            self.prefix_reused_tokens
+                .fetch_add(f.prefix.len() as u64, Ordering::Relaxed);
+        }
+        self.steps.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// One step as the compute thread sees it.
@@ -53,6 +74,54 @@ pub struct StepJob {
     /// blocks: 0 where the incoming hidden states are exact (f32 seams), the route stream
     /// where a lossy seam encoding makes them depend on the route's cut points.
     pub prefix_scope: u64,
+    /// Sessions to cut back to a length before anything else (an early step the tracker's
+    /// step did not confirm).
+    pub rollback: Vec<(u64, usize)>,
+}
+
+/// A decode step the first shard starts before the tracker's step arrives: the last shard
+/// named the tokens it sampled (a token hint), and the tracker's next step for those sessions
+/// is usually exactly them, one position further each. Run like a step, but all or nothing,
+/// evicting no one and counted only once used.
+pub struct EarlyJob {
+    pub stream_id: u64,
+    pub epoch: u64,
+    /// `(session, token, position)` in the order the step would name them.
+    pub tokens: Vec<(u64, u32, u32)>,
+    pub now: Instant,
+    pub prefix_scope: u64,
+}
+
+/// An early step that ran: its fragments and what it produced.
+#[derive(Debug)]
+pub struct Early {
+    pub fragments: Vec<Fragment>,
+    pub outcome: StepOutcome,
+}
+
+impl Early {
+    /// Whether the tracker's `step` (of the route's `epoch`) is exactly this early step: the
+    /// same sessions at the same positions with the same tokens, in order, releasing no one
+    /// and naming no cached prefix.
+    pub fn matches(&self, epoch: u64, fragments: &[Fragment], release: &[u64]) -> bool {
+        release.is_empty()
+            && self.fragments.len() == fragments.len()
+            && self.fragments.iter().zip(fragments).all(|(e, f)| {
+                e.session_id == f.session_id
+                    && e.start_pos == f.start_pos
+                    && e.tokens == f.tokens
+                    && f.prefix.is_empty()
+            })
+            && self.outcome.epoch == epoch
+    }
+
+    /// Where each of its sessions stood before it: the rollback that undoes it.
+    pub fn rollback(&self) -> Vec<(u64, usize)> {
+        self.fragments
+            .iter()
+            .map(|f| (f.session_id, f.start_pos as usize))
+            .collect()
+    }
 }
 
 /// What a step produced.
@@ -67,10 +136,13 @@ pub struct StepOutcome {
     /// Typed refusals of single fragments.
     pub errors: Vec<SessionError>,
     pub compute_micros: u64,
+    /// The epoch the step ran under.
+    pub epoch: u64,
 }
 
 enum Job {
     Step(StepJob, oneshot::Sender<StepOutcome>),
+    Early(EarlyJob, oneshot::Sender<Option<Early>>),
     ReleaseStream(u64),
 }
 
@@ -256,6 +328,14 @@ impl ShardCore {
         rx.await.unwrap_or_default()
     }
 
+    /// Starts an early step on the compute thread (after whatever it is running); the answer
+    /// is `None` when it could not run whole.
+    pub fn early(&self, job: EarlyJob) -> oneshot::Receiver<Option<Early>> {
+        let (tx, rx) = oneshot::channel();
+        let _ = self.jobs.send(Job::Early(job, tx));
+        rx
+    }
+
     /// Forgets every session a closed route stream created.
     pub fn release_stream(&self, stream_id: u64) {
         let _ = self.jobs.send(Job::ReleaseStream(stream_id));
@@ -287,6 +367,9 @@ impl ShardCore {
             weights_bytes_budget: self.config.weights_budget_bytes as u64,
             prefix_reused_tokens: c.prefix_reused_tokens.load(Ordering::Relaxed),
             kv_blocks_idle: c.kv_blocks_idle.load(Ordering::Relaxed),
+            early_steps_started: c.early_steps_started.load(Ordering::Relaxed),
+            early_steps_used: c.early_steps_used.load(Ordering::Relaxed),
+            early_steps_discarded: c.early_steps_discarded.load(Ordering::Relaxed),
         }
     }
 }
@@ -332,8 +415,11 @@ impl Worker {
     fn handle(&mut self, job: Job) {
         match job {
             Job::Step(step, reply) => {
-                let out = self.step(step);
+                let out = self.step(step, false);
                 let _ = reply.send(out);
+            }
+            Job::Early(job, reply) => {
+                let _ = reply.send(self.early(job));
             }
             Job::ReleaseStream(id) => {
                 self.sessions.retain(|_, s| s.stream_id != id);
@@ -401,7 +487,14 @@ impl Worker {
 
     /// Decides, fragment by fragment, what can run; creates sessions for new fragments.
     /// `root` is the key root of this step's prefix blocks ([`Worker::prefix_root`]).
-    fn admit(&mut self, job: &mut StepJob, root: u64, out: &mut StepOutcome) -> Vec<usize> {
+    /// An early step evicts no one (`may_evict` false).
+    fn admit(
+        &mut self,
+        job: &mut StepJob,
+        root: u64,
+        may_evict: bool,
+        out: &mut StepOutcome,
+    ) -> Vec<usize> {
         let label = &self.config.label;
         let budget = self.kv_pool.budget_bytes();
         // Bytes of blocks the fragments accepted so far will take when the step runs.
@@ -571,7 +664,7 @@ impl Worker {
             let end = f.start_pos as usize + f.tokens.len();
             let need = self.sessions[&id].kv.extra_bytes_for(end);
             let in_use = |w: &Self| w.kv_pool.bytes_in_use() + planned;
-            if in_use(self) + need > budget {
+            if may_evict && in_use(self) + need > budget {
                 // Make room from idle sessions, least recently used first, if that is enough.
                 let residents = self.residents(job);
                 if let Some(victims) =
@@ -610,15 +703,84 @@ impl Worker {
         accepted
     }
 
-    fn step(&mut self, mut job: StepJob) -> StepOutcome {
+    /// Runs an early step whole, or rolls back what it did and answers `None`.
+    fn early(&mut self, job: EarlyJob) -> Option<Early> {
+        // Only on the tokens' own sessions, each holding exactly the positions before its token:
+        // a hint that a later step of the tracker's overtook is stale.
+        let fresh = job.tokens.iter().all(|&(id, _, pos)| {
+            self.sessions.get(&id).is_some_and(|s| {
+                s.epoch == job.epoch && s.stream_id == job.stream_id && s.kv.len() == pos as usize
+            })
+        });
+        if job.tokens.is_empty() || !fresh {
+            return None;
+        }
+        self.counters
+            .early_steps_started
+            .fetch_add(1, Ordering::Relaxed);
+        let fragments: Vec<Fragment> = job
+            .tokens
+            .iter()
+            .map(|&(session_id, token, pos)| Fragment {
+                session_id,
+                start_pos: pos,
+                tokens: vec![token],
+                want_output: true,
+                ..Default::default()
+            })
+            .collect();
+        let outcome = self.step(
+            StepJob {
+                stream_id: job.stream_id,
+                epoch: job.epoch,
+                fragments: fragments.clone(),
+                release: Vec::new(),
+                hidden: None,
+                now: job.now,
+                prefix_scope: job.prefix_scope,
+                rollback: Vec::new(),
+            },
+            true,
+        );
+        let early = Early { fragments, outcome };
+        if early.outcome.errors.is_empty() && early.outcome.accepted.len() == early.fragments.len()
+        {
+            return Some(early);
+        }
+        self.roll_back(&early.rollback());
+        self.counters
+            .early_steps_discarded
+            .fetch_add(1, Ordering::Relaxed);
+        None
+    }
+
+    /// Cuts sessions back to the given lengths (whole blocks past the end go back to the pool).
+    fn roll_back(&mut self, to: &[(u64, usize)]) {
+        for &(id, len) in to {
+            if let Some(s) = self.sessions.get_mut(&id) {
+                if s.kv.len() > len {
+                    s.kv.truncate(len);
+                    s.tokens.truncate(len);
+                }
+            }
+        }
+    }
+
+    /// Runs a step; an `early` one evicts no one and leaves the step counters to whoever uses
+    /// it.
+    fn step(&mut self, mut job: StepJob, early: bool) -> StepOutcome {
         let t0 = Instant::now();
-        let mut out = StepOutcome::default();
+        let mut out = StepOutcome {
+            epoch: job.epoch,
+            ..Default::default()
+        };
+        self.roll_back(&job.rollback);
         for id in &job.release {
             self.sessions.remove(id);
         }
         self.expire(&job);
         let root = self.prefix_root(&job);
-        let accepted = self.admit(&mut job, root, &mut out);
+        let accepted = self.admit(&mut job, root, !early, &mut out);
         let (n_rows, n_outputs) = accepted.iter().fold((0, 0), |(r, o), &i| {
             let f = &job.fragments[i];
             (r + f.tokens.len(), o + usize::from(f.want_output))
@@ -632,9 +794,11 @@ impl Worker {
                 s.last_used = job.now;
             }
         }
-        self.counters
-            .rejected_fragments
-            .fetch_add(out.errors.len() as u64, Ordering::Relaxed);
+        if !early {
+            self.counters
+                .rejected_fragments
+                .fetch_add(out.errors.len() as u64, Ordering::Relaxed);
+        }
         if accepted.is_empty() {
             self.publish_gauges();
             out.compute_micros = t0.elapsed().as_micros() as u64;
@@ -742,6 +906,7 @@ impl Worker {
                             0.0
                         },
                         top,
+                        next_pos: f.start_pos + f.tokens.len() as u32,
                     });
                 }
                 out.accepted = accepted.iter().map(|&i| job.fragments[i].clone()).collect();
@@ -766,18 +931,9 @@ impl Worker {
                 }
             }
         }
-        for f in &out.accepted {
-            let counter = if f.start_pos > 0 && f.tokens.len() == 1 && f.prefix.is_empty() {
-                &self.counters.decode_tokens
-            } else {
-                &self.counters.prefill_tokens
-            };
-            counter.fetch_add(f.tokens.len() as u64, Ordering::Relaxed);
-            self.counters
-                .prefix_reused_tokens
-                .fetch_add(f.prefix.len() as u64, Ordering::Relaxed);
+        if !early {
+            self.counters.count_step(&out.accepted);
         }
-        self.counters.steps.fetch_add(1, Ordering::Relaxed);
         self.publish_gauges();
         out.compute_micros = t0.elapsed().as_micros() as u64;
         self.counters

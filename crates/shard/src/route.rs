@@ -9,14 +9,15 @@ use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use proto::v1::{
-    route_msg, CacheRecipe, HopTiming, RouteMsg, RouteReply, RouteSetup, SeamDtype, Step, StepError,
+    route_msg, CacheRecipe, HopTiming, RouteMsg, RouteReply, RouteSetup, SeamDtype, SessionOutput,
+    Step, StepError,
 };
 use proto::{ReplyStream, ShardTransport};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
-use crate::core::{ShardCore, StepJob};
+use crate::core::{EarlyJob, ShardCore, StepJob};
 use crate::mib;
 
 type ReplyTx = mpsc::Sender<Result<RouteReply, Status>>;
@@ -213,6 +214,8 @@ where
     let (stop_tx, mut stop_rx) = watch::channel(false);
     let (reg_tx, reg_rx) = mpsc::unbounded_channel::<(u64, Pending)>();
     let rtts = Arc::new(SeamRtts::default());
+    // Token hints reach the first shard through its relay; later shards pass them upstream.
+    let (hint_tx, mut hint_rx) = mpsc::channel::<Vec<SessionOutput>>(4);
     let dn_tx = match downstream {
         Some((addr, dn_tx, replies)) => {
             tokio::spawn(relay(
@@ -223,15 +226,23 @@ where
                 up_tx.clone(),
                 stop_tx,
                 Arc::clone(&rtts),
+                core.is_first().then_some(hint_tx),
             ));
             Some(dn_tx)
         }
         None => None,
     };
+    let prefix_scope = if seam == SeamDtype::SeamF16 {
+        stream_id
+    } else {
+        0
+    };
 
     let epoch = setup.epoch;
     let label = core.config.label.clone();
     tokio::spawn(async move {
+        // The early step started on the last token hint, if any (first shard only).
+        let mut early = None;
         loop {
             let stopped = async {
                 // A dropped sender (no downstream hop) never signals a stop.
@@ -240,7 +251,22 @@ where
                 }
             };
             let msg = tokio::select! {
+                biased;
                 m = inbound.next() => m,
+                Some(hint) = hint_rx.recv() => {
+                    // One early step at a time, started only while no step of the tracker's is
+                    // being run (this loop is between steps).
+                    if early.is_none() {
+                        early = Some(core.early(EarlyJob {
+                            stream_id,
+                            epoch,
+                            tokens: hint.iter().map(|o| (o.session_id, o.token, o.next_pos)).collect(),
+                            now: Instant::now(),
+                            prefix_scope,
+                        }));
+                    }
+                    continue;
+                }
                 _ = stopped => None,
             };
             let step: Step = match msg {
@@ -306,25 +332,43 @@ where
             } else {
                 Vec::new()
             };
-            let out = core
-                .step(StepJob {
-                    stream_id,
-                    epoch: if step.epoch == epoch {
-                        epoch
+            // An early step is used if it is exactly this step, and rolled back otherwise.
+            let (mut used, mut rollback) = (None, Vec::new());
+            if let Some(started) = early.take() {
+                if let Ok(Some(e)) = started.await {
+                    if !over && e.matches(step.epoch, &step.fragments, &step.release) {
+                        core.counters
+                            .early_steps_used
+                            .fetch_add(1, Ordering::Relaxed);
+                        core.counters.count_step(&step.fragments);
+                        used = Some(crate::core::StepOutcome {
+                            accepted: step.fragments.clone(),
+                            ..e.outcome
+                        });
                     } else {
-                        step.epoch
-                    },
-                    fragments: if over { Vec::new() } else { step.fragments },
-                    release: step.release.clone(),
-                    hidden: if over { None } else { hidden },
-                    now: received,
-                    prefix_scope: if seam == SeamDtype::SeamF16 {
-                        stream_id
-                    } else {
-                        0
-                    },
-                })
-                .await;
+                        core.counters
+                            .early_steps_discarded
+                            .fetch_add(1, Ordering::Relaxed);
+                        rollback = e.rollback();
+                    }
+                }
+            }
+            let out = match used {
+                Some(out) => out,
+                None => {
+                    core.step(StepJob {
+                        stream_id,
+                        epoch: step.epoch,
+                        fragments: if over { Vec::new() } else { step.fragments },
+                        release: step.release.clone(),
+                        hidden: if over { None } else { hidden },
+                        now: received,
+                        prefix_scope,
+                        rollback,
+                    })
+                    .await
+                }
+            };
             // Refusals travel with the step to the last shard, which answers with all of them.
             let mut errors = step.errors;
             errors.extend(out.errors);
@@ -339,6 +383,19 @@ where
                 None => {
                     hop.held_micros = received.elapsed().as_micros() as u64;
                     hops.push(hop);
+                    // On a route of several shards the acknowledgement names the sampled
+                    // tokens (a token hint) and goes first: the first shard can start the next
+                    // decode step while the reply travels through the tracker.
+                    let hint: Vec<SessionOutput> = out
+                        .outputs
+                        .iter()
+                        .map(|o| SessionOutput {
+                            session_id: o.session_id,
+                            token: o.token,
+                            next_pos: o.next_pos,
+                            ..Default::default()
+                        })
+                        .collect();
                     let reply = RouteReply {
                         step_id: step.step_id,
                         outputs: out.outputs,
@@ -346,11 +403,24 @@ where
                         step_error: None,
                         hops,
                     };
-                    let answered = match &sink {
-                        Some(sink) => sink.send(Ok(reply)).await.is_ok(),
-                        None => up_tx.send(Ok(reply)).await.is_ok(),
+                    let Some(sink) = &sink else {
+                        if up_tx.send(Ok(reply)).await.is_err() {
+                            break;
+                        }
+                        continue;
                     };
-                    if !answered {
+                    if !hint.is_empty() {
+                        let ack = acknowledgement(step.step_id, &label, received, hint);
+                        if up_tx.send(Ok(ack)).await.is_err() {
+                            break;
+                        }
+                        tokio::task::yield_now().await;
+                        if sink.send(Ok(reply)).await.is_err() {
+                            break;
+                        }
+                        continue;
+                    }
+                    if sink.send(Ok(reply)).await.is_err() {
                         break;
                     }
                 }
@@ -408,15 +478,7 @@ where
                 // The step (or reply) just sent is what the route waits for: let it reach its
                 // socket before the acknowledgement takes this thread.
                 tokio::task::yield_now().await;
-                let ack = RouteReply {
-                    step_id: step.step_id,
-                    hops: vec![HopTiming {
-                        shard: label.clone(),
-                        held_micros: received.elapsed().as_micros() as u64,
-                        ..Default::default()
-                    }],
-                    ..Default::default()
-                };
+                let ack = acknowledgement(step.step_id, &label, received, Vec::new());
                 if up_tx.send(Ok(ack)).await.is_err() {
                     break;
                 }
@@ -428,9 +490,31 @@ where
     Ok(Box::pin(ReceiverStream::new(up_rx)))
 }
 
+/// The acknowledgement of a step to the shard before: its id, how long this shard held it,
+/// and on the last shard the tokens it sampled.
+fn acknowledgement(
+    step_id: u64,
+    label: &str,
+    received: Instant,
+    hint: Vec<SessionOutput>,
+) -> RouteReply {
+    RouteReply {
+        step_id,
+        hops: vec![HopTiming {
+            shard: label.to_string(),
+            held_micros: received.elapsed().as_micros() as u64,
+            ..Default::default()
+        }],
+        outputs: hint,
+        ..Default::default()
+    }
+}
+
 /// Reads the next shard's acknowledgements (releasing in-flight bytes, measuring the seam's
-/// round trip) and relays failures from further down upstream; turns a broken or silent
+/// round trip), hands token hints to the first shard's step loop (`hints`) or passes them
+/// upstream, and relays failures from further down upstream; turns a broken or silent
 /// downstream into a `shard_failed` reply for every step still waiting.
+#[allow(clippy::too_many_arguments)] // reason: one task's channels and shared state, each used once
 async fn relay(
     core: Arc<ShardCore>,
     next_addr: String,
@@ -439,6 +523,7 @@ async fn relay(
     up_tx: ReplyTx,
     stop_tx: watch::Sender<bool>,
     rtts: Arc<SeamRtts>,
+    hints: Option<mpsc::Sender<Vec<SessionOutput>>>,
 ) {
     let mut pending = PendingSteps {
         core,
@@ -459,10 +544,24 @@ async fn relay(
                         pending.steps.insert(id, p);
                     }
                     if r.step_error.is_none() {
-                        // An acknowledgement.
-                        if let Some(p) = pending.remove(r.step_id) {
-                            let held = r.hops.first().map_or(0, |h| h.held_micros);
-                            rtts.push((p.sent.elapsed().as_micros() as u64).saturating_sub(held));
+                        // An acknowledgement (with a hop), a token hint (with outputs), or both.
+                        if let Some(held) = r.hops.first().map(|h| h.held_micros) {
+                            if let Some(p) = pending.remove(r.step_id) {
+                                rtts.push((p.sent.elapsed().as_micros() as u64).saturating_sub(held));
+                            }
+                        }
+                        if !r.outputs.is_empty() {
+                            match &hints {
+                                // A hint the step loop has no room for is dropped: it only
+                                // saves time.
+                                Some(h) => { let _ = h.try_send(r.outputs); }
+                                None => {
+                                    let hint = RouteReply { step_id: r.step_id, outputs: r.outputs, ..Default::default() };
+                                    if up_tx.send(Ok(hint)).await.is_err() {
+                                        return;
+                                    }
+                                }
+                            }
                         }
                         continue;
                     }

@@ -2,6 +2,8 @@
 //! last shard answers on the replies stream the tracker opened, refusals and timings of the
 //! first shard travel with the step, every step is acknowledged upstream (releasing in-flight
 //! bytes and measuring the seam's round trip), and a route without a valid reply key is refused.
+//! The first shard starts the next decode step on the last shard's token hint, uses it when the
+//! tracker's step is that step, and rolls it back otherwise.
 
 mod common;
 
@@ -206,4 +208,141 @@ async fn the_last_shard_answers_on_the_replies_stream_and_acknowledges_every_ste
         .await
         .expect("the replies stream ends");
     assert!(end.is_none());
+}
+
+/// Waits until `f` holds on the first shard's stats, within a bound.
+async fn until(core: &ShardCore, what: &str, f: impl Fn(&proto::v1::ShardStats) -> bool) {
+    let t = Instant::now();
+    while !f(&core.stats()) {
+        assert!(t.elapsed() < Duration::from_secs(10), "never: {what}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// A fragment that also asks for the sampled token's log-probability (compared bitwise).
+fn lp(session_id: u64, start_pos: u32, tokens: &[u32]) -> Fragment {
+    Fragment {
+        want_logprob: true,
+        ..frag(session_id, start_pos, tokens)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_shard_starts_decode_steps_on_token_hints_and_rolls_back_those_not_sent() {
+    let (a_core, a) = serve((0, 2)).await;
+    let (_b_core, b) = serve((2, 4)).await;
+    let mut replies = b.replies(21).await.unwrap();
+    let (tx, _upstream) = open(&a, &a_core, b.address(), 21).await.unwrap();
+    let whole = load(None, "whole");
+    let (wtx, mut wreplies) = {
+        let (wtx, rx) = mpsc::channel(8);
+        wtx.send(RouteMsg {
+            msg: Some(route_msg::Msg::Setup(RouteSetup {
+                epoch: 1,
+                model_digest: whole.info.model_digest.clone(),
+                ..Default::default()
+            })),
+        })
+        .await
+        .unwrap();
+        let up = shard::LocalShard::new(Arc::clone(&whole))
+            .route(rx)
+            .await
+            .unwrap();
+        (wtx, up)
+    };
+    // Each step goes to the route and to the whole model; the answers must be bitwise equal.
+    let mut step_id = 0;
+    let mut both = |fragments: Vec<Fragment>| {
+        step_id += 1;
+        let (tx, wtx) = (tx.clone(), wtx.clone());
+        let id = step_id;
+        async move {
+            send(&tx, id, fragments.clone()).await;
+            send(&wtx, id, fragments).await;
+        }
+    };
+    let answer = async |replies: &mut ReplyStream, wreplies: &mut ReplyStream| {
+        let (r, w) = (next(replies).await, next(wreplies).await);
+        assert_eq!(r.outputs.len(), 1, "{r:?}");
+        assert_eq!(r.outputs[0].token, w.outputs[0].token);
+        assert_eq!(
+            r.outputs[0].logprob.to_bits(),
+            w.outputs[0].logprob.to_bits(),
+            "split and whole differ"
+        );
+        r.outputs[0].token
+    };
+    let n_vocab = a_core.info.n_vocab;
+    let prompt = [3, 1, 4, 1, 5];
+    both(vec![lp(1, 0, &prompt)]).await;
+    let mut token = answer(&mut replies, &mut wreplies).await;
+    // The last shard's hint starts the next step early; the tracker's step, being that step,
+    // uses it. A step with another token (as when the tracker stops a session and another takes
+    // the place) finds the early one discarded and its position rolled back: the session then
+    // continues exactly as on the whole model.
+    for (round, sent_as_hinted) in [true, true, false, true, false, false, true]
+        .into_iter()
+        .enumerate()
+    {
+        let started = round as u64 + 1;
+        let pos = prompt.len() as u32 + round as u32;
+        until(&a_core, "the early step starts", |s| {
+            s.early_steps_started == started
+        })
+        .await;
+        let (used, discarded) = {
+            let s = a_core.stats();
+            (s.early_steps_used, s.early_steps_discarded)
+        };
+        let sent = if sent_as_hinted {
+            token
+        } else {
+            (token + 1) % n_vocab
+        };
+        both(vec![lp(1, pos, &[sent])]).await;
+        token = answer(&mut replies, &mut wreplies).await;
+        let s = a_core.stats();
+        assert_eq!(
+            (s.early_steps_used, s.early_steps_discarded),
+            if sent_as_hinted {
+                (used + 1, discarded)
+            } else {
+                (used, discarded + 1)
+            },
+            "round {round}"
+        );
+    }
+    // Counted once, as the steps the tracker sent: a prompt and seven decode tokens.
+    let s = a_core.stats();
+    assert_eq!((s.steps, s.prefill_tokens, s.decode_tokens), (8, 5, 7));
+
+    // A step that leaves the session out (another session's prompt) rolls the early step
+    // back: a session of 16 positions whose early step took a second KV block returns it.
+    let long: Vec<u32> = (0..16).map(|i| (i * 7 + 3) % n_vocab).collect();
+    both(vec![lp(3, 0, &long)]).await;
+    let t3 = answer(&mut replies, &mut wreplies).await;
+    until(&a_core, "the early step of session 3 starts", |s| {
+        s.early_steps_started == 9
+    })
+    .await;
+    let blocks = |c: &ShardCore| c.stats().kv_blocks_in_use;
+    // Session 1 (13 positions, one block) and session 3 (16 positions and the early 17th).
+    until(&a_core, "the early step holds its block", |s| {
+        s.kv_blocks_in_use == 3
+    })
+    .await;
+    both(vec![lp(4, 0, &prompt)]).await;
+    answer(&mut replies, &mut wreplies).await;
+    // Discarded: three in the loop, then session 1's (the step of session 3's prompt left it
+    // out) and session 3's.
+    assert_eq!(a_core.stats().early_steps_discarded, 5);
+    assert_eq!(
+        blocks(&a_core),
+        3,
+        "sessions 1, 3 and 4 hold one block each"
+    );
+    // Session 3 then continues at position 16 as on the whole model.
+    both(vec![lp(3, 16, &[t3])]).await;
+    answer(&mut replies, &mut wreplies).await;
 }

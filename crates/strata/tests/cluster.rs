@@ -176,16 +176,41 @@ fn two_and_three_shard_routes_match_one_process_and_both_shards_work() {
             );
         }
         assert!(tracker_metric(&c.tracker.addr, "strata_route_overhead_seconds_count") > 0.0);
+        // The first shard started decode steps on the last shard's token hints (passed up by
+        // the middle shard of three) and the tracker's steps used them; only the first starts
+        // any.
+        let early = |shard: &Proc, outcome: &str| {
+            labelled_sum(
+                &c.tracker.addr,
+                "strata_shard_early_steps_total",
+                &[("shard", &shard.addr), ("outcome", outcome)],
+            )
+        };
+        let first = &c.shards[0];
+        assert!(
+            early(first, "used") > 0.0,
+            "route {ranges:?}: no early step used ({} started, {} discarded)",
+            early(first, "started"),
+            early(first, "discarded")
+        );
+        for s in &c.shards[1..] {
+            assert_eq!(early(s, "started"), 0.0, "shard {}", s.addr);
+        }
     }
 }
 
 /// The sum of metric `name` over the series labelled `hop`.
 fn hop_metric(addr: &str, name: &str, hop: &str) -> f64 {
-    let label = format!("hop=\"{hop}\"");
+    labelled_sum(addr, name, &[("hop", hop)])
+}
+
+/// The sum of metric `name` over the series carrying every one of `labels`.
+fn labelled_sum(addr: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
     get(addr, "/metrics")
         .body
         .lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(&label))
+        .filter(|l| l.starts_with(&format!("{name}{{")) && labels.iter().all(|x| l.contains(x)))
         .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
         .sum()
 }

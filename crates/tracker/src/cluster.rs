@@ -285,6 +285,17 @@ pub async fn monitor(
                         st.prefix_reused_tokens as f64,
                     );
                     metrics.set("strata_shard_kv_blocks_idle", &l, st.kv_blocks_idle as f64);
+                    for (outcome, n) in [
+                        ("started", st.early_steps_started),
+                        ("used", st.early_steps_used),
+                        ("discarded", st.early_steps_discarded),
+                    ] {
+                        metrics.set(
+                            "strata_shard_early_steps_total",
+                            &[("shard", addr.as_str()), ("outcome", outcome)],
+                            n as f64,
+                        );
+                    }
                     metrics.set("strata_shard_kv_bytes", &l, st.kv_bytes_in_use as f64);
                     metrics.set(
                         "strata_shard_kv_budget_bytes",

@@ -203,6 +203,11 @@ fn declare(m: &Metrics) {
             "prompt positions a shard took from its prefix cache instead of computing them",
         ),
         (
+            "strata_shard_early_steps_total",
+            "gauge",
+            "decode steps a route's first shard started on the last shard's token hint before the tracker's step arrived (outcome: started, used as the tracker's step, discarded)",
+        ),
+        (
             "strata_shard_kv_blocks_idle",
             "gauge",
             "cached prefix blocks no session holds (free room, kept for later prompts)",
