@@ -2,6 +2,7 @@
 # strata against llama.cpp on the same model, threads and machine, in the same run.
 #
 # Usage: LLAMA_CPP_DIR=/path/to/llama.cpp/build bench/compare-llamacpp.sh [threads] [repetitions]
+# (STREAM_REQUESTS, default 10: single-stream requests per server and round)
 #
 # LLAMA_CPP_DIR is a llama.cpp build (its bin/ holds llama-bench and llama-server); this script
 # neither builds nor downloads it. Each round runs llama.cpp then strata back to back; the
@@ -13,8 +14,9 @@
 #   - single-stream decode of a 2-shard route (`strata serve --shards 2`) against one process
 #     (`strata serve --shards 1`), with every shard given all the threads (a single stream
 #     visits the shards in turn, so both can use every core) and with the threads split between
-#     the shards; measured back to back in each round (one process first) and compared per
-#     round, so a phase of the machine that slows one of them does not skew the ratio;
+#     the shards: the three servers run together (an idle one sleeps) and take single requests
+#     in turn, so each request of a route is compared with the one-process request just before
+#     it and a phase of the machine that slows one of them does not skew the ratio;
 #   - peak resident memory of a server with a 4096-token context after one request.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +45,7 @@ peak_rss_mib() { # $1 = pid
 }
 
 conc=1,4,8,16
+stream_requests=${STREAM_REQUESTS:-10}
 for r in $(seq 1 "$reps"); do
   echo "round $r of $reps" >&2
   "$lbench" -m "$model" -t "$threads" -p 128,512 -n 64 -r 3 -o json > "$out/llama-bench-$r.json" 2>/dev/null
@@ -59,13 +62,20 @@ for r in $(seq 1 "$reps"); do
   kill $pid; wait $pid 2>/dev/null || true
 
   per=$(( threads / 2 )); [ "$per" -ge 1 ] || per=1
-  for variant in "one:1:$threads" "all:2:$threads" "split:2:$per"; do
-    IFS=: read -r name shards t <<< "$variant"
-    "$strata" serve --model "$model" --shards "$shards" --threads "$t" --listen 127.0.0.1:18192 >/dev/null 2>&1 &
-    pid=$!; wait_http 18192
-    "$strata" bench --url http://127.0.0.1:18192 --prompt-tokens 32 --gen-tokens 64 --concurrency 1 --requests 5 --json > "$out/strata-stream-$name-$r.json"
-    kill $pid; wait $pid 2>/dev/null || true
+  pids=()
+  for variant in "one:1:$threads:18195" "all:2:$threads:18196" "split:2:$per:18197"; do
+    IFS=: read -r name shards t port <<< "$variant"
+    "$strata" serve --model "$model" --shards "$shards" --threads "$t" --listen "127.0.0.1:$port" >/dev/null 2>&1 &
+    pids+=($!)
   done
+  for port in 18195 18196 18197; do wait_http $port; done
+  for i in $(seq 1 "$stream_requests"); do
+    for variant in one:18195 all:18196 split:18197; do
+      IFS=: read -r name port <<< "$variant"
+      "$strata" bench --url "http://127.0.0.1:$port" --prompt-tokens 32 --gen-tokens 64 --concurrency 1 --requests 1 --json > "$out/strata-stream-$name-$r-$i.json"
+    done
+  done
+  kill "${pids[@]}"; wait "${pids[@]}" 2>/dev/null || true
 done
 
 # Peak RSS with a 4096-token context, after one 512-token prompt and 64 new tokens.
@@ -79,9 +89,9 @@ pid=$!; wait_http 18193; ask 18193; echo "$(peak_rss_mib $pid)" > "$out/llama-rs
 "$strata" serve --model "$model" --shards 1 --threads "$threads" --ctx 4096 --listen 127.0.0.1:18194 >/dev/null 2>&1 &
 pid=$!; wait_http 18194; ask 18194; echo "$(peak_rss_mib $pid)" > "$out/strata-rss"; kill $pid; wait $pid 2>/dev/null || true
 
-python3 - "$out" "$reps" "$conc" <<'PY'
+python3 - "$out" "$reps" "$conc" "$stream_requests" <<'PY'
 import json, statistics, sys
-out, reps, conc = sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")]
+out, reps, conc, n_stream = sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")], int(sys.argv[4])
 load = lambda name, r: json.load(open(f"{out}/{name}-{r}.json"))
 rounds = range(1, reps + 1)
 def llama_test(r, name):
@@ -93,8 +103,8 @@ def strata_test(r, name):
     return next(t["avg_ts"] for t in load("strata-bench", r)["tests"] if t["test"] == name)
 def agg(name, r, c):
     return next(x["aggregate_tps"] for x in load(name, r)["runs"] if x["concurrency"] == c)
-def per_stream(name, r):
-    return load(name, r)["runs"][0]["decode_tps_per_stream_p50"]
+def per_stream(name, r, i):
+    return load(f"strata-stream-{name}-{r}", i)["runs"][0]["decode_tps_per_stream_p50"]
 med = statistics.median
 rows = []
 for name in ["pp128", "pp512", "tg64"]:
@@ -109,11 +119,17 @@ print(f"| test | llama.cpp | strata | strata / llama.cpp |")
 print(f"| --- | ---: | ---: | ---: |")
 for name, l, s in rows:
     print(f"| {name} | {l:.1f} | {s:.1f} | {s / l:.2f} |")
-stream = lambda name: [per_stream(f"strata-stream-{name}", r) for r in rounds]
+# Single-stream decode: every request of a route against the one-process request just before it.
+stream = lambda name: [[per_stream(name, r, i) for i in range(1, n_stream + 1)] for r in rounds]
 one, full, split = stream("one"), stream("all"), stream("split")
-ratio = lambda xs: med(x / o for x, o in zip(xs, one))
-print(f"\nsingle-stream decode (per-stream p50, medians): one process {med(one):.1f} t/s; 2-shard route, every shard all threads {med(full):.1f} t/s, threads split {med(split):.1f} t/s")
-print(f"2-shard route / one process, median of the per-round ratios: every shard all threads {ratio(full):.2f}, threads split {ratio(split):.2f} (rounds: {', '.join(f'{f / o:.2f}' for f, o in zip(full, one))})")
+flat = lambda xs: [x for rnd in xs for x in rnd]
+pairs = lambda xs: [x / o for rx, ro in zip(xs, one) for x, o in zip(rx, ro)]
+def spread(rs):
+    q = statistics.quantiles(rs, n=4)
+    return f"{med(rs):.2f} (quartiles {q[0]:.2f}-{q[2]:.2f})"
+print(f"\nsingle-stream decode, {reps} x {n_stream} requests each taken in turn (per-request medians): one process {med(flat(one)):.1f} t/s; 2-shard route, every shard all threads {med(flat(full)):.1f} t/s, threads split {med(flat(split)):.1f} t/s")
+print(f"2-shard route / one process, median of the {reps * n_stream} request pairs: every shard all threads {spread(pairs(full))}, threads split {spread(pairs(split))}")
+print(f"  per round (median of its pairs), every shard all threads: {', '.join(f'{med([x / o for x, o in zip(rx, ro)]):.2f}' for rx, ro in zip(full, one))}")
 c1 = med(agg("strata-serve", r, conc[0]) for r in rounds)
 cn = med(agg("strata-serve", r, conc[-1]) for r in rounds)
 print(f"strata serve aggregate, {conc[-1]} concurrent / 1: {cn:.1f} / {c1:.1f} = {cn / c1:.2f}x")
