@@ -379,23 +379,26 @@ where
                 compute_micros: out.compute_micros,
                 ..Default::default()
             };
+            // What the acknowledgement names beside the step: on the last shard, the tokens it
+            // sampled (a token hint), so that the first shard can start the next decode step
+            // while the reply travels through the tracker.
+            let mut hint = Vec::new();
             match &dn_tx {
                 None => {
                     hop.held_micros = received.elapsed().as_micros() as u64;
                     hops.push(hop);
-                    // On a route of several shards the acknowledgement names the sampled
-                    // tokens (a token hint) and goes first: the first shard can start the next
-                    // decode step while the reply travels through the tracker.
-                    let hint: Vec<SessionOutput> = out
-                        .outputs
-                        .iter()
-                        .map(|o| SessionOutput {
-                            session_id: o.session_id,
-                            token: o.token,
-                            next_pos: o.next_pos,
-                            ..Default::default()
-                        })
-                        .collect();
+                    if !core.is_first() {
+                        hint = out
+                            .outputs
+                            .iter()
+                            .map(|o| SessionOutput {
+                                session_id: o.session_id,
+                                token: o.token,
+                                next_pos: o.next_pos,
+                                ..Default::default()
+                            })
+                            .collect();
+                    }
                     let reply = RouteReply {
                         step_id: step.step_id,
                         outputs: out.outputs,
@@ -403,24 +406,11 @@ where
                         step_error: None,
                         hops,
                     };
-                    let Some(sink) = &sink else {
-                        if up_tx.send(Ok(reply)).await.is_err() {
-                            break;
-                        }
-                        continue;
+                    let answered = match &sink {
+                        Some(sink) => sink.send(Ok(reply)).await.is_ok(),
+                        None => up_tx.send(Ok(reply)).await.is_ok(),
                     };
-                    if !hint.is_empty() {
-                        let ack = acknowledgement(step.step_id, &label, received, hint);
-                        if up_tx.send(Ok(ack)).await.is_err() {
-                            break;
-                        }
-                        tokio::task::yield_now().await;
-                        if sink.send(Ok(reply)).await.is_err() {
-                            break;
-                        }
-                        continue;
-                    }
-                    if sink.send(Ok(reply)).await.is_err() {
+                    if !answered {
                         break;
                     }
                 }
@@ -478,7 +468,7 @@ where
                 // The step (or reply) just sent is what the route waits for: let it reach its
                 // socket before the acknowledgement takes this thread.
                 tokio::task::yield_now().await;
-                let ack = acknowledgement(step.step_id, &label, received, Vec::new());
+                let ack = acknowledgement(step.step_id, &label, received, hint);
                 if up_tx.send(Ok(ack)).await.is_err() {
                     break;
                 }
