@@ -171,6 +171,12 @@ impl Model {
         self.kernels.isa()
     }
 
+    /// How many times a kernel thread found itself woken onto the CPU of the thread that
+    /// handed it work and moved to another (see [`crate::pool`]).
+    pub fn kernel_thread_moves(&self) -> u64 {
+        self.pool.n_moves()
+    }
+
     pub fn n_threads(&self) -> usize {
         self.pool.n_threads()
     }

@@ -41,6 +41,7 @@ pub struct Counters {
     pub early_steps_started: AtomicU64,
     pub early_steps_used: AtomicU64,
     pub early_steps_discarded: AtomicU64,
+    pub kernel_thread_moves: AtomicU64,
 }
 
 impl Counters {
@@ -370,6 +371,7 @@ impl ShardCore {
             early_steps_started: c.early_steps_started.load(Ordering::Relaxed),
             early_steps_used: c.early_steps_used.load(Ordering::Relaxed),
             early_steps_discarded: c.early_steps_discarded.load(Ordering::Relaxed),
+            kernel_thread_moves: c.kernel_thread_moves.load(Ordering::Relaxed),
         }
     }
 }
@@ -441,6 +443,8 @@ impl Worker {
             .store(p.block_bytes() as u64, Ordering::Relaxed);
         c.kv_blocks_idle
             .store(p.idle_blocks() as u64, Ordering::Relaxed);
+        c.kernel_thread_moves
+            .store(self.model.kernel_thread_moves(), Ordering::Relaxed);
         self.counters
             .sessions
             .store(self.sessions.len() as u64, Ordering::Relaxed);

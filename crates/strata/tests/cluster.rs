@@ -163,6 +163,13 @@ fn two_and_three_shard_routes_match_one_process_and_both_shards_work() {
                 "shard {} did no work: {prefill} {decode}",
                 s.addr
             );
+            // Exported even when nothing moved (these shards run one kernel thread).
+            let moves = metric(
+                &c.tracker.addr,
+                "strata_shard_kernel_thread_moves_total",
+                &s.addr,
+            );
+            assert_eq!(moves, 0.0, "shard {} has no kernel worker to move", s.addr);
         }
         // Every seam carried activations and had its round trip measured (from the next
         // shard's acknowledgements); the route's messaging time was recorded per step.

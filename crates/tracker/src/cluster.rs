@@ -285,6 +285,11 @@ pub async fn monitor(
                         st.prefix_reused_tokens as f64,
                     );
                     metrics.set("strata_shard_kv_blocks_idle", &l, st.kv_blocks_idle as f64);
+                    metrics.set(
+                        "strata_shard_kernel_thread_moves_total",
+                        &l,
+                        st.kernel_thread_moves as f64,
+                    );
                     for (outcome, n) in [
                         ("started", st.early_steps_started),
                         ("used", st.early_steps_used),

@@ -203,6 +203,11 @@ fn declare(m: &Metrics) {
             "prompt positions a shard took from its prefix cache instead of computing them",
         ),
         (
+            "strata_shard_kernel_thread_moves_total",
+            "gauge",
+            "times a shard's kernel thread was woken onto the CPU of the thread handing it work and moved to another",
+        ),
+        (
             "strata_shard_early_steps_total",
             "gauge",
             "decode steps a route's first shard started on the last shard's token hint before the tracker's step arrived (outcome: started, used as the tracker's step, discarded)",
