@@ -101,10 +101,10 @@ pub struct Early {
 }
 
 impl Early {
-    /// Whether the tracker's `step` (of the route's `epoch`) is exactly this early step: the
-    /// same sessions at the same positions with the same tokens, in order, releasing no one
-    /// and naming no cached prefix.
-    pub fn matches(&self, epoch: u64, fragments: &[Fragment], release: &[u64]) -> bool {
+    /// Whether a step of the tracker's (of the epoch the early step ran under) is exactly this
+    /// early step: the same sessions at the same positions with the same tokens, in order,
+    /// releasing no one and naming no cached prefix.
+    pub fn matches(&self, fragments: &[Fragment], release: &[u64]) -> bool {
         release.is_empty()
             && self.fragments.len() == fragments.len()
             && self.fragments.iter().zip(fragments).all(|(e, f)| {
@@ -113,7 +113,6 @@ impl Early {
                     && e.tokens == f.tokens
                     && f.prefix.is_empty()
             })
-            && self.outcome.epoch == epoch
     }
 
     /// Where each of its sessions stood before it: the rollback that undoes it.
@@ -137,8 +136,6 @@ pub struct StepOutcome {
     /// Typed refusals of single fragments.
     pub errors: Vec<SessionError>,
     pub compute_micros: u64,
-    /// The epoch the step ran under.
-    pub epoch: u64,
 }
 
 enum Job {
@@ -774,10 +771,7 @@ impl Worker {
     /// it.
     fn step(&mut self, mut job: StepJob, early: bool) -> StepOutcome {
         let t0 = Instant::now();
-        let mut out = StepOutcome {
-            epoch: job.epoch,
-            ..Default::default()
-        };
+        let mut out = StepOutcome::default();
         self.roll_back(&job.rollback);
         for id in &job.release {
             self.sessions.remove(id);

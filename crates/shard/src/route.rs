@@ -336,7 +336,8 @@ where
             let (mut used, mut rollback) = (None, Vec::new());
             if let Some(started) = early.take() {
                 if let Ok(Some(e)) = started.await {
-                    if !over && e.matches(step.epoch, &step.fragments, &step.release) {
+                    // Early steps run under the route's epoch.
+                    if !over && step.epoch == epoch && e.matches(&step.fragments, &step.release) {
                         core.counters
                             .early_steps_used
                             .fetch_add(1, Ordering::Relaxed);

@@ -66,6 +66,25 @@ async fn open(
     Ok((tx, upstream))
 }
 
+/// A route of one shard holding the whole model, in memory: the split route's reference.
+async fn whole_route(whole: &Arc<ShardCore>) -> (mpsc::Sender<RouteMsg>, ReplyStream) {
+    let (tx, rx) = mpsc::channel(8);
+    tx.send(RouteMsg {
+        msg: Some(route_msg::Msg::Setup(RouteSetup {
+            epoch: 1,
+            model_digest: whole.info.model_digest.clone(),
+            ..Default::default()
+        })),
+    })
+    .await
+    .unwrap();
+    let replies = shard::LocalShard::new(Arc::clone(whole))
+        .route(rx)
+        .await
+        .unwrap();
+    (tx, replies)
+}
+
 async fn send(tx: &mpsc::Sender<RouteMsg>, step_id: u64, fragments: Vec<Fragment>) {
     let step = Step {
         step_id,
@@ -150,25 +169,7 @@ async fn the_last_shard_answers_on_the_replies_stream_and_acknowledges_every_ste
         "nothing was acknowledged before the first step"
     );
     {
-        let (wtx, mut wreplies) = {
-            let (wtx, rx) = mpsc::channel(8);
-            wtx.send(RouteMsg {
-                msg: Some(route_msg::Msg::Setup(RouteSetup {
-                    epoch: 1,
-                    model_digest: whole.info.model_digest.clone(),
-                    ..Default::default()
-                })),
-            })
-            .await
-            .unwrap();
-            (
-                wtx,
-                shard::LocalShard::new(Arc::clone(&whole))
-                    .route(rx)
-                    .await
-                    .unwrap(),
-            )
-        };
+        let (wtx, mut wreplies) = whole_route(&whole).await;
         send(&wtx, 1, vec![frag(1, 0, &prompt)]).await;
         let w = next(&mut wreplies).await;
         assert_eq!(w.outputs[0].token, r1.outputs[0].token);
@@ -234,23 +235,7 @@ async fn the_first_shard_starts_decode_steps_on_token_hints_and_rolls_back_those
     let mut replies = b.replies(21).await.unwrap();
     let (tx, _upstream) = open(&a, &a_core, b.address(), 21).await.unwrap();
     let whole = load(None, "whole");
-    let (wtx, mut wreplies) = {
-        let (wtx, rx) = mpsc::channel(8);
-        wtx.send(RouteMsg {
-            msg: Some(route_msg::Msg::Setup(RouteSetup {
-                epoch: 1,
-                model_digest: whole.info.model_digest.clone(),
-                ..Default::default()
-            })),
-        })
-        .await
-        .unwrap();
-        let up = shard::LocalShard::new(Arc::clone(&whole))
-            .route(rx)
-            .await
-            .unwrap();
-        (wtx, up)
-    };
+    let (wtx, mut wreplies) = whole_route(&whole).await;
     // Each step goes to the route and to the whole model; the answers must be bitwise equal.
     let mut step_id = 0;
     let mut both = |fragments: Vec<Fragment>| {
