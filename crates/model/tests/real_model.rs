@@ -1,5 +1,5 @@
 //! Parity with llama.cpp on the real model (SmolLM2-135M-Instruct Q4_1), against the reference
-//! outputs in `../shared/reference/greedy_public.json`, with the tolerances its README asks for;
+//! outputs in `reference/greedy_public.json`, with the tolerances its README asks for;
 //! and the split/batch invariants on the real weights, bitwise.
 
 use std::sync::OnceLock;

@@ -227,12 +227,12 @@ pub fn real_model() -> PathBuf {
     PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
 }
 
-/// llama.cpp's reference outputs (`../shared/reference` beside the repository, or
-/// `STRATA_REFERENCE_DIR`).
+/// llama.cpp's reference outputs: `reference/` in the repository (llama.cpp's output for the
+/// real models, kept as data so a lone clone passes its tests), or `STRATA_REFERENCE_DIR`.
 pub fn reference_dir() -> PathBuf {
     match std::env::var_os("STRATA_REFERENCE_DIR") {
         Some(p) => PathBuf::from(p),
-        None => repo_root().join("../shared/reference"),
+        None => repo_root().join("reference"),
     }
 }
 
@@ -241,4 +241,24 @@ pub fn reference_text(name: &str) -> String {
     let p = reference_dir().join(name);
     std::fs::read_to_string(&p)
         .unwrap_or_else(|e| panic!("cannot read reference {}: {e}", p.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A clone of the repository alone, with nothing beside it, has every reference file the
+    /// tests read.
+    #[test]
+    fn reference_data_lives_in_the_repository() {
+        if std::env::var_os("STRATA_REFERENCE_DIR").is_some() {
+            return;
+        }
+        let dir = reference_dir();
+        assert!(dir.starts_with(repo_root()), "{}", dir.display());
+        for name in ["greedy_public.json", "tokenizer_public.json"] {
+            let text = reference_text(name);
+            assert!(text.trim_start().starts_with('{'), "{name} is not JSON");
+        }
+    }
 }
