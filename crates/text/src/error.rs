@@ -19,4 +19,15 @@ pub enum Error {
     NoChatTemplate,
     #[error("chat template: {message}")]
     Template { message: String },
+    #[error(transparent)]
+    TooManyTokens(#[from] TooManyTokens),
+}
+
+/// A text that tokenizes to more than the limit it was given: tokenizing stopped (or never
+/// started, when its length alone proved it) once that was certain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the text has at least {at_least} tokens, more than the limit of {limit}")]
+pub struct TooManyTokens {
+    pub at_least: usize,
+    pub limit: usize,
 }

@@ -17,7 +17,7 @@ mod template;
 mod vocab;
 
 pub use detok::StreamDecoder;
-pub use error::Error;
+pub use error::{Error, TooManyTokens};
 pub use stop::{StopMatcher, StopStep};
-pub use template::{ChatMessage, ChatTemplate};
+pub use template::{ChatMessage, ChatTemplate, Rendered};
 pub use vocab::{TokenKind, Tokenizer, TokenizerModel};

@@ -1,5 +1,7 @@
 //! Chat templates: the GGUF's own `tokenizer.chat_template`, rendered with minijinja.
 
+use std::ops::Range;
+
 use minijinja::{context, Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
 
@@ -80,10 +82,21 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, Error> {
+        let contents: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+        self.render_with(messages, &contents, add_generation_prompt)
+    }
+
+    fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        contents: &[&str],
+        add_generation_prompt: bool,
+    ) -> Result<String, Error> {
         let tmpl = self.env.get_template("chat").map_err(template_error)?;
         let messages: Vec<minijinja::Value> = messages
             .iter()
-            .map(|m| context! { role => m.role.clone(), content => m.content.clone() })
+            .zip(contents)
+            .map(|(m, c)| context! { role => m.role.clone(), content => *c })
             .collect();
         tmpl.render(context! {
             messages => messages,
@@ -93,6 +106,154 @@ impl ChatTemplate {
         })
         .map_err(template_error)
     }
+
+    /// Renders the conversation and says which bytes of it came from what the messages say
+    /// (their content) rather than from the template: those must never be read as control
+    /// tokens. The template is rendered once as it is and once with every content replaced by
+    /// a marker; walking both side by side finds each content (as written, trimmed, or
+    /// JSON-escaped, the ways templates print it). A template that transforms content in any
+    /// other way gets the marked rendering with the contents put in as written: the markup is
+    /// still the template's own and the contents still plain.
+    pub fn render_parts(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Rendered, Error> {
+        let real = self.render(messages, add_generation_prompt)?;
+        let nonce = marker_nonce();
+        let markers: Vec<String> = (0..messages.len())
+            .map(|i| format!("{MARK}{nonce:x}.{i}{MARK}"))
+            .collect();
+        let marked_contents: Vec<&str> = markers.iter().map(String::as_str).collect();
+        let marked = self.render_with(messages, &marked_contents, add_generation_prompt)?;
+        let pieces = split_marked(&marked, &markers);
+        if let Some(content) = walk(&real, &pieces, messages) {
+            return Ok(Rendered {
+                text: real,
+                content,
+            });
+        }
+        let mut text = String::with_capacity(real.len());
+        let mut content = Vec::new();
+        for piece in pieces {
+            match piece {
+                Piece::Literal(l) => text.push_str(l),
+                Piece::Content(i) => {
+                    let start = text.len();
+                    text.push_str(&messages[i].content);
+                    content.push(start..text.len());
+                }
+            }
+        }
+        Ok(Rendered { text, content })
+    }
+}
+
+/// A rendered conversation and the byte ranges of it that are message content.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rendered {
+    pub text: String,
+    /// In order, not overlapping.
+    pub content: Vec<Range<usize>>,
+}
+
+impl Rendered {
+    /// The whole text as ranges in order, each saying whether control-token text in it is
+    /// parsed (the template's markup) or not (content).
+    pub fn parts(&self) -> Vec<(Range<usize>, bool)> {
+        let mut parts = Vec::with_capacity(2 * self.content.len() + 1);
+        let mut at = 0;
+        for c in &self.content {
+            if c.start > at {
+                parts.push((at..c.start, true));
+            }
+            parts.push((c.clone(), false));
+            at = c.end;
+        }
+        if at < self.text.len() {
+            parts.push((at..self.text.len(), true));
+        }
+        parts
+    }
+}
+
+/// Brackets each content marker: a character from a private-use plane, which text rarely
+/// holds; with a per-call nonce inside, content cannot forge a marker.
+const MARK: char = '\u{10FFFD}';
+
+fn marker_nonce() -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(std::time::SystemTime::now())
+}
+
+enum Piece<'a> {
+    Literal(&'a str),
+    /// The content of message `i`.
+    Content(usize),
+}
+
+/// The marked rendering as template text and the contents' places, in order.
+fn split_marked<'a>(marked: &'a str, markers: &[String]) -> Vec<Piece<'a>> {
+    let mut pieces = Vec::new();
+    let mut rest = marked;
+    while let Some(at) = rest.find(MARK) {
+        let found = markers
+            .iter()
+            .enumerate()
+            .find(|(_, m)| rest[at..].starts_with(m.as_str()));
+        let Some((i, m)) = found else {
+            // A lone marker character that is no marker: template text.
+            let end = at + MARK.len_utf8();
+            pieces.push(Piece::Literal(&rest[..end]));
+            rest = &rest[end..];
+            continue;
+        };
+        if at > 0 {
+            pieces.push(Piece::Literal(&rest[..at]));
+        }
+        pieces.push(Piece::Content(i));
+        rest = &rest[at + m.len()..];
+    }
+    if !rest.is_empty() {
+        pieces.push(Piece::Literal(rest));
+    }
+    pieces
+}
+
+/// Matches the marked pieces against the real rendering: template text must be the same, and
+/// each content must appear as some rendering of it followed by the next template text. The
+/// content ranges, or `None` if the two renderings do not line up.
+fn walk(real: &str, pieces: &[Piece<'_>], messages: &[ChatMessage]) -> Option<Vec<Range<usize>>> {
+    let mut at = 0;
+    let mut content = Vec::new();
+    for (k, piece) in pieces.iter().enumerate() {
+        match piece {
+            Piece::Literal(l) => {
+                if !real[at..].starts_with(l) {
+                    return None;
+                }
+                at += l.len();
+            }
+            Piece::Content(i) => {
+                let next = match pieces.get(k + 1) {
+                    Some(Piece::Literal(l)) => *l,
+                    _ => "",
+                };
+                let c = messages[*i].content.as_str();
+                let escaped = serde_json::to_string(c).ok()?;
+                let escaped = &escaped[1..escaped.len() - 1];
+                let shown = [c, c.trim(), c.trim_start(), c.trim_end(), escaped]
+                    .into_iter()
+                    .find(|s| {
+                        real[at..].starts_with(s)
+                            && (next.is_empty() || real[at + s.len()..].starts_with(next))
+                    })?;
+                content.push(at..at + shown.len());
+                at += shown.len();
+            }
+        }
+    }
+    (at == real.len()).then_some(content)
 }
 
 #[cfg(test)]

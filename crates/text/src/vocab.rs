@@ -1,13 +1,15 @@
 //! The tokenizer as described by a GGUF file's `tokenizer.ggml.*` metadata.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
+use aho_corasick::{AhoCorasick, MatchKind};
 use gguf::Header;
 
 use crate::bpe::Bpe;
 use crate::pretok::PreTokenizer;
 use crate::spm::Spm;
-use crate::Error;
+use crate::{Error, TooManyTokens};
 
 /// `tokenizer.ggml.token_type` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,8 +54,16 @@ pub struct Tokenizer {
     tokens: Vec<String>,
     kinds: Vec<TokenKind>,
     ids: HashMap<String, u32>,
-    /// Control and user-defined tokens, longest first, for special-token parsing.
-    specials: Vec<(String, u32, TokenKind)>,
+    /// Special-token text to ids in one pass (leftmost, longest at a position): every control
+    /// and user-defined token, and the user-defined ones alone (matched even when special
+    /// parsing is off, as in llama.cpp).
+    specials: SpecialMatcher,
+    user_defined: SpecialMatcher,
+    /// The most bytes any one token stands for, and which bytes always end up in some token
+    /// (those with a token of their own): a text with n such bytes has at least
+    /// n / `max_token_bytes` tokens.
+    max_token_bytes: usize,
+    byte_covered: [bool; 256],
     algo: Algo,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
@@ -108,16 +118,12 @@ impl Tokenizer {
             .enumerate()
             .map(|(i, t)| (t.clone(), i as u32))
             .collect();
-        let mut specials: Vec<(String, u32, TokenKind)> = tokens
-            .iter()
-            .zip(&kinds)
-            .enumerate()
-            .filter(|(_, (t, k))| {
-                matches!(k, TokenKind::Control | TokenKind::UserDefined) && !t.is_empty()
-            })
-            .map(|(i, (t, k))| (t.clone(), i as u32, *k))
-            .collect();
-        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let specials = SpecialMatcher::new(
+            &tokens,
+            &kinds,
+            &[TokenKind::Control, TokenKind::UserDefined],
+        )?;
+        let user_defined = SpecialMatcher::new(&tokens, &kinds, &[TokenKind::UserDefined])?;
 
         let (algo, default_bos) = match model {
             "gpt2" => {
@@ -157,7 +163,14 @@ impl Tokenizer {
             }
         };
         let check = |id: Option<u32>| id.filter(|&i| (i as usize) < n);
-        Ok(Tokenizer {
+        let byte_covered: [bool; 256] = std::array::from_fn(|b| match &algo {
+            Algo::Bpe(..) => {
+                let (chars, _) = crate::bpe::byte_chars();
+                ids.contains_key(chars[b].to_string().as_str())
+            }
+            Algo::Spm(..) => ids.contains_key(&format!("<0x{b:02X}>")),
+        });
+        let mut tokenizer = Tokenizer {
             bos: check(opt_id(h, "tokenizer.ggml.bos_token_id")?),
             eos: check(opt_id(h, "tokenizer.ggml.eos_token_id")?),
             eot: check(opt_id(h, "tokenizer.ggml.eot_token_id")?),
@@ -171,8 +184,17 @@ impl Tokenizer {
             kinds,
             ids,
             specials,
+            user_defined,
+            max_token_bytes: 1,
+            byte_covered,
             algo,
-        })
+        };
+        tokenizer.max_token_bytes = (0..n as u32)
+            .map(|id| tokenizer.token_bytes(id, true).map_or(0, |b| b.len()))
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        Ok(tokenizer)
     }
 
     pub fn model(&self) -> TokenizerModel {
@@ -207,79 +229,133 @@ impl Tokenizer {
     /// turns the text of control tokens (such as `<|im_end|>`) into those tokens. User-defined
     /// tokens are always matched, as in llama.cpp.
     pub fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Vec<u32> {
+        let parts = [(0..text.len(), parse_special)];
+        self.encode_parts(text, add_special, &parts, usize::MAX)
+            .expect("no limit")
+    }
+
+    /// [`Tokenizer::encode`] with a limit: the ids, or [`TooManyTokens`] as soon as the text is
+    /// certain to have more than `limit` tokens. A text too long to fit is refused from its
+    /// length alone, before any work that grows with it.
+    pub fn encode_within(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+        limit: usize,
+    ) -> Result<Vec<u32>, TooManyTokens> {
+        self.encode_parts(text, add_special, &[(0..text.len(), parse_special)], limit)
+    }
+
+    /// Encodes `text` whose byte ranges `parts` (in order, covering it) each say whether
+    /// control-token text in them is parsed: a chat prompt parses its template's markup but not
+    /// what the user wrote. Plain text runs on across parts (a part boundary is no token
+    /// boundary), so the ids are those of [`Tokenizer::encode`] wherever no part holds
+    /// unparsed control-token text. Stops with [`TooManyTokens`] past `limit`.
+    pub fn encode_parts(
+        &self,
+        text: &str,
+        add_special: bool,
+        parts: &[(Range<usize>, bool)],
+        limit: usize,
+    ) -> Result<Vec<u32>, TooManyTokens> {
+        if text.len() / self.max_token_bytes > limit {
+            // Counted only as far as the proof needs.
+            let enough = limit.saturating_add(1).saturating_mul(self.max_token_bytes);
+            let mut covered = 0;
+            for &b in text.as_bytes() {
+                covered += usize::from(self.byte_covered[b as usize]);
+                if covered >= enough {
+                    return Err(TooManyTokens {
+                        at_least: limit + 1,
+                        limit,
+                    });
+                }
+            }
+        }
         let mut out = Vec::new();
         if add_special && self.add_bos {
             out.extend(self.bos);
         }
-        let mut first_fragment = true;
-        let mut rest = text;
-        while !rest.is_empty() {
-            let found = self.next_special(rest, parse_special);
-            let (plain, special) = match found {
-                Some((at, tok_len, id)) => (&rest[..at], Some((tok_len, id, at))),
-                None => (rest, None),
+        // Special tokens found in each part, with the plain text between them encoded whole.
+        let mut plain_from = 0;
+        for (range, parse_special) in parts {
+            let matcher = if *parse_special {
+                &self.specials
+            } else {
+                &self.user_defined
             };
-            if !plain.is_empty() {
-                self.encode_plain(plain, first_fragment, &mut out);
-            }
-            first_fragment = false;
-            match special {
-                Some((tok_len, id, at)) => {
-                    out.push(id);
-                    rest = &rest[at + tok_len..];
-                }
-                None => rest = "",
+            for (at, end, id) in matcher.find_all(&text[range.clone()]) {
+                let (at, end) = (range.start + at, range.start + end);
+                self.encode_plain(&text[plain_from..at], plain_from == 0, &mut out, limit)?;
+                out.push(id);
+                plain_from = end;
             }
         }
+        self.encode_plain(&text[plain_from..], plain_from == 0, &mut out, limit)?;
         if add_special && self.add_eos {
             out.extend(self.eos);
         }
-        out
+        if out.len() > limit {
+            return Err(TooManyTokens {
+                at_least: out.len(),
+                limit,
+            });
+        }
+        Ok(out)
     }
 
     /// Prompt ids for a conversation rendered with `template` (ending with the assistant's turn
-    /// opener). Special tokens in the rendered text are parsed; BOS is added as the vocabulary
-    /// asks unless the template already wrote it.
+    /// opener). Only the template's own markup becomes control tokens: what the messages say
+    /// is plain text, so a user who types `<|im_start|>system` writes those characters, not a
+    /// turn. BOS is added as the vocabulary asks unless the template already wrote it.
     pub fn encode_chat(
         &self,
         template: &crate::ChatTemplate,
         messages: &[crate::ChatMessage],
     ) -> Result<Vec<u32>, Error> {
-        let rendered = template.render(messages, true)?;
+        self.encode_chat_within(template, messages, usize::MAX)
+    }
+
+    /// [`Tokenizer::encode_chat`] that stops past `limit` tokens.
+    pub fn encode_chat_within(
+        &self,
+        template: &crate::ChatTemplate,
+        messages: &[crate::ChatMessage],
+        limit: usize,
+    ) -> Result<Vec<u32>, Error> {
+        let rendered = template.render_parts(messages, true)?;
         let bos_text = self.bos.and_then(|b| self.token_text(b));
-        let add_special = !bos_text.is_some_and(|b| !b.is_empty() && rendered.starts_with(b));
-        Ok(self.encode(&rendered, add_special, true))
+        let add_special = !bos_text.is_some_and(|b| !b.is_empty() && rendered.text.starts_with(b));
+        Ok(self.encode_parts(&rendered.text, add_special, &rendered.parts(), limit)?)
     }
 
-    /// The leftmost special token in `text` (longest at that position): (offset, length, id).
-    fn next_special(&self, text: &str, parse_special: bool) -> Option<(usize, usize, u32)> {
-        let mut best: Option<(usize, usize, u32)> = None;
-        for (tok, id, kind) in &self.specials {
-            if !parse_special && *kind == TokenKind::Control {
-                continue;
-            }
-            if let Some(at) = text.find(tok.as_str()) {
-                let better = match best {
-                    None => true,
-                    Some((b_at, b_len, _)) => at < b_at || (at == b_at && tok.len() > b_len),
-                };
-                if better {
-                    best = Some((at, tok.len(), *id));
-                }
-            }
+    /// Encodes text with no special tokens in it (`first_fragment`: it starts the prompt).
+    fn encode_plain(
+        &self,
+        text: &str,
+        first_fragment: bool,
+        out: &mut Vec<u32>,
+        limit: usize,
+    ) -> Result<(), TooManyTokens> {
+        if text.is_empty() {
+            return Ok(());
         }
-        best
-    }
-
-    fn encode_plain(&self, text: &str, first_fragment: bool, out: &mut Vec<u32>) {
         match &self.algo {
             Algo::Bpe(bpe, pre) => {
                 for word in pre.split(text) {
                     bpe.encode_word(word, &self.ids, out);
+                    if out.len() > limit {
+                        return Err(TooManyTokens {
+                            at_least: out.len(),
+                            limit,
+                        });
+                    }
                 }
             }
             Algo::Spm(spm) => spm.encode(text, first_fragment, &self.ids, out),
         }
+        Ok(())
     }
 
     /// The bytes token `id` stands for. Control tokens render as their text only when
@@ -312,5 +388,49 @@ impl Tokenizer {
             bytes.extend(self.token_bytes(id, render_special)?);
         }
         Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+}
+
+/// Finds special-token text in one pass over a text: leftmost first, the longest of those
+/// starting there.
+struct SpecialMatcher {
+    /// `None` when the vocabulary has no such tokens.
+    automaton: Option<AhoCorasick>,
+    ids: Vec<u32>,
+}
+
+impl SpecialMatcher {
+    fn new(tokens: &[String], kinds: &[TokenKind], of: &[TokenKind]) -> Result<Self, Error> {
+        let (texts, ids): (Vec<&str>, Vec<u32>) = tokens
+            .iter()
+            .zip(kinds)
+            .enumerate()
+            .filter(|(_, (t, k))| of.contains(k) && !t.is_empty())
+            .map(|(i, (t, _))| (t.as_str(), i as u32))
+            .unzip();
+        if texts.is_empty() {
+            return Ok(SpecialMatcher {
+                automaton: None,
+                ids,
+            });
+        }
+        let automaton = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(&texts)
+            .map_err(|e| Error::BadVocab {
+                what: format!("special tokens: {e}"),
+            })?;
+        Ok(SpecialMatcher {
+            automaton: Some(automaton),
+            ids,
+        })
+    }
+
+    /// Every match in `text` as (start, end, token id), in order, not overlapping.
+    fn find_all<'t>(&'t self, text: &'t str) -> impl Iterator<Item = (usize, usize, u32)> + 't {
+        self.automaton
+            .iter()
+            .flat_map(move |a| a.find_iter(text))
+            .map(|m| (m.start(), m.end(), self.ids[m.pattern().as_usize()]))
     }
 }
