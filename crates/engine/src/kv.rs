@@ -3,10 +3,11 @@
 
 use std::time::{Duration, Instant};
 
-/// One session's KV as the policy sees it.
+/// One session's KV as the policy sees it; `K` is whatever names a session where the caller
+/// keeps it (a shard: the route stream that opened it and its id there).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Resident {
-    pub session: u64,
+pub struct Resident<K = u64> {
+    pub session: K,
     pub last_used: Instant,
     pub bytes: usize,
     /// Part of the step being admitted: never evicted.
@@ -22,7 +23,7 @@ pub struct EvictionPolicy {
 
 impl EvictionPolicy {
     /// Sessions idle past the TTL at `now`.
-    pub fn expired(&self, residents: &[Resident], now: Instant) -> Vec<u64> {
+    pub fn expired<K: Copy>(&self, residents: &[Resident<K>], now: Instant) -> Vec<K> {
         residents
             .iter()
             .filter(|r| !r.in_step && now.saturating_duration_since(r.last_used) >= self.ttl)
@@ -33,17 +34,17 @@ impl EvictionPolicy {
     /// The least recently used idle sessions whose eviction makes `need` more bytes fit in
     /// `budget` (with `in_use` held now), or `None` when evicting every idle session would not
     /// be enough (then nothing should be evicted).
-    pub fn make_room(
+    pub fn make_room<K: Copy + Ord>(
         &self,
-        residents: &[Resident],
+        residents: &[Resident<K>],
         in_use: usize,
         budget: usize,
         need: usize,
-    ) -> Option<Vec<u64>> {
+    ) -> Option<Vec<K>> {
         if in_use + need <= budget {
             return Some(Vec::new());
         }
-        let mut idle: Vec<&Resident> = residents.iter().filter(|r| !r.in_step).collect();
+        let mut idle: Vec<&Resident<K>> = residents.iter().filter(|r| !r.in_step).collect();
         idle.sort_by_key(|r| (r.last_used, r.session));
         let mut freed = 0;
         let mut chosen = Vec::new();

@@ -18,10 +18,12 @@ pub mod v1 {
 pub use v1::*;
 
 mod transport;
-pub use transport::{connect, Auth, GrpcShard, ReplyStream, ShardTransport, TokenCheck};
+pub use transport::{
+    connect, secrets_equal, Auth, GrpcShard, Link, ReplyStream, ShardTransport, TokenCheck,
+};
 
 /// Bumped on any incompatible change of the messages.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The metadata key every connection carries the cluster token in.
 pub const TOKEN_HEADER: &str = "x-strata-cluster-token";

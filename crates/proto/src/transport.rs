@@ -80,19 +80,23 @@ impl tonic::service::Interceptor for TokenCheck {
             .get(TOKEN_HEADER)
             .and_then(|v| v.to_str().ok())
             .unwrap_or("");
-        // Constant-time comparison: the token is a secret.
-        let a = presented.as_bytes();
-        let b = self.token.as_bytes();
-        let mut diff = a.len() ^ b.len();
-        for (i, &x) in b.iter().enumerate() {
-            diff |= (x ^ a.get(i).copied().unwrap_or(0)) as usize;
-        }
-        if diff == 0 {
+        if secrets_equal(presented, &self.token) {
             Ok(req)
         } else {
             Err(Status::unauthenticated("missing or wrong cluster token"))
         }
     }
+}
+
+/// Whether a presented secret is the expected one, in time that does not depend on where they
+/// differ (only on the expected secret's length).
+pub fn secrets_equal(presented: &str, expected: &str) -> bool {
+    let (a, b) = (presented.as_bytes(), expected.as_bytes());
+    let mut diff = a.len() ^ b.len();
+    for (i, &x) in b.iter().enumerate() {
+        diff |= (x ^ a.get(i).copied().unwrap_or(0)) as usize;
+    }
+    diff == 0
 }
 
 /// A shard reached over gRPC.
@@ -102,17 +106,66 @@ pub struct GrpcShard {
     client: ShardClient<InterceptedService<Channel, Auth>>,
 }
 
-/// Connects lazily to `address` ("host:port"); keepalive pings detect a frozen peer.
-pub fn connect(address: &str, token: &str) -> Result<GrpcShard, Status> {
-    let endpoint = Endpoint::from_shared(format!("http://{address}"))
+/// How a process reaches shards: the cluster token every call carries and, on a cluster with
+/// TLS, the certificate authority that signed the shards' certificates.
+#[derive(Clone, Default)]
+pub struct Link {
+    pub token: String,
+    /// PEM of the CA shard certificates must chain to; `None`: plaintext (loopback only, or a
+    /// network the operator trusts).
+    pub ca_pem: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The token is a secret: never printed.
+        f.debug_struct("Link")
+            .field("tls", &self.ca_pem.is_some())
+            .finish()
+    }
+}
+
+impl Link {
+    /// A plaintext link with `token`.
+    pub fn plain(token: &str) -> Self {
+        Link {
+            token: token.to_string(),
+            ca_pem: None,
+        }
+    }
+}
+
+/// Connects lazily to `address` ("host:port"); keepalive pings detect a frozen peer. With a CA
+/// in `link` the connection is TLS and the shard's certificate must name the host of
+/// `address` (a DNS name or an IP address).
+pub fn connect(address: &str, link: &Link) -> Result<GrpcShard, Status> {
+    let scheme = if link.ca_pem.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
         .map_err(|e| Status::invalid_argument(format!("bad shard address `{address}`: {e}")))?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(2))
         .keep_alive_timeout(Duration::from_secs(5))
         .keep_alive_while_idle(true);
+    if let Some(ca) = &link.ca_pem {
+        let host = address
+            .rsplit_once(':')
+            .map_or(address, |(h, _)| h)
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let tls = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+            .domain_name(host);
+        endpoint = endpoint
+            .tls_config(tls)
+            .map_err(|e| Status::invalid_argument(format!("TLS for shard `{address}`: {e}")))?;
+    }
     let channel = endpoint.connect_lazy();
-    let client = ShardClient::with_interceptor(channel, Auth::new(token)?)
+    let client = ShardClient::with_interceptor(channel, Auth::new(&link.token)?)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     Ok(GrpcShard {

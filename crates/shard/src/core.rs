@@ -1,19 +1,21 @@
-//! The compute owner: weights, sessions and their KV caches, one step at a time.
+//! The shard's handle on its compute thread: what the shard is (its description and vocabulary),
+//! the jobs the thread takes (steps, early steps, stream releases), its counters, and whether
+//! it still runs. The thread's own state is in [`crate::worker`].
 
-use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use gguf::{GgufFile, Value, Writer};
-use model::sampling::{log_probs, top_k, Sampler, SamplingParams};
-use model::{Batch, KvCache, KvPool, LayerRange, Model, ModelOptions, Row, BLOCK_POSITIONS};
+use model::{LayerRange, Model, ModelOptions};
 use proto::v1::{
-    Budgets, CacheRecipe, Fragment, SessionError, SessionOutput, ShardInfo, ShardStats, TopLogprob,
+    Budgets, CacheRecipe, Fragment, SessionError, SessionOutput, ShardInfo, ShardStats,
 };
 use sha2::{Digest, Sha256};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
+use crate::worker::Worker;
 use crate::{mib, Error, ShardConfig};
 
 /// Counters shared with the stats RPC (written by the compute thread only).
@@ -142,16 +144,21 @@ enum Job {
     Step(StepJob, oneshot::Sender<StepOutcome>),
     Early(EarlyJob, oneshot::Sender<Option<Early>>),
     ReleaseStream(u64),
+    /// Fault injection for tests: the compute thread panics as a bug in it would.
+    #[cfg(feature = "fault-injection")]
+    Panic,
 }
 
-struct Session {
-    epoch: u64,
-    stream_id: u64,
-    kv: KvCache,
-    tokens: Vec<u32>,
-    sampler: Option<Sampler>,
-    n_top: u32,
-    last_used: Instant,
+/// The compute thread stopped (it panicked): the shard can run no step again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ComputeStopped(pub String);
+
+impl std::error::Error for ComputeStopped {}
+
+impl std::fmt::Display for ComputeStopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the compute thread stopped: {}", self.0)
+    }
 }
 
 /// The shard's loaded model and the handle to its compute thread.
@@ -163,7 +170,12 @@ pub struct ShardCore {
     jobs: std::sync::mpsc::Sender<Job>,
     next_stream: AtomicU64,
     /// Replies streams the tracker opened on this shard, until the route naming them starts.
-    pub(crate) reply_sinks: crate::route::ReplySinks,
+    pub(crate) reply_sinks: crate::replies::ReplySinks,
+    /// Set once, when the compute thread stops: why. The shard then answers nothing as if
+    /// it were alive (every RPC is refused, every route stream fails).
+    stopped: watch::Sender<Option<ComputeStopped>>,
+    /// Set when the process is shutting down: route streams end with a typed failure.
+    shutdown: watch::Sender<bool>,
 }
 
 impl std::fmt::Debug for ShardCore {
@@ -275,25 +287,17 @@ impl ShardCore {
         drop(file);
         let counters = Arc::new(Counters::default());
         let (tx, rx) = std::sync::mpsc::channel();
-        let mut worker = Worker {
-            kv_pool,
-            model,
-            sessions: HashMap::new(),
-            counters: Arc::clone(&counters),
-            config: config.clone(),
-            logits: Vec::new(),
-        };
+        let worker = Worker::new(model, kv_pool, Arc::clone(&counters), config.clone());
+        let (stopped, _) = watch::channel(None);
+        let on_stop = stopped.clone();
         std::thread::Builder::new()
             .name("strata-compute".into())
-            .spawn(move || {
-                while let Ok(job) = rx.recv() {
-                    worker.handle(job);
-                }
-            })
+            .spawn(move || compute_thread(worker, rx, on_stop))
             .map_err(|source| Error::Io {
                 path: "compute thread".into(),
                 source,
             })?;
+        let (shutdown, _) = watch::channel(false);
         Ok(Arc::new(ShardCore {
             config,
             info,
@@ -302,6 +306,8 @@ impl ShardCore {
             jobs: tx,
             next_stream: AtomicU64::new(1),
             reply_sinks: Default::default(),
+            stopped,
+            shutdown,
         }))
     }
 
@@ -317,13 +323,58 @@ impl ShardCore {
         self.next_stream.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Runs one step on the compute thread.
-    pub async fn step(&self, job: StepJob) -> StepOutcome {
+    /// Runs one step on the compute thread; an error when the thread has stopped.
+    pub async fn step(&self, job: StepJob) -> Result<StepOutcome, ComputeStopped> {
         let (tx, rx) = oneshot::channel();
         if self.jobs.send(Job::Step(job, tx)).is_err() {
-            return StepOutcome::default();
+            return Err(self.stop_reason());
         }
-        rx.await.unwrap_or_default()
+        rx.await.map_err(|_| self.stop_reason())
+    }
+
+    /// Why the compute thread stopped (once it has).
+    fn stop_reason(&self) -> ComputeStopped {
+        self.stopped
+            .borrow()
+            .clone()
+            .unwrap_or_else(|| ComputeStopped("it ended".into()))
+    }
+
+    /// `Err` once the compute thread has stopped: the shard must not look alive.
+    pub fn check_alive(&self) -> Result<(), ComputeStopped> {
+        match &*self.stopped.borrow() {
+            Some(why) => Err(why.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Resolves when the compute thread stops, with the reason.
+    pub async fn stopped(&self) -> ComputeStopped {
+        let mut rx = self.stopped.subscribe();
+        let why = rx
+            .wait_for(Option::is_some)
+            .await
+            .ok()
+            .and_then(|w| w.clone());
+        why.unwrap_or_else(|| ComputeStopped("it ended".into()))
+    }
+
+    /// Tells every route stream to end (with a typed failure to its tracker): the process is
+    /// shutting down.
+    pub fn shut_down(&self) {
+        self.shutdown.send_replace(true);
+    }
+
+    /// Resolves once [`ShardCore::shut_down`] was called.
+    pub(crate) async fn shutting_down(&self) {
+        let mut rx = self.shutdown.subscribe();
+        let _ = rx.wait_for(|down| *down).await;
+    }
+
+    /// Makes the compute thread panic (fault injection for tests).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_panic(&self) {
+        let _ = self.jobs.send(Job::Panic);
     }
 
     /// Starts an early step on the compute thread (after whatever it is running); the answer
@@ -373,570 +424,40 @@ impl ShardCore {
     }
 }
 
-/// The state owned by the compute thread.
-struct Worker {
-    model: Model,
-    /// Every session's KV blocks come from here; its capacity is the KV budget.
-    kv_pool: KvPool,
-    sessions: HashMap<u64, Session>,
-    counters: Arc<Counters>,
-    config: ShardConfig,
-    /// The last range's logits, reused step after step (16 rows are 3 MiB: a fresh buffer
-    /// each step would be zeroed and faulted in again).
-    logits: Vec<f32>,
-}
-
-fn refusal(session_id: u64, reason: &str, message: String) -> SessionError {
-    SessionError {
-        session_id,
-        reason: reason.into(),
-        message,
-    }
-}
-
-fn sampling_params(s: &proto::v1::Sampling) -> SamplingParams {
-    SamplingParams {
-        temperature: s.temperature,
-        top_k: s.top_k as usize,
-        top_p: if s.top_p > 0.0 { s.top_p } else { 1.0 },
-        min_p: s.min_p,
-        repeat_penalty: if s.repeat_penalty > 0.0 {
-            s.repeat_penalty
-        } else {
-            1.0
-        },
-        repeat_last_n: s.repeat_last_n as usize,
-        seed: s.seed,
+/// The compute thread: runs jobs one at a time until every handle is gone. A job that panics
+/// leaves the thread's state unknown, so the thread stops there, saying why: its queued and
+/// later jobs are answered with an error, never left waiting, and the shard stops looking alive.
+fn compute_thread(
+    mut worker: Worker,
+    jobs: std::sync::mpsc::Receiver<Job>,
+    stopped: watch::Sender<Option<ComputeStopped>>,
+) {
+    while let Ok(job) = jobs.recv() {
+        let ran = std::panic::catch_unwind(AssertUnwindSafe(|| handle(&mut worker, job)));
+        if let Err(panic) = ran {
+            let why = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into());
+            tracing::error!(error = %why, "the compute thread panicked; the shard stops serving");
+            stopped.send_replace(Some(ComputeStopped(format!("it panicked: {why}"))));
+            return;
+        }
     }
 }
 
-impl Worker {
-    fn handle(&mut self, job: Job) {
-        match job {
-            Job::Step(step, reply) => {
-                let out = self.step(step, false);
-                let _ = reply.send(out);
-            }
-            Job::Early(job, reply) => {
-                let _ = reply.send(self.early(job));
-            }
-            Job::ReleaseStream(id) => {
-                self.sessions.retain(|_, s| s.stream_id != id);
-                self.publish_gauges();
-            }
+fn handle(worker: &mut Worker, job: Job) {
+    match job {
+        Job::Step(step, reply) => {
+            let out = worker.step(step, false);
+            let _ = reply.send(out);
         }
-    }
-
-    fn publish_gauges(&self) {
-        let c = &self.counters;
-        let p = &self.kv_pool;
-        c.kv_bytes_in_use
-            .store(p.bytes_in_use() as u64, Ordering::Relaxed);
-        c.kv_blocks_in_use
-            .store(p.blocks_in_use() as u64, Ordering::Relaxed);
-        c.kv_blocks_total
-            .store(p.capacity_blocks() as u64, Ordering::Relaxed);
-        c.kv_block_bytes
-            .store(p.block_bytes() as u64, Ordering::Relaxed);
-        c.kv_blocks_idle
-            .store(p.idle_blocks() as u64, Ordering::Relaxed);
-        c.kernel_thread_moves
-            .store(self.model.kernel_thread_moves(), Ordering::Relaxed);
-        self.counters
-            .sessions
-            .store(self.sessions.len() as u64, Ordering::Relaxed);
-    }
-
-    /// The key root of this shard's cached prefix blocks for `job`'s route.
-    fn prefix_root(&self, job: &StepJob) -> u64 {
-        // The first range's K and V depend on the tokens alone; later ranges' also on how the
-        // hidden states crossed the seams.
-        KvPool::prefix_root(if self.model.is_first() {
-            0
-        } else {
-            job.prefix_scope
-        })
-    }
-
-    fn policy(&self) -> engine::EvictionPolicy {
-        engine::EvictionPolicy {
-            ttl: self.config.kv_ttl,
+        Job::Early(job, reply) => {
+            let _ = reply.send(worker.early(job));
         }
-    }
-
-    /// Every held session as the eviction policy sees it; those `job` names are in the step.
-    fn residents(&self, job: &StepJob) -> Vec<engine::Resident> {
-        self.sessions
-            .iter()
-            .map(|(&session, s)| engine::Resident {
-                session,
-                last_used: s.last_used,
-                bytes: s.kv.releasable_bytes(),
-                in_step: job.fragments.iter().any(|f| f.session_id == session),
-            })
-            .collect()
-    }
-
-    /// Forgets sessions idle past the TTL (never one this step names).
-    fn expire(&mut self, job: &StepJob) {
-        let residents = self.residents(job);
-        for id in self.policy().expired(&residents, job.now) {
-            self.sessions.remove(&id);
-            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// Decides, fragment by fragment, what can run; creates sessions for new fragments.
-    /// `root` is the key root of this step's prefix blocks ([`Worker::prefix_root`]).
-    /// An early step evicts no one (`may_evict` false).
-    fn admit(
-        &mut self,
-        job: &mut StepJob,
-        root: u64,
-        may_evict: bool,
-        out: &mut StepOutcome,
-    ) -> Vec<usize> {
-        let label = &self.config.label;
-        let budget = self.kv_pool.budget_bytes();
-        // Bytes of blocks the fragments accepted so far will take when the step runs.
-        let mut planned = 0usize;
-        // Rows and logit rows of the fragments accepted so far (the step's scratch).
-        let (mut rows, mut outputs) = (0usize, 0usize);
-        let scratch_budget = self.config.scratch_budget_bytes;
-        let mut accepted = Vec::new();
-        for i in 0..job.fragments.len() {
-            let f = &job.fragments[i];
-            let id = f.session_id;
-            let start = f.start_pos as usize;
-            let end = start + f.tokens.len();
-            // Where the session's positions must end before this fragment: an upstream shard
-            // may have taken `prefix` (the positions just before `start_pos`) from its cache.
-            let Some(base) = start.checked_sub(f.prefix.len()) else {
-                out.errors.push(refusal(
-                    id,
-                    "invalid_request",
-                    format!("fragment of session {id} names a prefix longer than its start"),
-                ));
-                continue;
-            };
-            // Only positions taken whole from a prefix cache come without tokens to compute, and
-            // such a fragment cannot sample.
-            if f.tokens.is_empty() && (f.prefix.is_empty() || f.want_output) {
-                out.errors.push(refusal(
-                    id,
-                    "invalid_request",
-                    format!("fragment of session {id} has no tokens"),
-                ));
-                continue;
-            }
-            if end > self.config.n_ctx {
-                out.errors.push(refusal(
-                    id,
-                    "invalid_request",
-                    format!("session {id} would reach position {end} but `n_ctx` is {} on shard {label}", self.config.n_ctx),
-                ));
-                continue;
-            }
-            let (n_rows, n_outputs) = (rows + f.tokens.len(), outputs + usize::from(f.want_output));
-            let scratch = self.model.scratch_bytes(n_rows, n_outputs);
-            if scratch > scratch_budget {
-                out.errors.push(refusal(
-                    id,
-                    "capacity",
-                    format!(
-                        "scratch_budget on shard {label}: a step of {n_rows} tokens needs {:.1} MiB of activations, the budget is {:.1} MiB",
-                        mib(scratch as u64),
-                        mib(scratch_budget as u64)
-                    ),
-                ));
-                continue;
-            }
-            let mut created = false;
-            match self.sessions.get_mut(&id) {
-                Some(s) if s.epoch != job.epoch => {
-                    out.errors.push(refusal(
-                        id,
-                        "stale_epoch",
-                        format!(
-                            "session {id} belongs to epoch {} but the step is epoch {}",
-                            s.epoch, job.epoch
-                        ),
-                    ));
-                    continue;
-                }
-                Some(s) if base > s.kv.len() => {
-                    out.errors.push(refusal(
-                        id,
-                        "cache_miss",
-                        format!("session {id} holds {} positions on shard {label}; fragment starts at {base}", s.kv.len()),
-                    ));
-                    continue;
-                }
-                Some(s) => {
-                    // A fragment that starts inside the cache rewinds it (replay after a retry);
-                    // whole blocks past the new end go back to the pool.
-                    s.kv.truncate(base);
-                    s.tokens.truncate(base);
-                }
-                None if base != 0 => {
-                    out.errors.push(refusal(
-                        id,
-                        "cache_miss",
-                        format!("session {id} is not held on shard {label}"),
-                    ));
-                    continue;
-                }
-                None => {
-                    if self.sessions.len() >= self.config.max_sessions {
-                        out.errors.push(refusal(
-                            id,
-                            "capacity",
-                            format!(
-                                "max_sessions on shard {label}: {} sessions held",
-                                self.sessions.len()
-                            ),
-                        ));
-                        continue;
-                    }
-                    let sampler = f
-                        .sampling
-                        .as_ref()
-                        .map(|s| Sampler::new(sampling_params(s)));
-                    self.sessions.insert(
-                        id,
-                        Session {
-                            epoch: job.epoch,
-                            stream_id: job.stream_id,
-                            kv: self.kv_pool.new_cache(self.config.n_ctx),
-                            tokens: Vec::new(),
-                            sampler,
-                            n_top: f.n_top_logprobs,
-                            last_used: job.now,
-                        },
-                    );
-                    created = true;
-                }
-            }
-            let s = self.sessions.get_mut(&id).expect("held or created above");
-            if !f.prefix.is_empty() {
-                // An upstream shard took these positions from its prefix cache: take the same
-                // ones here, or the route must compute them.
-                let held = if self.config.prefix_cache {
-                    self.kv_pool.attach(
-                        &mut s.kv,
-                        &f.prefix,
-                        root,
-                        f.prefix.len() / BLOCK_POSITIONS,
-                    )
-                } else {
-                    0
-                };
-                if held != f.prefix.len() {
-                    s.kv.truncate(base);
-                    if created {
-                        self.sessions.remove(&id);
-                    }
-                    out.errors.push(refusal(
-                        id,
-                        "cache_miss",
-                        format!("session {id} continues at position {base} with a {}-position prefix that is not cached on shard {label}", f.prefix.len()),
-                    ));
-                    continue;
-                }
-                s.tokens.extend_from_slice(&f.prefix);
-            } else if self.config.prefix_cache && f.reuse_prefix && self.model.is_first() {
-                // Continue on the cached blocks of the longest registered prefix; a fragment
-                // that samples keeps at least one token to compute. The rest of the fragment
-                // goes on from there, naming the positions taken.
-                let max_blocks = if f.want_output {
-                    f.tokens.len().saturating_sub(1) / BLOCK_POSITIONS
-                } else {
-                    f.tokens.len() / BLOCK_POSITIONS
-                };
-                let held = self.kv_pool.attach(&mut s.kv, &f.tokens, root, max_blocks);
-                if held > 0 {
-                    let f = &mut job.fragments[i];
-                    f.prefix = f.tokens.drain(..held).collect();
-                    f.start_pos += held as u32;
-                    s.tokens.extend_from_slice(&f.prefix);
-                }
-            }
-            let f = &job.fragments[i];
-            let end = f.start_pos as usize + f.tokens.len();
-            let need = self.sessions[&id].kv.extra_bytes_for(end);
-            let in_use = |w: &Self| w.kv_pool.bytes_in_use() + planned;
-            if may_evict && in_use(self) + need > budget {
-                // Make room from idle sessions, least recently used first, if that is enough.
-                let residents = self.residents(job);
-                if let Some(victims) =
-                    self.policy()
-                        .make_room(&residents, in_use(self), budget, need)
-                {
-                    for v in victims {
-                        // Dropping the session returns its blocks to the pool.
-                        if self.sessions.remove(&v).is_some() {
-                            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
-            }
-            let kv_in_use = in_use(self);
-            if kv_in_use + need > budget {
-                out.errors.push(refusal(
-                    id,
-                    "capacity",
-                    format!(
-                        "kv_budget on shard {label}: need {:.1} MiB, free {:.1} MiB of {:.1} MiB",
-                        mib(need as u64),
-                        mib(budget.saturating_sub(kv_in_use) as u64),
-                        mib(budget as u64)
-                    ),
-                ));
-                if created || self.sessions.get(&id).is_some_and(|s| s.kv.is_empty()) {
-                    self.sessions.remove(&id);
-                }
-                continue;
-            }
-            planned += need;
-            (rows, outputs) = (rows + f.tokens.len(), n_outputs);
-            accepted.push(i);
-        }
-        accepted
-    }
-
-    /// Runs an early step whole, or rolls back what it did and answers `None`.
-    fn early(&mut self, job: EarlyJob) -> Option<Early> {
-        // Only on the tokens' own sessions, each holding exactly the positions before its token:
-        // a hint that a later step of the tracker's overtook is stale.
-        let fresh = job.tokens.iter().all(|&(id, _, pos)| {
-            self.sessions.get(&id).is_some_and(|s| {
-                s.epoch == job.epoch && s.stream_id == job.stream_id && s.kv.len() == pos as usize
-            })
-        });
-        if job.tokens.is_empty() || !fresh {
-            return None;
-        }
-        self.counters
-            .early_steps_started
-            .fetch_add(1, Ordering::Relaxed);
-        let fragments: Vec<Fragment> = job
-            .tokens
-            .iter()
-            .map(|&(session_id, token, pos)| Fragment {
-                session_id,
-                start_pos: pos,
-                tokens: vec![token],
-                want_output: true,
-                ..Default::default()
-            })
-            .collect();
-        let outcome = self.step(
-            StepJob {
-                stream_id: job.stream_id,
-                epoch: job.epoch,
-                fragments: fragments.clone(),
-                release: Vec::new(),
-                hidden: None,
-                now: job.now,
-                prefix_scope: job.prefix_scope,
-                rollback: Vec::new(),
-            },
-            true,
-        );
-        let early = Early { fragments, outcome };
-        if early.outcome.errors.is_empty() && early.outcome.accepted.len() == early.fragments.len()
-        {
-            return Some(early);
-        }
-        self.roll_back(&early.rollback());
-        self.counters
-            .early_steps_discarded
-            .fetch_add(1, Ordering::Relaxed);
-        None
-    }
-
-    /// Cuts sessions back to the given lengths (whole blocks past the end go back to the pool).
-    fn roll_back(&mut self, to: &[(u64, usize)]) {
-        for &(id, len) in to {
-            if let Some(s) = self.sessions.get_mut(&id) {
-                if s.kv.len() > len {
-                    s.kv.truncate(len);
-                    s.tokens.truncate(len);
-                }
-            }
-        }
-    }
-
-    /// Runs a step; an `early` one evicts no one and leaves the step counters to whoever uses
-    /// it.
-    fn step(&mut self, mut job: StepJob, early: bool) -> StepOutcome {
-        let t0 = Instant::now();
-        let mut out = StepOutcome::default();
-        self.roll_back(&job.rollback);
-        for id in &job.release {
-            self.sessions.remove(id);
-        }
-        self.expire(&job);
-        let root = self.prefix_root(&job);
-        let accepted = self.admit(&mut job, root, !early, &mut out);
-        let (n_rows, n_outputs) = accepted.iter().fold((0, 0), |(r, o), &i| {
-            let f = &job.fragments[i];
-            (r + f.tokens.len(), o + usize::from(f.want_output))
-        });
-        self.counters.scratch_bytes_last_step.store(
-            self.model.scratch_bytes(n_rows, n_outputs) as u64,
-            Ordering::Relaxed,
-        );
-        for &i in &accepted {
-            if let Some(s) = self.sessions.get_mut(&job.fragments[i].session_id) {
-                s.last_used = job.now;
-            }
-        }
-        if !early {
-            self.counters
-                .rejected_fragments
-                .fetch_add(out.errors.len() as u64, Ordering::Relaxed);
-        }
-        if accepted.is_empty() {
-            self.publish_gauges();
-            out.compute_micros = t0.elapsed().as_micros() as u64;
-            return out;
-        }
-        // Rows of the accepted fragments, and their slice of the incoming hidden states.
-        let n_embd = self.model.config().n_embd;
-        let mut row_offsets = Vec::with_capacity(job.fragments.len());
-        let mut acc = 0;
-        for f in &job.fragments {
-            row_offsets.push(acc);
-            acc += f.tokens.len();
-        }
-        let ids: Vec<u64> = accepted
-            .iter()
-            .map(|&i| job.fragments[i].session_id)
-            .collect();
-        let mut rows = Vec::new();
-        let mut hidden = Vec::new();
-        for (seq, &i) in accepted.iter().enumerate() {
-            let f = &job.fragments[i];
-            for (k, &token) in f.tokens.iter().enumerate() {
-                rows.push(Row {
-                    seq,
-                    pos: f.start_pos as usize + k,
-                    token,
-                    want_logits: f.want_output && k + 1 == f.tokens.len(),
-                });
-            }
-            if let Some(h) = &job.hidden {
-                let start = row_offsets[i] * n_embd;
-                hidden.extend_from_slice(&h[start..start + f.tokens.len() * n_embd]);
-            }
-        }
-        // Borrow every accepted session's cache at once, in the order of `ids`.
-        let result = if rows.is_empty() {
-            // Every accepted fragment was taken whole from the prefix cache: nothing to run.
-            Ok(Vec::new())
-        } else {
-            let mut by_id: HashMap<u64, &mut KvCache> = self
-                .sessions
-                .iter_mut()
-                .filter(|(id, _)| ids.contains(id))
-                .map(|(id, s)| (*id, &mut s.kv))
-                .collect();
-            let mut refs: Vec<&mut KvCache> = ids
-                .iter()
-                .map(|id| by_id.remove(id).expect("admitted"))
-                .collect();
-            let batch = Batch {
-                rows: &rows,
-                hidden: job.hidden.as_ref().map(|_| hidden.as_slice()),
-            };
-            let mut out = std::mem::take(&mut self.logits);
-            self.model
-                .forward_into(batch, &mut refs, &mut out)
-                .map(|()| out)
-        };
-        match result {
-            Err(e) => {
-                for id in &ids {
-                    out.errors
-                        .push(refusal(*id, "invalid_request", e.to_string()));
-                }
-            }
-            Ok(h) if !self.model.is_last() => {
-                out.hidden = h;
-                out.accepted = accepted.iter().map(|&i| job.fragments[i].clone()).collect();
-            }
-            Ok(logits) => {
-                let n_vocab = self.model.config().n_vocab;
-                let mut li = 0;
-                for &i in &accepted {
-                    let f = &job.fragments[i];
-                    let s = self.sessions.get_mut(&f.session_id).expect("admitted");
-                    s.tokens.extend_from_slice(&f.tokens);
-                    if !f.want_output {
-                        continue;
-                    }
-                    let l = &logits[li * n_vocab..(li + 1) * n_vocab];
-                    li += 1;
-                    let sampler = s
-                        .sampler
-                        .get_or_insert_with(|| Sampler::new(SamplingParams::default()));
-                    let token = sampler.sample(l, &s.tokens);
-                    let top = if s.n_top > 0 {
-                        let best: Vec<u32> = top_k(l, s.n_top as usize)
-                            .into_iter()
-                            .map(|(id, _)| id)
-                            .collect();
-                        let lp = log_probs(l, &best);
-                        best.into_iter()
-                            .zip(lp)
-                            .map(|(token, logprob)| TopLogprob { token, logprob })
-                            .collect()
-                    } else {
-                        Vec::new()
-                    };
-                    out.outputs.push(SessionOutput {
-                        session_id: f.session_id,
-                        token,
-                        logprob: if f.want_logprob || s.n_top > 0 {
-                            log_probs(l, &[token])[0]
-                        } else {
-                            0.0
-                        },
-                        top,
-                        next_pos: f.start_pos + f.tokens.len() as u32,
-                    });
-                }
-                out.accepted = accepted.iter().map(|&i| job.fragments[i].clone()).collect();
-                self.logits = logits;
-            }
-        }
-        if !self.model.is_last() {
-            for &i in &accepted {
-                let f = &job.fragments[i];
-                self.sessions
-                    .get_mut(&f.session_id)
-                    .expect("admitted")
-                    .tokens
-                    .extend_from_slice(&f.tokens);
-            }
-        }
-        if self.config.prefix_cache {
-            // Full blocks become shareable as soon as they are written.
-            for &i in &accepted {
-                if let Some(s) = self.sessions.get_mut(&job.fragments[i].session_id) {
-                    self.kv_pool.register(&mut s.kv, &s.tokens, root);
-                }
-            }
-        }
-        if !early {
-            self.counters.count_step(&out.accepted);
-        }
-        self.publish_gauges();
-        out.compute_micros = t0.elapsed().as_micros() as u64;
-        self.counters
-            .compute_micros
-            .fetch_add(out.compute_micros, Ordering::Relaxed);
-        out
+        Job::ReleaseStream(id) => worker.release_stream(id),
+        #[cfg(feature = "fault-injection")]
+        Job::Panic => panic!("injected fault"),
     }
 }

@@ -1,18 +1,23 @@
 //! The shard: one process serving one contiguous layer range of one model.
 //!
-//! The key design decision: all model state has one owner, a compute thread ([`core`]) that
-//! holds the weights and every session's KV cache and runs steps one at a time; gRPC handlers
-//! and the route relay talk to it by message. A shard never invents work: it executes the
+//! The key design decision: all model state has one owner, a compute thread ([`worker`], driven
+//! through the handle in [`core`]) that holds the weights and every session's KV cache, keyed
+//! by the route stream that opened it, and runs steps one at a time; gRPC handlers and the
+//! route relay talk to it by message. A compute thread that panics stops the shard: every
+//! stream and RPC is then refused with a typed failure. A shard never invents work: it executes the
 //! fragments the tracker planned, refuses (typed) what it cannot hold, and forwards the
 //! activations of what it accepted to the next shard of the route.
 
 mod core;
+mod relay;
+mod replies;
 mod route;
 mod service;
+mod worker;
 
 use std::path::PathBuf;
 
-pub use crate::core::{Counters, ShardCore};
+pub use crate::core::{ComputeStopped, Counters, ShardCore};
 pub use route::run_route;
 pub use service::{serve, LocalShard, ShardService};
 
@@ -43,8 +48,23 @@ pub struct ShardConfig {
     pub prefix_cache: bool,
     /// The address this shard is known by (for errors, metrics and hop timings).
     pub label: String,
-    /// Shared secret every connection must present.
-    pub cluster_token: String,
+    /// How this shard reaches the next one (and the token every connection to it must present).
+    pub link: proto::Link,
+    /// This shard's own certificate and key (PEM): with them it serves TLS only.
+    pub tls_identity: Option<TlsIdentity>,
+}
+
+/// A certificate chain and its private key, in PEM.
+#[derive(Clone)]
+pub struct TlsIdentity {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TlsIdentity(..)")
+    }
 }
 
 /// Bytes as MiB, for the numbers refusals name.
@@ -68,4 +88,6 @@ pub enum Error {
     Transport(#[from] tonic::transport::Error),
     #[error("{0}")]
     Budget(String),
+    #[error("{0}")]
+    Stopped(#[from] ComputeStopped),
 }

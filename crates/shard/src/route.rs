@@ -1,124 +1,32 @@
 //! One route stream on a shard: execute steps in order, forward the accepted work to the next
 //! shard (or, on the last shard, answer the tracker), acknowledge each step to the shard before,
-//! and turn a dead or silent downstream into typed failures.
+//! say while a step takes long that it is still being worked on, and turn a dead or silent
+//! downstream (through [`crate::relay`]) or a stopped compute thread into typed failures.
 
-use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use proto::v1::{
-    route_msg, CacheRecipe, HopTiming, RouteMsg, RouteReply, RouteSetup, SeamDtype, SessionOutput,
-    Step, StepError,
+    route_msg, CacheRecipe, HopTiming, Progress, RouteMsg, RouteReply, RouteSetup, SeamDtype,
+    SessionError, SessionOutput, Step,
 };
 use proto::{ReplyStream, ShardTransport};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
-use crate::core::{EarlyJob, ShardCore, StepJob};
+use crate::core::{ComputeStopped, Early, EarlyJob, ShardCore, StepJob, StepOutcome};
 use crate::mib;
+use crate::relay::{shard_failed, Pending, Relay, SeamRtts};
+use crate::replies::ReplyTx;
 
-type ReplyTx = mpsc::Sender<Result<RouteReply, Status>>;
-
-/// Replies streams the tracker opened on this shard, by key, each waiting for the route whose
-/// setup names it (this shard being that route's last).
-#[derive(Default)]
-pub(crate) struct ReplySinks(Mutex<HashMap<u64, ReplyTx>>);
-
-impl ReplySinks {
-    /// Registers a Replies stream under `key`; streams whose reader went away are forgotten.
-    pub(crate) fn open(&self, key: u64) -> Result<ReplyStream, Status> {
-        if key == 0 {
-            return Err(Status::invalid_argument(
-                "a replies stream needs a nonzero key",
-            ));
-        }
-        let mut sinks = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        sinks.retain(|_, tx| !tx.is_closed());
-        if sinks.contains_key(&key) {
-            return Err(Status::already_exists(format!(
-                "a replies stream with key {key} is already open"
-            )));
-        }
-        let (tx, rx) = mpsc::channel(256);
-        sinks.insert(key, tx);
-        Ok(Box::pin(ReceiverStream::new(rx)))
-    }
-
-    fn take(&self, key: u64) -> Option<ReplyTx> {
-        let mut sinks = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        sinks.remove(&key).filter(|tx| !tx.is_closed())
-    }
-}
-
-/// Seam round trips the relay measured and the next forwarded step reports (bounded: with no
-/// step to carry them, the oldest are kept and the rest dropped).
-#[derive(Default)]
-struct SeamRtts(Mutex<Vec<u64>>);
-
-impl SeamRtts {
-    const MAX: usize = 256;
-
-    fn push(&self, micros: u64) {
-        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if v.len() < Self::MAX {
-            v.push(micros);
-        }
-    }
-
-    fn take(&self) -> Vec<u64> {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
-    }
-}
-
-/// A step sent downstream and not yet acknowledged.
-struct Pending {
-    sent: Instant,
-    deadline: Duration,
-    /// Activation bytes sent with the step (in flight until the acknowledgement comes back).
-    bytes: u64,
-}
-
-/// Steps waiting for their downstream acknowledgement. Their activation bytes count as in
-/// flight on the shard until it arrives or the relay ends (whichever way it ends).
-struct PendingSteps {
-    core: Arc<ShardCore>,
-    steps: HashMap<u64, Pending>,
-}
-
-impl PendingSteps {
-    fn remove(&mut self, step_id: u64) -> Option<Pending> {
-        let p = self.steps.remove(&step_id)?;
-        self.core
-            .counters
-            .inflight_bytes
-            .fetch_sub(p.bytes, Ordering::Relaxed);
-        Some(p)
-    }
-}
-
-impl Drop for PendingSteps {
-    fn drop(&mut self) {
-        let stranded: u64 = self.steps.values().map(|p| p.bytes).sum();
-        self.core
-            .counters
-            .inflight_bytes
-            .fetch_sub(stranded, Ordering::Relaxed);
-    }
-}
-
-fn shard_failed(step_id: u64, shard: &str, message: String) -> RouteReply {
-    RouteReply {
-        step_id,
-        step_error: Some(StepError {
-            reason: "shard_failed".into(),
-            shard: shard.into(),
-            message,
-        }),
-        ..Default::default()
-    }
+/// How often a shard holding a step says it is still working on it: a quarter of the step's
+/// liveness, so that three progress messages may be lost or late before the hop looks silent.
+fn progress_period(liveness: Duration) -> Duration {
+    (liveness / 4).clamp(Duration::from_millis(10), Duration::from_millis(500))
 }
 
 /// Serves one route stream whose first message must be a `RouteSetup`.
@@ -126,6 +34,9 @@ pub async fn run_route<S>(core: Arc<ShardCore>, mut inbound: S) -> Result<ReplyS
 where
     S: Stream<Item = Result<RouteMsg, Status>> + Send + Unpin + 'static,
 {
+    let label = core.config.label.clone();
+    core.check_alive()
+        .map_err(|e| Status::unavailable(format!("shard_failed: shard {label}: {e}")))?;
     let setup = match inbound.next().await {
         Some(Ok(RouteMsg {
             msg: Some(route_msg::Msg::Setup(s)),
@@ -136,18 +47,84 @@ where
             ))
         }
     };
+    check_setup(&core, &setup)?;
+    // On a route of several shards the last answers the tracker directly, on the Replies
+    // stream the tracker opened on it; its upstream stream carries acknowledgements.
+    let several = !setup.downstream.is_empty() || !core.is_first();
+    let sink = match (core.is_last() && several).then_some(setup.reply_key) {
+        Some(key) => Some(core.reply_sinks.take(key).ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "no replies stream with key {key} is open on shard {label}"
+            ))
+        })?),
+        None => None,
+    };
+    let seam = SeamDtype::try_from(setup.seam_dtype).unwrap_or(SeamDtype::SeamF32);
+    let stream_id = core.new_stream_id();
+    let (up_tx, up_rx) = mpsc::channel::<Result<RouteReply, Status>>(256);
+    // Tells the step loop to stop when the downstream hop dies.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let rtts = Arc::new(SeamRtts::default());
+    // Token hints reach the first shard through its relay; later shards pass them upstream.
+    let (hint_tx, hint_rx) = mpsc::channel::<Vec<SessionOutput>>(4);
+    let downstream = match setup.downstream.first() {
+        Some(next_addr) => {
+            let (dn_tx, replies) = open_downstream(&core, &setup, next_addr).await?;
+            let (reg_tx, reg_rx) = mpsc::unbounded_channel();
+            let relay = Relay {
+                core: Arc::clone(&core),
+                next_addr: next_addr.clone(),
+                replies,
+                registered: reg_rx,
+                up_tx: up_tx.clone(),
+                stop_tx,
+                rtts: Arc::clone(&rtts),
+                hints: core.is_first().then_some(hint_tx),
+            };
+            tokio::spawn(relay.run());
+            Some(Downstream {
+                tx: dn_tx,
+                registered: reg_tx,
+            })
+        }
+        None => None,
+    };
+    let task = RouteTask {
+        prefix_scope: if seam == SeamDtype::SeamF16 {
+            stream_id
+        } else {
+            0
+        },
+        core,
+        stream_id,
+        epoch: setup.epoch,
+        seam,
+        label,
+        up_tx,
+        sink,
+        downstream,
+        rtts,
+    };
+    tokio::spawn(task.run(inbound, hint_rx, stop_rx));
+    Ok(Box::pin(ReceiverStream::new(up_rx)))
+}
+
+/// Refuses a setup this shard cannot serve: another model or recipe, a downstream list that
+/// does not fit this shard's place in the model, a route without a way to answer, or one that
+/// names a shard twice.
+fn check_setup(core: &ShardCore, setup: &RouteSetup) -> Result<(), Status> {
+    let label = &core.config.label;
     if setup.model_digest != core.info.model_digest {
         return Err(Status::failed_precondition(format!(
-            "recipe_mismatch: shard {} serves model {} but the route expects {}",
-            core.config.label, core.info.model_digest, setup.model_digest
+            "recipe_mismatch: shard {label} serves model {} but the route expects {}",
+            core.info.model_digest, setup.model_digest
         )));
     }
     if let Some(expected) = setup.recipes.first() {
         let own = core.info.recipe.clone().unwrap_or_default();
         if let Some(field) = recipe_difference(&own, expected) {
             return Err(Status::failed_precondition(format!(
-                "recipe_mismatch: shard {} has {field} {} but the route expects {}",
-                core.config.label,
+                "recipe_mismatch: shard {label} has {field} {} but the route expects {}",
                 field_value(&own, field),
                 field_value(expected, field)
             )));
@@ -156,93 +133,114 @@ where
     let has_downstream = !setup.downstream.is_empty();
     if has_downstream == core.is_last() {
         return Err(Status::failed_precondition(format!(
-            "recipe_mismatch: shard {} holds layers {}..{} of {} but the route gives it {} downstream shards",
-            core.config.label,
+            "recipe_mismatch: shard {label} holds layers {}..{} of {} but the route gives it {} downstream shards",
             core.info.layer_start,
             core.info.layer_end,
             core.info.n_layers,
             setup.downstream.len()
         )));
     }
-    // On a route of several shards the last answers the tracker directly, on the Replies
-    // stream the tracker opened on it; its upstream stream carries acknowledgements.
+    if let Some(twice) = setup
+        .downstream
+        .iter()
+        .enumerate()
+        .find_map(|(i, a)| setup.downstream[..i].contains(a).then_some(a))
+    {
+        return Err(Status::invalid_argument(format!(
+            "the route names shard {twice} twice: a route passes each shard once"
+        )));
+    }
     let several = has_downstream || !core.is_first();
     if several && setup.reply_key == 0 {
         return Err(Status::invalid_argument(
             "a route of several shards needs a reply_key: its last shard answers the tracker on a replies stream",
         ));
     }
-    let sink = match (core.is_last() && several).then_some(setup.reply_key) {
-        Some(key) => Some(core.reply_sinks.take(key).ok_or_else(|| {
-            Status::failed_precondition(format!(
-                "no replies stream with key {key} is open on shard {}",
-                core.config.label
-            ))
-        })?),
-        None => None,
-    };
-    let seam = SeamDtype::try_from(setup.seam_dtype).unwrap_or(SeamDtype::SeamF32);
-    let stream_id = core.new_stream_id();
-    let (up_tx, up_rx) = mpsc::channel::<Result<RouteReply, Status>>(256);
+    Ok(())
+}
 
-    let downstream = if has_downstream {
-        let next_addr = setup.downstream[0].clone();
-        let next = proto::connect(&next_addr, &core.config.cluster_token)?;
-        let (dn_tx, dn_rx) = mpsc::channel::<RouteMsg>(256);
-        let next_setup = RouteSetup {
-            epoch: setup.epoch,
-            downstream: setup.downstream[1..].to_vec(),
-            seam_dtype: setup.seam_dtype,
-            model_digest: setup.model_digest.clone(),
-            recipes: setup.recipes.get(1..).unwrap_or_default().to_vec(),
-            reply_key: setup.reply_key,
-        };
-        let _ = dn_tx
-            .send(RouteMsg {
-                msg: Some(route_msg::Msg::Setup(next_setup)),
-            })
-            .await;
-        let replies = next.route(dn_rx).await.map_err(|e| {
-            Status::unavailable(format!("shard_failed: {next_addr}: {}", e.message()))
-        })?;
-        Some((next_addr, dn_tx, replies))
-    } else {
-        None
+/// Connects to the next shard, checks that it holds the layers right after this shard's of
+/// the same model (so a route can neither skip layers nor loop back: each hop's first layer is
+/// larger than the last), and opens its route stream with the rest of the route.
+async fn open_downstream(
+    core: &ShardCore,
+    setup: &RouteSetup,
+    next_addr: &str,
+) -> Result<(mpsc::Sender<RouteMsg>, ReplyStream), Status> {
+    let label = &core.config.label;
+    let unreachable =
+        |e: Status| Status::unavailable(format!("shard_failed: {next_addr}: {}", e.message()));
+    let next = proto::connect(next_addr, &core.config.link)?;
+    let info = next
+        .describe(Duration::from_secs(2))
+        .await
+        .map_err(unreachable)?;
+    if info.model_digest != core.info.model_digest || info.layer_start != core.info.layer_end {
+        return Err(Status::failed_precondition(format!(
+            "recipe_mismatch: the route sends shard {label} (layers {}..{}) on to {next_addr}, which holds layers {}..{} of model {}; the next shard must hold layers from {} of model {}",
+            core.info.layer_start,
+            core.info.layer_end,
+            info.layer_start,
+            info.layer_end,
+            info.model_digest,
+            core.info.layer_end,
+            core.info.model_digest
+        )));
+    }
+    let (dn_tx, dn_rx) = mpsc::channel::<RouteMsg>(256);
+    let next_setup = RouteSetup {
+        epoch: setup.epoch,
+        downstream: setup.downstream[1..].to_vec(),
+        seam_dtype: setup.seam_dtype,
+        model_digest: setup.model_digest.clone(),
+        recipes: setup.recipes.get(1..).unwrap_or_default().to_vec(),
+        reply_key: setup.reply_key,
     };
+    let _ = dn_tx
+        .send(RouteMsg {
+            msg: Some(route_msg::Msg::Setup(next_setup)),
+        })
+        .await;
+    let replies = next.route(dn_rx).await.map_err(unreachable)?;
+    Ok((dn_tx, replies))
+}
 
-    // Tells the inbound loop to stop when the downstream hop dies.
-    let (stop_tx, mut stop_rx) = watch::channel(false);
-    let (reg_tx, reg_rx) = mpsc::unbounded_channel::<(u64, Pending)>();
-    let rtts = Arc::new(SeamRtts::default());
-    // Token hints reach the first shard through its relay; later shards pass them upstream.
-    let (hint_tx, mut hint_rx) = mpsc::channel::<Vec<SessionOutput>>(4);
-    let dn_tx = match downstream {
-        Some((addr, dn_tx, replies)) => {
-            tokio::spawn(relay(
-                Arc::clone(&core),
-                addr,
-                replies,
-                reg_rx,
-                up_tx.clone(),
-                stop_tx,
-                Arc::clone(&rtts),
-                core.is_first().then_some(hint_tx),
-            ));
-            Some(dn_tx)
-        }
-        None => None,
-    };
-    let prefix_scope = if seam == SeamDtype::SeamF16 {
-        stream_id
-    } else {
-        0
-    };
+/// The way to the next shard: its route stream, and the relay's register of steps sent.
+struct Downstream {
+    tx: mpsc::Sender<RouteMsg>,
+    registered: mpsc::UnboundedSender<(u64, Pending)>,
+}
 
-    let epoch = setup.epoch;
-    let label = core.config.label.clone();
-    tokio::spawn(async move {
+/// The step loop of one route stream.
+struct RouteTask {
+    core: Arc<ShardCore>,
+    stream_id: u64,
+    epoch: u64,
+    seam: SeamDtype,
+    /// See [`StepJob::prefix_scope`].
+    prefix_scope: u64,
+    label: String,
+    /// Upstream: the tracker on the first shard, else the shard before.
+    up_tx: ReplyTx,
+    /// The tracker's Replies stream, on the last shard of a route of several.
+    sink: Option<ReplyTx>,
+    downstream: Option<Downstream>,
+    rtts: Arc<SeamRtts>,
+}
+
+type Started = oneshot::Receiver<Option<Early>>;
+
+impl RouteTask {
+    async fn run<S>(
+        self,
+        mut inbound: S,
+        mut hints: mpsc::Receiver<Vec<SessionOutput>>,
+        mut stop_rx: watch::Receiver<bool>,
+    ) where
+        S: Stream<Item = Result<RouteMsg, Status>> + Send + Unpin + 'static,
+    {
         // The early step started on the last token hint, if any (first shard only).
-        let mut early = None;
+        let mut early: Option<Started> = None;
         loop {
             let stopped = async {
                 // A dropped sender (no downstream hop) never signals a stop.
@@ -252,233 +250,316 @@ where
             };
             let msg = tokio::select! {
                 biased;
+                _ = self.core.shutting_down() => {
+                    self.fail(0, format!("shard {} is shutting down", self.label)).await;
+                    break;
+                }
                 m = inbound.next() => m,
-                Some(hint) = hint_rx.recv() => {
+                Some(hint) = hints.recv() => {
                     // One early step at a time, started only while no step of the tracker's is
                     // being run (this loop is between steps).
                     if early.is_none() {
-                        early = Some(core.early(EarlyJob {
-                            stream_id,
-                            epoch,
+                        early = Some(self.core.early(EarlyJob {
+                            stream_id: self.stream_id,
+                            epoch: self.epoch,
                             tokens: hint.iter().map(|o| (o.session_id, o.token, o.next_pos)).collect(),
                             now: Instant::now(),
-                            prefix_scope,
+                            prefix_scope: self.prefix_scope,
                         }));
                     }
                     continue;
                 }
                 _ = stopped => None,
             };
-            let step: Step = match msg {
+            let step = match msg {
                 Some(Ok(RouteMsg {
                     msg: Some(route_msg::Msg::Step(s)),
                 })) => s,
                 Some(Ok(_)) => continue,
                 Some(Err(_)) | None => break,
             };
-            let received = Instant::now();
-            let hidden = if core.is_first() {
-                None
-            } else {
-                match proto::decode_activations(&step.activations, seam) {
-                    Some(h) => Some(h),
-                    None => {
-                        let _ = up_tx
-                            .send(Err(Status::invalid_argument(format!(
-                                "step {}: {} activation bytes do not decode as {seam:?}",
-                                step.step_id,
-                                step.activations.len()
-                            ))))
-                            .await;
-                        break;
-                    }
-                }
-            };
-            let n_rows: usize = step.fragments.iter().map(|f| f.tokens.len()).sum();
-            if let Some(h) = &hidden {
-                if h.len() != n_rows * core.info.n_embd as usize {
-                    let _ = up_tx
-                        .send(Err(Status::invalid_argument(format!(
-                            "step {}: {} activations for {n_rows} rows of width {}",
-                            step.step_id,
-                            h.len(),
-                            core.info.n_embd
-                        ))))
-                        .await;
-                    break;
-                }
-            }
-            // Activations this step would add to what is in flight downstream: over the budget,
-            // its fragments are refused (typed) before anything is computed.
-            let seam_width = if seam == SeamDtype::SeamF16 { 2 } else { 4 };
-            let out_bytes = (n_rows * core.info.n_embd as usize * seam_width) as u64;
-            let in_flight = core.counters.inflight_bytes.load(Ordering::Relaxed);
-            let budget = core.config.inflight_budget_bytes as u64;
-            let over = dn_tx.is_some() && in_flight + out_bytes > budget;
-            let refused: Vec<proto::v1::SessionError> = if over {
-                step.fragments
-                    .iter()
-                    .map(|f| proto::v1::SessionError {
-                        session_id: f.session_id,
-                        reason: "capacity".into(),
-                        message: format!(
-                            "inflight_budget on shard {label}: {:.1} MiB of activations are in flight downstream, this step adds {:.1} MiB, the budget is {:.1} MiB",
-                            mib(in_flight),
-                            mib(out_bytes),
-                            mib(budget)
-                        ),
-                    })
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            // An early step is used if it is exactly this step, and rolled back otherwise.
-            let (mut used, mut rollback) = (None, Vec::new());
-            if let Some(started) = early.take() {
-                if let Ok(Some(e)) = started.await {
-                    // Early steps run under the route's epoch.
-                    if !over && step.epoch == epoch && e.matches(&step.fragments, &step.release) {
-                        core.counters
-                            .early_steps_used
-                            .fetch_add(1, Ordering::Relaxed);
-                        core.counters.count_step(&step.fragments);
-                        used = Some(crate::core::StepOutcome {
-                            accepted: step.fragments.clone(),
-                            ..e.outcome
-                        });
-                    } else {
-                        core.counters
-                            .early_steps_discarded
-                            .fetch_add(1, Ordering::Relaxed);
-                        rollback = e.rollback();
-                    }
-                }
-            }
-            let out = match used {
-                Some(out) => out,
-                None => {
-                    core.step(StepJob {
-                        stream_id,
-                        epoch: step.epoch,
-                        fragments: if over { Vec::new() } else { step.fragments },
-                        release: step.release.clone(),
-                        hidden: if over { None } else { hidden },
-                        now: received,
-                        prefix_scope,
-                        rollback,
-                    })
-                    .await
-                }
-            };
-            // Refusals travel with the step to the last shard, which answers with all of them.
-            let mut errors = step.errors;
-            errors.extend(out.errors);
-            errors.extend(refused);
-            let mut hops = step.hops;
-            let mut hop = HopTiming {
-                shard: label.clone(),
-                compute_micros: out.compute_micros,
-                ..Default::default()
-            };
-            // What the acknowledgement names beside the step: on the last shard, the tokens it
-            // sampled (a token hint), so that the first shard can start the next decode step
-            // while the reply travels through the tracker.
-            let mut hint = Vec::new();
-            match &dn_tx {
-                None => {
-                    hop.held_micros = received.elapsed().as_micros() as u64;
-                    hops.push(hop);
-                    if !core.is_first() {
-                        hint = out
-                            .outputs
-                            .iter()
-                            .map(|o| SessionOutput {
-                                session_id: o.session_id,
-                                token: o.token,
-                                next_pos: o.next_pos,
-                                ..Default::default()
-                            })
-                            .collect();
-                    }
-                    let reply = RouteReply {
-                        step_id: step.step_id,
-                        outputs: out.outputs,
-                        errors,
-                        step_error: None,
-                        hops,
-                    };
-                    let answered = match &sink {
-                        Some(sink) => sink.send(Ok(reply)).await.is_ok(),
-                        None => up_tx.send(Ok(reply)).await.is_ok(),
-                    };
-                    if !answered {
-                        break;
-                    }
-                }
-                Some(dn_tx) => {
-                    let activations = proto::encode_activations(&out.hidden, seam);
-                    hop.seam_bytes = activations.len() as u64;
-                    hop.seam_rtt_micros = rtts.take();
-                    core.counters
-                        .seam_bytes_out
-                        .fetch_add(hop.seam_bytes, Ordering::Relaxed);
-                    let spent = received.elapsed().as_millis() as u32;
-                    let deadline_ms = step.deadline_ms.saturating_sub(spent).max(1);
-                    let pending = Pending {
-                        sent: Instant::now(),
-                        deadline: Duration::from_millis(deadline_ms as u64),
-                        bytes: activations.len() as u64,
-                    };
-                    // Counted before the relay can see (and subtract) it.
-                    core.counters
-                        .inflight_bytes
-                        .fetch_add(pending.bytes, Ordering::Relaxed);
-                    if let Err(unsent) = reg_tx.send((step.step_id, pending)) {
-                        core.counters
-                            .inflight_bytes
-                            .fetch_sub(unsent.0 .1.bytes, Ordering::Relaxed);
-                        break;
-                    }
-                    hop.held_micros = received.elapsed().as_micros() as u64;
-                    hops.push(hop);
-                    let next = Step {
-                        step_id: step.step_id,
-                        epoch: step.epoch,
-                        fragments: out.accepted,
-                        release: step.release,
-                        activations,
-                        deadline_ms,
-                        errors,
-                        hops,
-                    };
-                    if dn_tx
-                        .send(RouteMsg {
-                            msg: Some(route_msg::Msg::Step(next)),
-                        })
-                        .await
-                        .is_err()
-                    {
-                        break;
-                    }
-                }
-            }
-            // The shard before this one learns that the step has passed: its activation bytes
-            // are no longer in flight, and how long this shard held the step (for its seam
-            // round trip). The tracker, upstream of the first shard, waits for replies instead.
-            if !core.is_first() {
-                // The step (or reply) just sent is what the route waits for: let it reach its
-                // socket before the acknowledgement takes this thread.
-                tokio::task::yield_now().await;
-                let ack = acknowledgement(step.step_id, &label, received, hint);
-                if up_tx.send(Ok(ack)).await.is_err() {
-                    break;
-                }
+            if self.handle(step, &mut early).await.is_break() {
+                break;
             }
         }
         // The upstream end went away (or downstream died): forget this stream's sessions.
-        core.release_stream(stream_id);
-    });
-    Ok(Box::pin(ReceiverStream::new(up_rx)))
+        self.core.release_stream(self.stream_id);
+    }
+
+    /// Tells the tracker (on every way it listens) that this shard failed the route.
+    async fn fail(&self, step_id: u64, message: String) {
+        let failure = shard_failed(step_id, &self.label, message);
+        if let Some(sink) = &self.sink {
+            let _ = sink.send(Ok(failure.clone())).await;
+        }
+        let _ = self.up_tx.send(Ok(failure)).await;
+    }
+
+    /// The step's incoming hidden states (past layer 0), checked against its rows; `Err` is
+    /// the refusal of the whole stream (a malformed step ends it).
+    fn hidden_of(&self, step: &Step) -> Result<Option<Vec<f32>>, Status> {
+        if self.core.is_first() {
+            return Ok(None);
+        }
+        let h = proto::decode_activations(&step.activations, self.seam).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "step {}: {} activation bytes do not decode as {:?}",
+                step.step_id,
+                step.activations.len(),
+                self.seam
+            ))
+        })?;
+        let n_rows: usize = step.fragments.iter().map(|f| f.tokens.len()).sum();
+        let n_embd = self.core.info.n_embd as usize;
+        if h.len() != n_rows * n_embd {
+            return Err(Status::invalid_argument(format!(
+                "step {}: {} activations for {n_rows} rows of width {n_embd}",
+                step.step_id,
+                h.len()
+            )));
+        }
+        Ok(Some(h))
+    }
+
+    /// Activations this step would add to what is in flight downstream: over the budget, its
+    /// fragments are refused (typed) before anything is computed.
+    fn inflight_refusals(&self, step: &Step) -> Vec<SessionError> {
+        if self.downstream.is_none() {
+            return Vec::new();
+        }
+        let n_rows: usize = step.fragments.iter().map(|f| f.tokens.len()).sum();
+        let seam_width = if self.seam == SeamDtype::SeamF16 {
+            2
+        } else {
+            4
+        };
+        let out_bytes = (n_rows * self.core.info.n_embd as usize * seam_width) as u64;
+        let in_flight = self.core.counters.inflight_bytes.load(Ordering::Relaxed);
+        let budget = self.core.config.inflight_budget_bytes as u64;
+        if in_flight + out_bytes <= budget {
+            return Vec::new();
+        }
+        step.fragments
+            .iter()
+            .map(|f| SessionError {
+                session_id: f.session_id,
+                reason: "capacity".into(),
+                message: format!(
+                    "inflight_budget on shard {}: {:.1} MiB of activations are in flight downstream, this step adds {:.1} MiB, the budget is {:.1} MiB",
+                    self.label,
+                    mib(in_flight),
+                    mib(out_bytes),
+                    mib(budget)
+                ),
+            })
+            .collect()
+    }
+
+    /// The early step, if one was started: its outcome when it is exactly this step (it was
+    /// run under the route's epoch), else the rollback that undoes it.
+    async fn take_early(
+        &self,
+        early: &mut Option<Started>,
+        step: &Step,
+        over: bool,
+    ) -> (Option<StepOutcome>, Vec<(u64, usize)>) {
+        let Some(started) = early.take() else {
+            return (None, Vec::new());
+        };
+        let Ok(Some(e)) = started.await else {
+            return (None, Vec::new());
+        };
+        let counters = &self.core.counters;
+        if !over && step.epoch == self.epoch && e.matches(&step.fragments, &step.release) {
+            counters.early_steps_used.fetch_add(1, Ordering::Relaxed);
+            counters.count_step(&step.fragments);
+            let out = StepOutcome {
+                accepted: step.fragments.clone(),
+                ..e.outcome
+            };
+            return (Some(out), Vec::new());
+        }
+        counters
+            .early_steps_discarded
+            .fetch_add(1, Ordering::Relaxed);
+        (None, e.rollback())
+    }
+
+    /// Runs a step on the compute thread, telling upstream every so often that the step is
+    /// still being worked on (queued or computing) so that a slow step is never taken for a
+    /// lost shard.
+    async fn compute(
+        &self,
+        job: StepJob,
+        step_id: u64,
+        liveness: Duration,
+    ) -> Result<StepOutcome, ComputeStopped> {
+        let done = self.core.step(job);
+        tokio::pin!(done);
+        let period = progress_period(liveness);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        loop {
+            tokio::select! {
+                biased;
+                out = &mut done => return out,
+                _ = tick.tick() => {
+                    let progress = RouteReply {
+                        step_id,
+                        progress: Some(Progress { shard: self.label.clone() }),
+                        ..Default::default()
+                    };
+                    // Only news that the route is alive: dropped if upstream has no room.
+                    let _ = self.up_tx.try_send(Ok(progress));
+                }
+            }
+        }
+    }
+
+    /// One step: compute it (or use the early step that is it), then answer the tracker or
+    /// forward the accepted rows, then acknowledge upstream. `Break` ends the stream.
+    async fn handle(&self, mut step: Step, early: &mut Option<Started>) -> ControlFlow<()> {
+        let received = Instant::now();
+        let hidden = match self.hidden_of(&step) {
+            Ok(h) => h,
+            Err(status) => {
+                let _ = self.up_tx.send(Err(status)).await;
+                return ControlFlow::Break(());
+            }
+        };
+        let refused = self.inflight_refusals(&step);
+        let over = !refused.is_empty();
+        let (used, rollback) = self.take_early(early, &step, over).await;
+        let liveness = Duration::from_millis(u64::from(step.liveness_ms.max(1)));
+        let out = match used {
+            Some(out) => out,
+            None => {
+                let job = StepJob {
+                    stream_id: self.stream_id,
+                    epoch: step.epoch,
+                    fragments: if over {
+                        Vec::new()
+                    } else {
+                        std::mem::take(&mut step.fragments)
+                    },
+                    release: step.release.clone(),
+                    hidden: if over { None } else { hidden },
+                    now: received,
+                    prefix_scope: self.prefix_scope,
+                    rollback,
+                };
+                match self.compute(job, step.step_id, liveness).await {
+                    Ok(out) => out,
+                    Err(stopped) => {
+                        self.fail(step.step_id, format!("shard {}: {stopped}", self.label))
+                            .await;
+                        return ControlFlow::Break(());
+                    }
+                }
+            }
+        };
+        // Refusals travel with the step to the last shard, which answers with all of them.
+        let mut errors = step.errors;
+        errors.extend(out.errors);
+        errors.extend(refused);
+        let mut hops = step.hops;
+        let mut hop = HopTiming {
+            shard: self.label.clone(),
+            compute_micros: out.compute_micros,
+            ..Default::default()
+        };
+        // What the acknowledgement names beside the step: on the last shard, the tokens it
+        // sampled (a token hint), so that the first shard can start the next decode step
+        // while the reply travels through the tracker.
+        let mut hint = Vec::new();
+        match &self.downstream {
+            None => {
+                hop.held_micros = received.elapsed().as_micros() as u64;
+                hops.push(hop);
+                if !self.core.is_first() {
+                    hint = out
+                        .outputs
+                        .iter()
+                        .map(|o| SessionOutput {
+                            session_id: o.session_id,
+                            token: o.token,
+                            next_pos: o.next_pos,
+                            ..Default::default()
+                        })
+                        .collect();
+                }
+                let reply = RouteReply {
+                    step_id: step.step_id,
+                    outputs: out.outputs,
+                    errors,
+                    hops,
+                    ..Default::default()
+                };
+                let answered = match &self.sink {
+                    Some(sink) => sink.send(Ok(reply)).await.is_ok(),
+                    None => self.up_tx.send(Ok(reply)).await.is_ok(),
+                };
+                if !answered {
+                    return ControlFlow::Break(());
+                }
+            }
+            Some(down) => {
+                let activations = proto::encode_activations(&out.hidden, self.seam);
+                hop.seam_bytes = activations.len() as u64;
+                hop.seam_rtt_micros = self.rtts.take();
+                self.core
+                    .counters
+                    .seam_bytes_out
+                    .fetch_add(hop.seam_bytes, Ordering::Relaxed);
+                let pending = Pending {
+                    sent: Instant::now(),
+                    liveness,
+                    bytes: activations.len() as u64,
+                };
+                // Counted before the relay can see (and subtract) it.
+                let counters = &self.core.counters;
+                counters
+                    .inflight_bytes
+                    .fetch_add(pending.bytes, Ordering::Relaxed);
+                if let Err(unsent) = down.registered.send((step.step_id, pending)) {
+                    counters
+                        .inflight_bytes
+                        .fetch_sub(unsent.0 .1.bytes, Ordering::Relaxed);
+                    return ControlFlow::Break(());
+                }
+                hop.held_micros = received.elapsed().as_micros() as u64;
+                hops.push(hop);
+                let next = Step {
+                    step_id: step.step_id,
+                    epoch: step.epoch,
+                    fragments: out.accepted,
+                    release: step.release,
+                    activations,
+                    liveness_ms: step.liveness_ms,
+                    errors,
+                    hops,
+                };
+                let sent = down.tx.send(RouteMsg {
+                    msg: Some(route_msg::Msg::Step(next)),
+                });
+                if sent.await.is_err() {
+                    return ControlFlow::Break(());
+                }
+            }
+        }
+        // The shard before this one learns that the step has passed: its activation bytes
+        // are no longer in flight, and how long this shard held the step (for its seam round
+        // trip). The tracker, upstream of the first shard, waits for replies instead.
+        if !self.core.is_first() {
+            // The step (or reply) just sent is what the route waits for: let it reach its
+            // socket before the acknowledgement takes this thread.
+            tokio::task::yield_now().await;
+            let ack = acknowledgement(step.step_id, &self.label, received, hint);
+            if self.up_tx.send(Ok(ack)).await.is_err() {
+                return ControlFlow::Break(());
+            }
+        }
+        ControlFlow::Continue(())
+    }
 }
 
 /// The acknowledgement of a step to the shard before: its id, how long this shard held it,
@@ -499,98 +580,6 @@ fn acknowledgement(
         outputs: hint,
         ..Default::default()
     }
-}
-
-/// Reads the next shard's acknowledgements (releasing in-flight bytes, measuring the seam's
-/// round trip), hands token hints to the first shard's step loop (`hints`) or passes them
-/// upstream, and relays failures from further down upstream; turns a broken or silent
-/// downstream into a `shard_failed` reply for every step still waiting.
-#[allow(clippy::too_many_arguments)] // reason: one task's channels and shared state, each used once
-async fn relay(
-    core: Arc<ShardCore>,
-    next_addr: String,
-    mut replies: ReplyStream,
-    mut reg_rx: mpsc::UnboundedReceiver<(u64, Pending)>,
-    up_tx: ReplyTx,
-    stop_tx: watch::Sender<bool>,
-    rtts: Arc<SeamRtts>,
-    hints: Option<mpsc::Sender<Vec<SessionOutput>>>,
-) {
-    let mut pending = PendingSteps {
-        core,
-        steps: HashMap::new(),
-    };
-    let mut tick = tokio::time::interval(Duration::from_millis(50));
-    let failure: String = loop {
-        tokio::select! {
-            reg = reg_rx.recv() => match reg {
-                Some((id, p)) => { pending.steps.insert(id, p); }
-                None => return,
-            },
-            reply = replies.next() => match reply {
-                Some(Ok(r)) => {
-                    // Registration always precedes the send downstream, but may not have been
-                    // read yet: drain it first.
-                    while let Ok((id, p)) = reg_rx.try_recv() {
-                        pending.steps.insert(id, p);
-                    }
-                    if r.step_error.is_none() {
-                        // An acknowledgement (with a hop), a token hint (with outputs), or both.
-                        if let Some(held) = r.hops.first().map(|h| h.held_micros) {
-                            if let Some(p) = pending.remove(r.step_id) {
-                                rtts.push((p.sent.elapsed().as_micros() as u64).saturating_sub(held));
-                            }
-                        }
-                        if !r.outputs.is_empty() {
-                            match &hints {
-                                // A hint the step loop has no room for is dropped: it only
-                                // saves time.
-                                Some(h) => { let _ = h.try_send(r.outputs); }
-                                None => {
-                                    let hint = RouteReply { step_id: r.step_id, outputs: r.outputs, ..Default::default() };
-                                    if up_tx.send(Ok(hint)).await.is_err() {
-                                        return;
-                                    }
-                                }
-                            }
-                        }
-                        continue;
-                    }
-                    pending.remove(r.step_id);
-                    if up_tx.send(Ok(r)).await.is_err() {
-                        // Steps still registered are dropped with `pending` (their bytes too).
-                        while let Ok((id, p)) = reg_rx.try_recv() {
-                            pending.steps.insert(id, p);
-                        }
-                        return;
-                    }
-                    break "a shard further down the route failed".to_string();
-                }
-                Some(Err(status)) => break format!("the stream to {next_addr} failed: {}", status.message()),
-                None => break format!("{next_addr} closed the route stream"),
-            },
-            _ = tick.tick() => {
-                if let Some((_, p)) = pending.steps.iter().find(|(_, p)| p.sent.elapsed() > p.deadline) {
-                    break format!("{next_addr} did not answer within {} ms", p.deadline.as_millis());
-                }
-            }
-        }
-    };
-    while let Ok((id, p)) = reg_rx.try_recv() {
-        pending.steps.insert(id, p);
-    }
-    let mut ids: Vec<u64> = pending.steps.keys().copied().collect();
-    ids.sort_unstable();
-    for id in ids {
-        let _ = up_tx
-            .send(Ok(shard_failed(id, &next_addr, failure.clone())))
-            .await;
-    }
-    if pending.steps.is_empty() {
-        // Nothing was waiting, but the route is broken: say so on the next read.
-        let _ = up_tx.send(Ok(shard_failed(0, &next_addr, failure))).await;
-    }
-    let _ = stop_tx.send(true);
 }
 
 /// The first field in which two cache recipes differ, if any.

@@ -23,19 +23,29 @@ pub struct ShardService {
     core: Arc<ShardCore>,
 }
 
+/// `unavailable` once the compute thread has stopped: a shard that can run no step never
+/// answers as if it were healthy.
+fn alive(core: &ShardCore) -> Result<(), Status> {
+    core.check_alive()
+        .map_err(|e| Status::unavailable(format!("shard_failed: shard {}: {e}", core.config.label)))
+}
+
 #[tonic::async_trait]
 impl Shard for ShardService {
     async fn describe(&self, _: Request<DescribeRequest>) -> Result<Response<ShardInfo>, Status> {
+        alive(&self.core)?;
         Ok(Response::new(self.core.info.clone()))
     }
 
     async fn vocab(&self, _: Request<VocabRequest>) -> Result<Response<VocabReply>, Status> {
+        alive(&self.core)?;
         Ok(Response::new(VocabReply {
             gguf: self.core.vocab_gguf.clone(),
         }))
     }
 
     async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<ShardStats>, Status> {
+        alive(&self.core)?;
         Ok(Response::new(self.core.stats()))
     }
 
@@ -53,6 +63,7 @@ impl Shard for ShardService {
     type RepliesStream = ReplyStream;
 
     async fn replies(&self, req: Request<RepliesRequest>) -> Result<Response<ReplyStream>, Status> {
+        alive(&self.core)?;
         self.core
             .reply_sinks
             .open(req.into_inner().key)
@@ -60,13 +71,32 @@ impl Shard for ShardService {
     }
 }
 
-/// Serves `core` on `listener` until `shutdown` completes.
+/// How long a shard that was told to stop waits for its route streams to close after telling
+/// their trackers, before it stops anyway.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
+
+/// Serves `core` on `listener` until `shutdown` completes or the compute thread stops. On
+/// shutdown every route stream ends with a typed failure to its tracker and the server stops
+/// within [`SHUTDOWN_GRACE`] even if a peer keeps its connection open. A stopped compute
+/// thread is an error: the process must not stay up looking alive.
 pub async fn serve(
     core: Arc<ShardCore>,
     listener: tokio::net::TcpListener,
-    shutdown: impl std::future::Future<Output = ()> + Send,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), crate::Error> {
-    let token = core.config.cluster_token.clone();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let watcher = Arc::clone(&core);
+    let stopped = tokio::spawn(async move {
+        let why = tokio::select! {
+            _ = shutdown => None,
+            why = watcher.stopped() => Some(why),
+        };
+        watcher.shut_down();
+        let _ = stop_tx.send(());
+        why
+    });
+    let token = core.config.link.token.clone();
+    let identity = core.config.tls_identity.clone();
     let server = ShardServer::new(ShardService { core })
         .max_decoding_message_size(proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(proto::MAX_MESSAGE_BYTES);
@@ -78,13 +108,38 @@ pub async fn serve(
         conn.set_nodelay(true)?;
         Ok::<_, std::io::Error>(conn)
     });
-    tonic::transport::Server::builder()
+    let (grace_tx, grace_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(id) = identity {
+        let tls = tonic::transport::ServerTlsConfig::new().identity(
+            tonic::transport::Identity::from_pem(id.cert_pem, id.key_pem),
+        );
+        builder = builder.tls_config(tls)?;
+    }
+    let server = builder
         .http2_keepalive_interval(Some(Duration::from_secs(2)))
         .http2_keepalive_timeout(Some(Duration::from_secs(5)))
         .add_service(svc)
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await?;
-    Ok(())
+        .serve_with_incoming_shutdown(incoming, async move {
+            let _ = stop_rx.await;
+            let _ = grace_tx.send(());
+        });
+    tokio::pin!(server);
+    // Graceful shutdown waits for every open stream; a peer may keep one open forever.
+    let grace = async {
+        if grace_rx.await.is_err() {
+            std::future::pending::<()>().await;
+        }
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+    };
+    tokio::select! {
+        served = &mut server => served?,
+        _ = grace => tracing::warn!("route streams still open {SHUTDOWN_GRACE:?} after shutdown began; stopping anyway"),
+    }
+    match stopped.await {
+        Ok(Some(why)) => Err(crate::Error::Stopped(why)),
+        _ => Ok(()),
+    }
 }
 
 /// A shard in the same process: the in-memory transport.
@@ -106,16 +161,19 @@ impl ShardTransport for LocalShard {
     }
 
     async fn describe(&self, _: Duration) -> Result<ShardInfo, Status> {
+        alive(&self.core)?;
         Ok(self.core.info.clone())
     }
 
     async fn vocab(&self) -> Result<VocabReply, Status> {
+        alive(&self.core)?;
         Ok(VocabReply {
             gguf: self.core.vocab_gguf.clone(),
         })
     }
 
     async fn stats(&self, _: Duration) -> Result<ShardStats, Status> {
+        alive(&self.core)?;
         Ok(self.core.stats())
     }
 
@@ -128,6 +186,7 @@ impl ShardTransport for LocalShard {
     }
 
     async fn replies(&self, key: u64) -> Result<ReplyStream, Status> {
+        alive(&self.core)?;
         self.core.reply_sinks.open(key)
     }
 }

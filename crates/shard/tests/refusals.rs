@@ -128,7 +128,7 @@ impl Route {
             fragments,
             release,
             activations: vec![],
-            deadline_ms: 10_000,
+            liveness_ms: 10_000,
             errors: vec![],
             hops: vec![],
         };

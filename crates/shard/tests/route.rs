@@ -23,7 +23,7 @@ fn load(layers: Option<(usize, usize)>, label: &str) -> Arc<ShardCore> {
     ShardCore::load(ShardConfig {
         layers,
         label: label.into(),
-        cluster_token: TOKEN.into(),
+        link: proto::Link::plain(TOKEN),
         ..config(1 << 20, Duration::from_secs(600))
     })
     .unwrap()
@@ -39,7 +39,10 @@ async fn serve(layers: (usize, usize)) -> (Arc<ShardCore>, GrpcShard) {
         listener,
         std::future::pending(),
     ));
-    (core, proto::connect(&addr, TOKEN).unwrap())
+    (
+        core,
+        proto::connect(&addr, &proto::Link::plain(TOKEN)).unwrap(),
+    )
 }
 
 async fn open(
@@ -90,7 +93,7 @@ async fn send(tx: &mpsc::Sender<RouteMsg>, step_id: u64, fragments: Vec<Fragment
         step_id,
         epoch: 1,
         fragments,
-        deadline_ms: 10_000,
+        liveness_ms: 10_000,
         ..Default::default()
     };
     tx.send(RouteMsg {
@@ -304,6 +307,12 @@ async fn the_first_shard_starts_decode_steps_on_token_hints_and_rolls_back_those
 
     // A step that leaves the session out (another session's prompt) rolls the early step
     // back: a session of 16 positions whose early step took a second KV block returns it.
+    // (Session 1's early step, on the last answer's hint, must have started first: a hint
+    // that comes after the next step is stale and starts nothing that step could undo.)
+    until(&a_core, "session 1's last early step starts", |s| {
+        s.early_steps_started == 8
+    })
+    .await;
     let long: Vec<u32> = (0..16).map(|i| (i * 7 + 3) % n_vocab).collect();
     both(vec![lp(3, 0, &long)]).await;
     let t3 = answer(&mut replies, &mut wreplies).await;
@@ -330,4 +339,41 @@ async fn the_first_shard_starts_decode_steps_on_token_hints_and_rolls_back_those
     // Session 3 then continues at position 16 as on the whole model.
     both(vec![lp(3, 16, &[t3])]).await;
     answer(&mut replies, &mut wreplies).await;
+}
+
+/// A route can neither loop nor skip layers: a shard checks that the next shard holds the
+/// layers right after its own, and a route naming a shard twice is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_that_loops_or_skips_layers_is_refused() {
+    let (a_core, a) = serve((0, 2)).await;
+    let (_b_core, b) = serve((2, 4)).await;
+    let (_c_core, c) = serve((0, 2)).await;
+    let _replies = b.replies(31).await.unwrap();
+    for (downstream, want) in [
+        // Back to itself: its next layer is 2, it holds 0..2.
+        (vec![a.address().to_string()], "recipe_mismatch"),
+        // A shard with the same layers again.
+        (vec![c.address().to_string()], "recipe_mismatch"),
+        // The right shard twice.
+        (
+            vec![b.address().to_string(), b.address().to_string()],
+            "twice",
+        ),
+    ] {
+        let (tx, rx) = mpsc::channel(8);
+        let setup = RouteSetup {
+            epoch: 1,
+            downstream: downstream.clone(),
+            model_digest: a_core.info.model_digest.clone(),
+            reply_key: 31,
+            ..Default::default()
+        };
+        tx.send(RouteMsg {
+            msg: Some(route_msg::Msg::Setup(setup)),
+        })
+        .await
+        .unwrap();
+        let e = a.route(rx).await.err().expect("the route is refused");
+        assert!(e.message().contains(want), "{downstream:?}: {e}");
+    }
 }

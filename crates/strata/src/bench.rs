@@ -19,6 +19,9 @@ pub struct BenchArgs {
     /// Bench a running tracker instead (e.g. http://127.0.0.1:8080).
     #[arg(long, conflicts_with = "model")]
     url: Option<String>,
+    /// API key for the tracker (`--url`), when it requires one.
+    #[arg(long, env = "STRATA_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// Kernel threads (one-process bench).
     #[arg(long)]
     threads: Option<usize>,
@@ -40,6 +43,7 @@ pub struct BenchArgs {
     /// Runs of each test (after one warm-up run).
     #[arg(long, default_value_t = 3)]
     repetitions: usize,
+    /// Print one JSON object instead of tables.
     #[arg(long)]
     json: bool,
 }
@@ -117,14 +121,15 @@ fn time_decode(local: &Local, tokens: &[u32], batch: usize) -> Result<f64> {
 
 pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(url) = &a.url {
-        return crate::bench_cluster::run(
+        return crate::bench_cluster::run(crate::bench_cluster::UrlBench {
             url,
-            &a.concurrency,
-            a.requests,
-            a.prompt_tokens.first().copied().unwrap_or(32),
-            a.gen_tokens,
-            a.json,
-        );
+            api_key: a.api_key.as_deref(),
+            concurrency: &a.concurrency,
+            requests: a.requests,
+            prompt_tokens: &a.prompt_tokens,
+            gen_tokens: a.gen_tokens,
+            json: a.json,
+        });
     }
     let run = RunArgs {
         model: a

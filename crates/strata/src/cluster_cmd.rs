@@ -1,8 +1,8 @@
-//! `strata shard`, `strata tracker` and `strata serve`: the distributed commands.
+//! `strata shard` and `strata tracker`, and the flags they share with `strata serve`.
 
 use std::io::Write;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,12 +10,12 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use proto::v1::SeamDtype;
 use proto::ShardTransport;
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::model_cmd::parse_range;
 
 #[derive(Args)]
 pub struct ShardArgs {
+    /// Path of the GGUF model.
     #[arg(long, env = "STRATA_MODEL")]
     model: PathBuf,
     /// Layer range `A..B` this shard serves.
@@ -24,9 +24,20 @@ pub struct ShardArgs {
     /// Address to listen on (port 0 picks a free port; the chosen address is printed).
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
-    /// File holding the shared cluster token.
+    /// File holding the shared cluster token (at least 16 characters) every connection must
+    /// present.
     #[arg(long)]
     cluster_token_file: PathBuf,
+    /// This shard's TLS certificate chain (PEM): with `--tls-key`, the shard serves TLS only.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of `--tls-cert`.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// CA certificate (PEM) the next shard's certificate must chain to: connections to it
+    /// are then TLS.
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
     #[command(flatten)]
     limits: ShardLimits,
 }
@@ -61,6 +72,7 @@ pub struct ShardLimits {
     /// of a token prefix another session already computed.
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Sessions the shard holds at once (all route streams together).
     #[arg(long, default_value_t = 256)]
     max_sessions: usize,
     /// Milliseconds a session may sit idle before its KV is forgotten.
@@ -85,7 +97,8 @@ impl ShardLimits {
             .unwrap_or_else(|| machine_memory_mib() / 2)
     }
 
-    fn to_args(&self) -> Vec<String> {
+    /// The same limits as `strata shard` flags (for the shards `serve` starts).
+    pub fn to_args(&self) -> Vec<String> {
         let mut v = vec![
             "--ctx".to_string(),
             self.ctx.to_string(),
@@ -122,15 +135,23 @@ pub struct TrackerArgs {
     #[arg(long, value_delimiter = ',')]
     shards: Vec<String>,
     /// A named route, `NAME=ADDR,ADDR,...` (repeatable): one node's shards of one model. A
-    /// tracker may front several models; each request goes only to routes holding its model.
+    /// tracker may front several models; each request goes only to routes holding it.
     #[arg(long = "route")]
     routes: Vec<String>,
+    /// Address the OpenAI-compatible API listens on (port 0 picks a free port; the chosen
+    /// address is printed).
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: String,
+    /// File holding the shared cluster token the shards expect.
     #[arg(long)]
     cluster_token_file: PathBuf,
+    /// CA certificate (PEM) the shards' certificates must chain to: shard links are then TLS.
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
     #[command(flatten)]
     route: RouteArgs,
+    #[command(flatten)]
+    api: ApiArgs,
 }
 
 /// Route settings shared by `tracker` and `serve`.
@@ -155,6 +176,14 @@ pub struct RouteArgs {
     /// How often the tracker probes each shard's health and stats, in milliseconds.
     #[arg(long, default_value_t = 500)]
     health_period_ms: u64,
+    /// How long the tracker waits at start for every shard to answer, in milliseconds.
+    #[arg(long, default_value_t = 60_000)]
+    startup_wait_ms: u64,
+    /// Milliseconds a route may stay silent while it holds a step before its silent shard is
+    /// declared failed. Shards computing a long step say so at a quarter of this, so it bounds
+    /// how long a frozen or lost shard goes unnoticed, never how long a step may take.
+    #[arg(long, default_value_t = 2000)]
+    liveness_ms: u64,
     /// Active sessions grading work may hold (the rest of --max-active stays for agent work).
     #[arg(long, default_value_t = 48)]
     grading_max_active: usize,
@@ -180,91 +209,177 @@ pub struct RouteArgs {
     /// other keys have prompts waiting, of a step's tokens.
     #[arg(long, default_value_t = 0.5)]
     key_share: f64,
+}
+
+/// The HTTP API's access and limits, shared by `tracker` and `serve`.
+#[derive(Args, Clone)]
+pub struct ApiArgs {
     /// SQLite file recording every accepted request's usage per API key (created if absent).
     #[arg(long)]
     ledger: Option<PathBuf>,
     /// API keys with token budgets, one per line: `NAME SECRET BUDGET_TOKENS` (needs --ledger).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "api_key")]
     api_keys: Option<PathBuf>,
+    /// The one API key every request must present (`Authorization: Bearer SECRET`), without a
+    /// ledger of budgets.
+    #[arg(long, env = "STRATA_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Keep `/health` and `/metrics` open to anyone although API keys are on (by default they
+    /// need a key too).
+    #[arg(long)]
+    public_metrics: bool,
     /// File holding the admin API's bearer token (enables `POST /admin/routes/NAME/evict`).
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
+    /// The API's TLS certificate chain (PEM): with `--tls-key`, the API is HTTPS only.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of `--tls-cert`.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Milliseconds a connection may take to send a request's headers (and stay idle between
+    /// requests) before it is closed.
+    #[arg(long, default_value_t = 10_000)]
+    http_header_timeout_ms: u64,
+    /// Milliseconds a request's body may take to arrive (408 after).
+    #[arg(long, default_value_t = 30_000)]
+    http_body_timeout_ms: u64,
+    /// HTTP connections open at once; more are answered 503 `capacity` (default: the process's
+    /// descriptor limit less 64).
+    #[arg(long)]
+    max_connections: Option<usize>,
+    /// Largest request body in MiB (413 beyond).
+    #[arg(long, default_value_t = 4)]
+    max_body_mib: usize,
 }
 
 impl RouteArgs {
-    fn config(&self) -> Result<tracker::TrackerConfig> {
-        let seam = match self.seam.as_str() {
-            "f32" => SeamDtype::SeamF32,
-            "f16" => SeamDtype::SeamF16,
-            other => bail!("unknown --seam `{other}` (expected f32 or f16)"),
-        };
+    fn scheduler(&self) -> Result<engine::SchedulerConfig> {
         if self.max_step_tokens == 0 || self.prefill_chunk == 0 || self.max_active == 0 {
             bail!("`--max-step-tokens`, `--prefill-chunk` and `--max-active` must be at least 1");
         }
-        let keys = match &self.api_keys {
-            Some(p) => tracker::ledger::parse_keys(
-                &std::fs::read_to_string(p)
-                    .with_context(|| format!("reading API keys from {}", p.display()))?,
-            )
-            .map_err(|e| anyhow!("{}: {e}", p.display()))?,
-            None => Vec::new(),
-        };
-        let ledger = match &self.ledger {
-            Some(p) => Some(Arc::new(
-                tracker::ledger::Ledger::open(p, keys).map_err(|e| anyhow!(e))?,
-            )),
-            None if !keys.is_empty() => bail!("`--api-keys` needs `--ledger` to record usage"),
-            None => None,
-        };
         if !(self.key_share > 0.0 && self.key_share <= 1.0) {
             bail!("`--key-share` must be in (0, 1], got {}", self.key_share);
         }
-        Ok(tracker::TrackerConfig {
-            scheduler: engine::SchedulerConfig {
-                max_step_tokens: self.max_step_tokens,
-                max_prefill_chunk: self.prefill_chunk,
-                max_active: self.max_active,
-                pipeline_depth: self.pipeline_depth,
-                grading_max_active: self.grading_max_active.min(self.max_active),
-                grading_step_tokens: self.grading_step_tokens.max(1),
-                agent_guard: Duration::from_millis(self.agent_guard_ms),
-                agent_gap: Duration::from_millis(self.agent_gap_ms),
-                owner_step_share: self.key_share,
-                grading_max_wait: Duration::from_millis(self.grading_max_wait_ms),
-            },
-            admission: engine::AdmissionConfig {
-                queue_slots: [self.agent_queue, self.grading_queue],
-                key_share: self.key_share,
-                ..engine::AdmissionConfig::default()
-            },
-            seam,
-            health_period: Duration::from_millis(self.health_period_ms.max(10)),
-            ledger,
-            admin_token: match &self.admin_token_file {
-                Some(p) => Some(read_token(p)?),
-                None => None,
-            },
-            ..tracker::TrackerConfig::default()
+        Ok(engine::SchedulerConfig {
+            max_step_tokens: self.max_step_tokens,
+            max_prefill_chunk: self.prefill_chunk,
+            max_active: self.max_active,
+            pipeline_depth: self.pipeline_depth,
+            grading_max_active: self.grading_max_active.min(self.max_active),
+            grading_step_tokens: self.grading_step_tokens.max(1),
+            agent_guard: Duration::from_millis(self.agent_guard_ms),
+            agent_gap: Duration::from_millis(self.agent_gap_ms),
+            owner_step_share: self.key_share,
+            grading_max_wait: Duration::from_millis(self.grading_max_wait_ms),
         })
+    }
+
+    fn seam(&self) -> Result<SeamDtype> {
+        match self.seam.as_str() {
+            "f32" => Ok(SeamDtype::SeamF32),
+            "f16" => Ok(SeamDtype::SeamF16),
+            other => bail!("unknown --seam `{other}` (expected f32 or f16)"),
+        }
     }
 }
 
-#[derive(Args)]
-pub struct ServeArgs {
-    #[arg(long, env = "STRATA_MODEL")]
-    model: PathBuf,
-    /// Number of shard processes; 1 runs the shard inside this process (in-memory transport).
-    #[arg(long, default_value_t = 2)]
-    shards: usize,
-    #[arg(long, default_value = "127.0.0.1:8080")]
-    listen: String,
-    #[command(flatten)]
-    limits: ShardLimits,
-    #[command(flatten)]
-    route: RouteArgs,
+/// The tracker's whole configuration from its route and API flags.
+pub fn tracker_config(route: &RouteArgs, api: &ApiArgs) -> Result<tracker::TrackerConfig> {
+    let keys = match &api.api_keys {
+        Some(p) => tracker::ledger::parse_keys(
+            &std::fs::read_to_string(p)
+                .with_context(|| format!("reading API keys from {}", p.display()))?,
+        )
+        .map_err(|e| anyhow!("{}: {e}", p.display()))?,
+        None => Vec::new(),
+    };
+    let ledger = match &api.ledger {
+        Some(p) => Some(Arc::new(
+            tracker::ledger::Ledger::open(p, keys).map_err(|e| anyhow!(e))?,
+        )),
+        None if !keys.is_empty() => bail!("`--api-keys` needs `--ledger` to record usage"),
+        None => None,
+    };
+    if api.api_key.as_ref().is_some_and(|k| k.len() < 16) {
+        bail!("`--api-key` must be at least 16 characters");
+    }
+    if route.liveness_ms < 100 {
+        bail!("`--liveness-ms` must be at least 100");
+    }
+    let tls = match (&api.tls_cert, &api.tls_key) {
+        (Some(cert), Some(key)) => Some(api_tls(cert, key)?),
+        _ => None,
+    };
+    let http = tracker::HttpConfig {
+        header_timeout: Duration::from_millis(api.http_header_timeout_ms.max(1)),
+        body_timeout: Duration::from_millis(api.http_body_timeout_ms.max(1)),
+        max_connections: api
+            .max_connections
+            .unwrap_or_else(tracker::default_max_connections)
+            .max(1),
+        max_body_bytes: api.max_body_mib.max(1) << 20,
+        tls,
+    };
+    let scheduler = route.scheduler()?;
+    Ok(tracker::TrackerConfig {
+        scheduler,
+        admission: engine::AdmissionConfig {
+            queue_slots: [route.agent_queue, route.grading_queue],
+            key_share: route.key_share,
+            ..engine::AdmissionConfig::default()
+        },
+        seam: route.seam()?,
+        health_period: Duration::from_millis(route.health_period_ms.max(10)),
+        startup_wait: Duration::from_millis(route.startup_wait_ms),
+        liveness: Duration::from_millis(route.liveness_ms),
+        ledger,
+        admin_token: match &api.admin_token_file {
+            Some(p) => Some(read_token(p)?),
+            None => None,
+        },
+        api_key: api.api_key.clone(),
+        public_metrics: api.public_metrics,
+        http,
+        ..tracker::TrackerConfig::default()
+    })
 }
 
-fn read_token(path: &Path) -> Result<String> {
+fn read_file(path: &Path, what: &str) -> Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("reading {what} from {}", path.display()))
+}
+
+/// The API's TLS configuration from a certificate chain and key in PEM.
+fn api_tls(cert: &Path, key: &Path) -> Result<Arc<tokio_rustls::rustls::ServerConfig>> {
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_slice_iter(&read_file(cert, "the API certificate")?)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow!("{}: {e}", cert.display()))?;
+    if certs.is_empty() {
+        bail!("{} holds no certificate", cert.display());
+    }
+    let key = PrivateKeyDer::from_pem_slice(&read_file(key, "the API key")?)
+        .map_err(|e| anyhow!("{}: {e}", key.display()))?;
+    let mut config = tokio_rustls::rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .context("the API certificate and key do not fit together")?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// How this process reaches shards: the cluster token, and TLS when a CA is given.
+pub fn link(token: String, ca: Option<&Path>) -> Result<proto::Link> {
+    Ok(proto::Link {
+        token,
+        ca_pem: ca
+            .map(|p| read_file(p, "the shards' CA certificate"))
+            .transpose()?,
+    })
+}
+
+pub fn read_token(path: &Path) -> Result<String> {
     let t = std::fs::read_to_string(path)
         .with_context(|| format!("reading the cluster token from {}", path.display()))?;
     let t = t.trim().to_string();
@@ -280,9 +395,9 @@ fn read_token(path: &Path) -> Result<String> {
 /// The async runtime of a command. A shard's async side only relays messages between the
 /// network and its compute thread, so it gets one worker: every wake-up between its tasks
 /// stays on one thread (each cross-thread wake costs tens of microseconds here, and a token
-/// crosses each shard four times). The tracker keeps two, so one request's tokenization never
-/// holds up the step loop.
-fn runtime(workers: usize) -> Result<tokio::runtime::Runtime> {
+/// crosses each shard four times). The tracker keeps two; tokenization runs on blocking
+/// threads beside them.
+pub fn runtime(workers: usize) -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         .enable_all()
@@ -291,7 +406,7 @@ fn runtime(workers: usize) -> Result<tokio::runtime::Runtime> {
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
@@ -299,11 +414,11 @@ async fn shutdown_signal() {
     }
 }
 
-/// gRPC clients for `addrs`, all presenting the cluster token.
-fn connect_all(addrs: &[String], token: &str) -> Result<Vec<Arc<dyn ShardTransport>>> {
+/// gRPC clients for `addrs` over `link`.
+pub fn connect_all(addrs: &[String], link: &proto::Link) -> Result<Vec<Arc<dyn ShardTransport>>> {
     addrs
         .iter()
-        .map(|addr| proto::connect(addr, token).map(|s| Arc::new(s) as Arc<dyn ShardTransport>))
+        .map(|addr| proto::connect(addr, link).map(|s| Arc::new(s) as Arc<dyn ShardTransport>))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| anyhow!(e.message().to_string()))
 }
@@ -320,12 +435,12 @@ fn machine_memory_mib() -> usize {
         .map_or(8192, |kib| kib / 1024)
 }
 
-fn shard_config(
+pub fn shard_config(
     model: &Path,
     layers: Option<(usize, usize)>,
     limits: &ShardLimits,
     label: String,
-    token: String,
+    link: proto::Link,
 ) -> shard::ShardConfig {
     shard::ShardConfig {
         model_path: model.to_path_buf(),
@@ -341,20 +456,43 @@ fn shard_config(
         pinned: limits.pin,
         prefix_cache: !limits.no_prefix_cache,
         label,
-        cluster_token: token,
+        link,
+        tls_identity: None,
     }
+}
+
+/// Whether `addr` can only be reached from this host.
+fn loopback(addr: &SocketAddr) -> bool {
+    addr.ip().is_loopback()
 }
 
 pub fn shard(a: ShardArgs) -> Result<()> {
     let token = read_token(&a.cluster_token_file)?;
     let layers = parse_range(&a.layers)?;
+    let link = link(token, a.tls_ca.as_deref())?;
+    let tls_identity = match (&a.tls_cert, &a.tls_key) {
+        (Some(c), Some(k)) => Some(shard::TlsIdentity {
+            cert_pem: read_file(c, "the shard certificate")?,
+            key_pem: read_file(k, "the shard key")?,
+        }),
+        _ => None,
+    };
     let rt = runtime(1)?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(&a.listen)
             .await
             .with_context(|| format!("binding {}", a.listen))?;
-        let addr = listener.local_addr()?.to_string();
-        let config = shard_config(&a.model, Some(layers), &a.limits, addr.clone(), token);
+        let local = listener.local_addr()?;
+        if tls_identity.is_none() && !loopback(&local) {
+            eprintln!(
+                "strata shard: warning: listening on {local} without TLS: the cluster token and every activation cross the network in clear (give --tls-cert and --tls-key)"
+            );
+        }
+        let addr = local.to_string();
+        let config = shard::ShardConfig {
+            tls_identity,
+            ..shard_config(&a.model, Some(layers), &a.limits, addr.clone(), link)
+        };
         let core = tokio::task::spawn_blocking(move || shard::ShardCore::load(config)).await??;
         println!(
             "strata shard listening on {addr} layers {}..{}",
@@ -366,19 +504,35 @@ pub fn shard(a: ShardArgs) -> Result<()> {
     })
 }
 
-async fn run_tracker(
+/// Starts the tracker on `routes` and serves the API on `listen` until a signal or
+/// `extra_shutdown`.
+pub async fn run_tracker(
     config: tracker::TrackerConfig,
     routes: Vec<tracker::RouteSpec>,
     listen: &str,
     extra_shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    on_start: impl FnOnce(&tracker::Tracker),
 ) -> Result<()> {
+    let keys_on = config.api_key.is_some() || config.ledger.as_ref().is_some_and(|l| l.has_keys());
+    let https = config.http.tls.is_some();
     let t = tracker::Tracker::start(config, routes)
         .await
         .map_err(|e| anyhow!("the tracker refuses to start: {e}"))?;
+    on_start(&t);
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("binding {listen}"))?;
     let addr = listener.local_addr()?;
+    if !loopback(&addr) && !keys_on {
+        eprintln!(
+            "strata tracker: warning: the API on {addr} is open to anyone who can reach it: give --api-key or --api-keys"
+        );
+    }
+    if !loopback(&addr) && !https {
+        eprintln!(
+            "strata tracker: warning: the API on {addr} is plain HTTP: keys and prompts cross the network in clear (give --tls-cert and --tls-key)"
+        );
+    }
     let routes: Vec<String> = t
         .routes()
         .iter()
@@ -391,8 +545,9 @@ async fn run_tracker(
             format!("model {} route {}: {}", r.model, r.name, hops.join(" -> "))
         })
         .collect();
+    let scheme = if https { "https" } else { "http" };
     println!(
-        "strata tracker listening on http://{addr} {}",
+        "strata tracker listening on {scheme}://{addr} {}",
         routes.join("; ")
     );
     std::io::stdout().flush()?;
@@ -408,7 +563,8 @@ async fn run_tracker(
 
 pub fn tracker(a: TrackerArgs) -> Result<()> {
     let token = read_token(&a.cluster_token_file)?;
-    let config = a.route.config()?;
+    let config = tracker_config(&a.route, &a.api)?;
+    let link = link(token, a.tls_ca.as_deref())?;
     let mut named: Vec<(String, Vec<String>)> = Vec::new();
     if !a.shards.is_empty() {
         named.push(("default".into(), a.shards.clone()));
@@ -425,6 +581,15 @@ pub fn tracker(a: TrackerArgs) -> Result<()> {
     if named.is_empty() {
         bail!("give the shards of at least one route: `--shards A,B` or `--route NAME=A,B`");
     }
+    for (name, addrs) in &named {
+        if let Some(twice) = addrs
+            .iter()
+            .enumerate()
+            .find_map(|(i, a)| addrs[..i].contains(a).then_some(a))
+        {
+            bail!("route `{name}` names shard {twice} twice: a route passes each shard once");
+        }
+    }
     let rt = runtime(2)?;
     rt.block_on(async {
         let routes = named
@@ -432,174 +597,10 @@ pub fn tracker(a: TrackerArgs) -> Result<()> {
             .map(|(name, addrs)| {
                 Ok(tracker::RouteSpec {
                     name,
-                    shards: connect_all(&addrs, &token)?,
+                    shards: connect_all(&addrs, &link)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        run_tracker(config, routes, &a.listen, std::future::pending()).await
+        run_tracker(config, routes, &a.listen, std::future::pending(), |_| {}).await
     })
-}
-
-/// Splits `n_layers` into `n` contiguous ranges whose sizes differ by at most one.
-pub fn balanced_ranges(n_layers: usize, n: usize) -> Vec<(usize, usize)> {
-    let (base, extra) = (n_layers / n, n_layers % n);
-    let mut start = 0;
-    (0..n)
-        .map(|i| {
-            let len = base + usize::from(i < extra);
-            let r = (start, start + len);
-            start += len;
-            r
-        })
-        .collect()
-}
-
-fn fresh_token() -> Result<String> {
-    let mut bytes = [0u8; 32];
-    use std::io::Read;
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut bytes))
-        .context("reading /dev/urandom for a cluster token")?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
-}
-
-/// Child shard processes, stopped (SIGTERM, then SIGKILL) when dropped.
-struct Children(Vec<tokio::process::Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &self.0 {
-            if let Some(pid) = c.id() {
-                // SAFETY: sending a signal to a child we spawned.
-                unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-            }
-        }
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        for c in &mut self.0 {
-            while std::time::Instant::now() < deadline {
-                if matches!(c.try_wait(), Ok(Some(_))) {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = c.start_kill();
-        }
-    }
-}
-
-pub fn serve(a: ServeArgs) -> Result<()> {
-    if a.shards == 0 {
-        bail!("`--shards` must be at least 1");
-    }
-    let config = a.route.config()?;
-    let file =
-        gguf::GgufFile::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
-    let n_layers = model::LlamaConfig::from_header(file.header())?.n_layers;
-    drop(file);
-    if a.shards > n_layers {
-        bail!(
-            "`--shards` is {} but the model has only {n_layers} layers",
-            a.shards
-        );
-    }
-    let rt = runtime(2)?;
-    rt.block_on(async {
-        if a.shards == 1 {
-            // Embedded: the shard lives in this process behind the in-memory transport.
-            let cfg = shard_config(&a.model, None, &a.limits, "embedded".into(), fresh_token()?);
-            let core = tokio::task::spawn_blocking(move || shard::ShardCore::load(cfg)).await??;
-            let shards: Vec<Arc<dyn ShardTransport>> = vec![Arc::new(shard::LocalShard::new(core))];
-            let routes = vec![tracker::RouteSpec {
-                name: "local".into(),
-                shards,
-            }];
-            return run_tracker(config, routes, &a.listen, std::future::pending()).await;
-        }
-        let token = fresh_token()?;
-        let dir = std::env::temp_dir().join(format!("strata-serve-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let token_file = dir.join("cluster-token");
-        {
-            use std::os::unix::fs::OpenOptionsExt;
-            let mut f = std::fs::OpenOptions::new()
-                .create(true)
-                .write(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&token_file)?;
-            f.write_all(token.as_bytes())?;
-        }
-        let exe = std::env::current_exe().context("locating the strata binary")?;
-        let mut children = Children(Vec::new());
-        let mut addrs = Vec::new();
-        let mut died = Vec::new();
-        for (start, end) in balanced_ranges(n_layers, a.shards) {
-            let mut cmd = tokio::process::Command::new(&exe);
-            cmd.arg("shard")
-                .arg("--model")
-                .arg(&a.model)
-                .arg("--layers")
-                .arg(format!("{start}..{end}"))
-                .arg("--listen")
-                .arg("127.0.0.1:0")
-                .arg("--cluster-token-file")
-                .arg(&token_file)
-                .args(a.limits.to_args())
-                .stdout(Stdio::piped())
-                .stdin(Stdio::null());
-            // SAFETY: prctl in the child before exec; async-signal-safe.
-            unsafe {
-                cmd.pre_exec(|| {
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-                    Ok(())
-                });
-            }
-            let mut child = cmd.spawn().context("starting a shard process")?;
-            let stdout = child.stdout.take().expect("piped");
-            children.0.push(child);
-            let mut lines = BufReader::new(stdout).lines();
-            let line = tokio::time::timeout(Duration::from_secs(120), lines.next_line())
-                .await
-                .map_err(|_| anyhow!("shard {start}..{end} did not start within 120 s"))??
-                .ok_or_else(|| anyhow!("shard {start}..{end} exited before it was ready"))?;
-            let addr = line
-                .strip_prefix("strata shard listening on ")
-                .and_then(|r| r.split_whitespace().next())
-                .ok_or_else(|| anyhow!("unexpected shard output: {line}"))?
-                .to_string();
-            eprintln!("strata serve: shard {start}..{end} on {addr}");
-            addrs.push(addr);
-            // Keep draining its stdout so the child never blocks on a full pipe.
-            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-            died.push(rx);
-            tokio::spawn(async move {
-                while let Ok(Some(_)) = lines.next_line().await {}
-                let _ = tx.send(());
-            });
-        }
-        let shards = connect_all(&addrs, &token)?;
-        let routes = vec![tracker::RouteSpec {
-            name: "local".into(),
-            shards,
-        }];
-        let result = run_tracker(config, routes, &a.listen, std::future::pending()).await;
-        drop(children);
-        let _ = std::fs::remove_dir_all(&dir);
-        result
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ranges_are_balanced_and_cover_every_layer() {
-        assert_eq!(balanced_ranges(30, 2), vec![(0, 15), (15, 30)]);
-        assert_eq!(
-            balanced_ranges(30, 4),
-            vec![(0, 8), (8, 16), (16, 23), (23, 30)]
-        );
-        assert_eq!(balanced_ranges(3, 3), vec![(0, 1), (1, 2), (2, 3)]);
-    }
 }

@@ -6,6 +6,7 @@ mod bench_cluster;
 mod cluster_cmd;
 mod local;
 mod model_cmd;
+mod serve_cmd;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -22,7 +23,8 @@ use crate::local::{GenerateRequest, Local};
 #[command(
     name = "strata",
     version,
-    about = "Distributed inference for GGUF language models"
+    about = "Distributed inference for GGUF language models",
+    after_help = "Logging: STRATA_LOG sets what is logged to stderr, as a tracing filter (default `warn`; `info` adds a line per request, `strata=debug` every step), e.g. STRATA_LOG=info strata serve ..."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -47,7 +49,7 @@ enum Command {
     /// Drive sessions through a route of shards and serve the OpenAI-compatible API.
     Tracker(cluster_cmd::TrackerArgs),
     /// Start a local cluster: N shard processes and a tracker (N = 1: one process).
-    Serve(cluster_cmd::ServeArgs),
+    Serve(serve_cmd::ServeArgs),
 }
 
 /// Options shared by every command that runs the model.
@@ -105,19 +107,25 @@ struct GenerateArgs {
     /// Prompt as comma-separated token ids.
     #[arg(long, value_delimiter = ',')]
     prompt_ids: Option<Vec<u32>>,
+    /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
-    /// 0 is greedy.
+    /// Sampling temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
+    /// Sample among the k most likely tokens only (0: all).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
+    /// Sample among the most likely tokens whose probabilities sum to this (1: all).
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
+    /// Drop tokens less likely than this fraction of the most likely one (0: none).
     #[arg(long, default_value_t = 0.0)]
     min_p: f32,
+    /// Penalty on tokens of the last 64 (1: none).
     #[arg(long, default_value_t = 1.0)]
     repeat_penalty: f32,
+    /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Stop when this text is generated (repeatable).
@@ -141,29 +149,36 @@ struct GenerateArgs {
 struct LogitsArgs {
     #[command(flatten)]
     run: RunArgs,
+    /// Token ids to run as one prompt, comma separated.
     #[arg(long, value_delimiter = ',', required = true)]
     ids: Vec<u32>,
+    /// How many of the highest logits to print at every position.
     #[arg(long, default_value_t = 5)]
     top_k: usize,
 }
 
 #[derive(Args)]
 struct TokenizeArgs {
+    /// Path of the GGUF model whose tokenizer to use.
     #[arg(long, env = "STRATA_MODEL")]
     model: PathBuf,
     /// Parse special-token text (such as <|im_end|>) into special tokens.
     #[arg(long)]
     special: bool,
+    /// The text to tokenize.
     text: String,
 }
 
 fn main() {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG")
                 .unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
+        // Colours only for a person at a terminal; a log file or collector gets plain text.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
@@ -174,7 +189,7 @@ fn main() {
         Command::Model(c) => model_cmd::run(c),
         Command::Shard(a) => cluster_cmd::shard(a),
         Command::Tracker(a) => cluster_cmd::tracker(a),
-        Command::Serve(a) => cluster_cmd::serve(a),
+        Command::Serve(a) => serve_cmd::serve(a),
     };
     if let Err(e) = result {
         eprintln!("strata: {e:#}");
@@ -285,4 +300,36 @@ fn tokenize(a: TokenizeArgs) -> Result<()> {
     let tok = text::Tokenizer::from_header(file.header())?;
     println!("{}", json!(tok.encode(&a.text, true, a.special)));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every flag and argument of every command says what it is for in `--help`.
+    #[test]
+    fn every_flag_has_help_text() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if id == "help" || id == "version" {
+                    continue;
+                }
+                if arg.get_help().is_none() && arg.get_long_help().is_none() {
+                    missing.push(format!("{path} --{id}"));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()), missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), "strata", &mut missing);
+        assert!(
+            missing.is_empty(),
+            "flags without help:\n{}",
+            missing.join("\n")
+        );
+    }
 }

@@ -22,6 +22,7 @@ pub struct InfoArgs {
     /// Layer range `A..B` (default: every layer).
     #[arg(long)]
     layers: Option<String>,
+    /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
 }

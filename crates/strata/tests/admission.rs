@@ -10,7 +10,7 @@ use testkit::http::{get, request, SseStream};
 use testkit::procs::{self, Proc};
 
 fn exe() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_strata"))
+    procs::strata_bin(env!("CARGO_BIN_EXE_strata"))
 }
 
 /// One test at a time: they measure memory and latency on a 2-core machine.
@@ -327,11 +327,13 @@ fn the_usage_ledger_survives_kill_9_and_budgets_are_refused_as_budget() {
     let db = dir.join("ledger.sqlite");
     let keys = dir.join("keys");
     std::fs::write(&keys, "alice sk-alice-0123 100000\nbob sk-bob-4567 50\n").unwrap();
+    // The operator's view stays open here: this test reads refusal counters without a key.
     let flags = [
         "--ledger",
         db.to_str().unwrap(),
         "--api-keys",
         keys.to_str().unwrap(),
+        "--public-metrics",
     ];
     let t = serve(1, &flags);
     let alice = [("authorization", "Bearer sk-alice-0123")];

@@ -10,7 +10,7 @@ use testkit::http::{get, post_json, SseStream};
 use testkit::procs::{self, Proc};
 
 fn exe() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_strata"))
+    procs::strata_bin(env!("CARGO_BIN_EXE_strata"))
 }
 
 fn model() -> PathBuf {
@@ -394,10 +394,14 @@ fn connections_without_the_cluster_token_are_refused() {
         .unwrap();
     rt.block_on(async {
         use proto::ShardTransport;
-        let no = proto::connect(&shard.addr, "not-the-token-at-all").unwrap();
+        let no = proto::connect(&shard.addr, &proto::Link::plain("not-the-token-at-all")).unwrap();
         let e = no.describe(Duration::from_secs(5)).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
-        let yes = proto::connect(&shard.addr, "right-token-abcdef0123456789").unwrap();
+        let yes = proto::connect(
+            &shard.addr,
+            &proto::Link::plain("right-token-abcdef0123456789"),
+        )
+        .unwrap();
         assert_eq!(
             yes.describe(Duration::from_secs(5))
                 .await

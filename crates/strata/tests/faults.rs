@@ -16,7 +16,7 @@ const SIGCONT: i32 = 18;
 const SIGSTOP: i32 = 19;
 
 fn exe() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_strata"))
+    procs::strata_bin(env!("CARGO_BIN_EXE_strata"))
 }
 
 fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
@@ -221,4 +221,206 @@ fn killing_the_middle_shard_of_three_fails_sessions_naming_it_and_the_route_reco
     let b = restart_and_recover(&addr, b, &model, "10..20", &token, &baseline);
     drop(tracker);
     let _keep: Vec<Proc> = vec![a, b, c];
+}
+
+/// A route of two real shards (layers 0..15 and 15..30, one thread each) behind a tracker
+/// probing health every 100 ms, with `flags` for the tracker.
+struct TwoShards {
+    model: std::path::PathBuf,
+    token: std::path::PathBuf,
+    a: Proc,
+    b: Proc,
+    tracker: Proc,
+}
+
+fn two_shards(flags: &[&str]) -> TwoShards {
+    let model = testkit::real_model();
+    let token = procs::token_file("fault-test-token-0123456789");
+    let a = procs::shard(exe(), &model, "0..15", &token, &["--threads", "1"]);
+    let b = procs::shard(exe(), &model, "15..30", &token, &["--threads", "1"]);
+    let mut all = vec!["--health-period-ms", "100"];
+    all.extend_from_slice(flags);
+    let tracker = procs::tracker(exe(), &[&a, &b], &token, &all);
+    TwoShards {
+        model,
+        token,
+        a,
+        b,
+        tracker,
+    }
+}
+
+/// Whether `/health` says the route is up, and what `strata_route_up` says, read together.
+fn route_up(addr: &str) -> (bool, f64) {
+    let h = get(addr, "/health");
+    let metric = get(addr, "/metrics")
+        .body
+        .lines()
+        .find(|l| l.starts_with("strata_route_up{"))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or(-1.0);
+    (h.status == 200, metric)
+}
+
+#[test]
+fn a_shard_restarted_with_other_layers_is_reported_and_refused_as_not_retryable() {
+    let TwoShards {
+        model,
+        token,
+        a,
+        b,
+        tracker,
+    } = two_shards(&[]);
+    let b_addr = b.addr.clone();
+    let addr = tracker.addr.clone();
+    let (status, baseline) = greedy(&addr, "The capital of France is", 12);
+    assert_eq!(status, 200);
+    drop(b);
+    let wrong = procs::shard_on(
+        exe(),
+        &model,
+        "10..30",
+        &token,
+        &b_addr,
+        &["--threads", "1"],
+    );
+    let seen = wait_until(Duration::from_secs(10), || {
+        let h = get(&addr, "/health").json();
+        h["shards"].as_array().unwrap().iter().any(|s| {
+            s["address"] == b_addr.as_str()
+                && s["error"]
+                    .as_str()
+                    .is_some_and(|e| e.contains("recipe_mismatch"))
+        })
+    });
+    assert!(
+        seen.is_some(),
+        "health never named the mismatch: {}",
+        get(&addr, "/health").body
+    );
+    assert_eq!(route_up(&addr), (false, 0.0));
+    let r = post_json(
+        &addr,
+        "/v1/completions",
+        &json!({"prompt": "hello", "max_tokens": 4}),
+    );
+    let v = r.json();
+    assert_eq!(
+        (r.status, v["error"]["reason"].as_str()),
+        (503, Some("recipe_mismatch")),
+        "{v}"
+    );
+    assert_eq!(v["error"]["retryable"], false, "{v}");
+    assert!(r.header("retry-after").is_none());
+    // Put back as it was, the route serves again: same tokens, health and metric agree.
+    let b = restart_and_recover(&addr, wrong, &model, "15..30", &token, &baseline);
+    assert!(wait_until(Duration::from_secs(5), || route_up(&addr) == (true, 1.0)).is_some());
+    drop(tracker);
+    let _keep: Vec<Proc> = vec![a, b];
+}
+
+#[test]
+fn after_a_shard_restart_while_idle_health_is_ok_only_once_requests_succeed() {
+    let TwoShards {
+        model,
+        token,
+        a,
+        mut b,
+        tracker,
+    } = two_shards(&[]);
+    let b_addr = b.addr.clone();
+    let addr = tracker.addr.clone();
+    let (status, baseline) = greedy(&addr, "The capital of France is", 12);
+    assert_eq!(status, 200);
+    for _ in 0..2 {
+        // Idle: no request in flight when the shard dies and comes back.
+        b.signal(SIGKILL);
+        assert!(wait_until(Duration::from_secs(5), || !route_up(&addr).0).is_some());
+        drop(b);
+        b = procs::shard_on(
+            exe(),
+            &model,
+            "15..30",
+            &token,
+            &b_addr,
+            &["--threads", "1"],
+        );
+        assert!(
+            wait_until(Duration::from_secs(30), || route_up(&addr).0).is_some(),
+            "health never came back"
+        );
+        // Healthy means usable: the very next requests succeed, with the same tokens.
+        for _ in 0..3 {
+            let (status, body) = greedy(&addr, "The capital of France is", 12);
+            assert_eq!(status, 200, "{body}");
+            assert_eq!(
+                body["choices"][0]["token_ids"],
+                baseline["choices"][0]["token_ids"]
+            );
+        }
+        assert_eq!(route_up(&addr), (true, 1.0));
+    }
+    drop(tracker);
+    let _keep: Vec<Proc> = vec![a, b];
+}
+
+#[test]
+fn a_shard_sent_sigterm_while_a_tracker_holds_its_route_exits() {
+    const SIGTERM: i32 = 15;
+    let TwoShards {
+        a, mut b, tracker, ..
+    } = two_shards(&[]);
+    let b_addr = b.addr.clone();
+    let addr = tracker.addr.clone();
+    assert_eq!(greedy(&addr, "The capital of France is", 4).0, 200);
+    // A stream in progress when the signal comes ends with a typed failure naming the shard.
+    let (last, _) = stream_through_fault(&addr, || b.signal(SIGTERM));
+    assert_shard_failed(&last, &b_addr);
+    let exited = wait_until(Duration::from_secs(10), || b.exited());
+    assert!(exited.is_some(), "the shard did not exit after SIGTERM");
+    eprintln!(
+        "SIGTERM: the shard exited {:?} after the stream ended",
+        exited.unwrap()
+    );
+    drop(tracker);
+    let _keep: Vec<Proc> = vec![a, b];
+}
+
+#[test]
+fn a_slow_step_is_never_a_failed_shard_and_a_frozen_one_fails_within_the_liveness() {
+    let liveness_ms = 300;
+    let live = liveness_ms.to_string();
+    let TwoShards { a, b, tracker, .. } = two_shards(&[
+        "--liveness-ms",
+        &live,
+        "--max-step-tokens",
+        "2048",
+        "--prefill-chunk",
+        "2048",
+    ]);
+    let b_addr = b.addr.clone();
+    let addr = tracker.addr.clone();
+    // Steps of a thousand tokens or more on one thread each: many times the liveness.
+    let prompt: Vec<u32> = (0..2500).map(|i| 300 + (i * 37) % 20000).collect();
+    let t = Instant::now();
+    let r = post_json(
+        &addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}),
+    );
+    let took = t.elapsed();
+    assert_eq!(r.status, 200, "{}", r.body);
+    eprintln!("a 2500-token prompt took {took:?} with a liveness of {liveness_ms} ms");
+    assert!(
+        took > Duration::from_millis(4 * liveness_ms),
+        "the prompt took only {took:?}: not slow enough to test anything"
+    );
+    // Frozen, the last shard is found out within about the liveness (plus one probe).
+    let (last, took) = stream_through_fault(&addr, || b.signal(SIGSTOP));
+    assert_shard_failed(&last, &b_addr);
+    eprintln!("SIGSTOP: stream ended {took:?} after the freeze");
+    assert!(took < Duration::from_millis(liveness_ms * 8), "{took:?}");
+    b.signal(SIGCONT);
+    drop(tracker);
+    let _keep: Vec<Proc> = vec![a, b];
 }

@@ -10,7 +10,7 @@ use testkit::procs;
 use testkit::TinySpec;
 
 fn exe() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_strata"))
+    procs::strata_bin(env!("CARGO_BIN_EXE_strata"))
 }
 
 fn shard_prefill(addr: &str, shard: &str) -> f64 {

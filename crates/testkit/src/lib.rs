@@ -6,6 +6,7 @@
 
 pub use client as http;
 pub mod procs;
+pub mod tls;
 
 use std::path::{Path, PathBuf};
 

@@ -7,6 +7,17 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+/// The strata binary under test: `STRATA_TEST_BIN` when set (to run the scenarios against
+/// another build, such as the commit before a fix), else `built`, the one cargo built.
+pub fn strata_bin(built: &'static str) -> &'static Path {
+    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        std::env::var_os("STRATA_TEST_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(built))
+    })
+}
+
 /// A running child process and the address it printed.
 pub struct Proc {
     pub child: Child,
@@ -46,13 +57,23 @@ impl Drop for Proc {
     }
 }
 
-/// The child processes of `pid` (Linux).
+/// The child processes of `pid`, started by any of its threads (Linux).
 pub fn children(pid: i32) -> Vec<i32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    let mut out: Vec<i32> = tasks
+        .flatten()
+        .flat_map(|t| {
+            std::fs::read_to_string(t.path().join("children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<i32>>()
+        })
+        .collect();
+    out.sort_unstable();
+    out
 }
 
 /// Starts `exe args...` and waits until it prints a line starting with `ready_prefix`; the
@@ -79,6 +100,7 @@ pub fn spawn(exe: &Path, args: &[String], ready_prefix: &str, name: &str) -> Pro
                         .next()
                         .unwrap_or("")
                         .trim_start_matches("http://")
+                        .trim_start_matches("https://")
                         .to_string();
                     let _ = tx.send(addr);
                     sent = true;

@@ -8,6 +8,7 @@ use proto::v1::{route_msg, RouteMsg, RouteSetup, SeamDtype, ShardInfo, ShardStat
 use proto::{ReplyStream, ShardTransport};
 use tokio::sync::{mpsc, watch};
 
+use crate::error::ApiError;
 use crate::metrics::Metrics;
 
 /// The validated route: shards in layer order with what they said about themselves.
@@ -26,8 +27,12 @@ pub struct Cluster {
 pub struct ShardHealth {
     pub address: String,
     pub layers: (u32, u32),
+    /// Answering, and as the route was validated with.
     pub up: bool,
     pub last_error: Option<String>,
+    /// The shard answers but is no longer what the route was validated with (restarted with
+    /// another model, range or recipe): terminal until an operator acts.
+    pub mismatch: Option<String>,
     pub stats: Option<ShardStats>,
 }
 
@@ -40,6 +45,12 @@ pub struct Health {
 impl Health {
     pub fn all_up(&self) -> bool {
         !self.shards.is_empty() && self.shards.iter().all(|s| s.up)
+    }
+
+    /// The first shard that answers as something other than what the route was validated
+    /// with, said as a refusal message.
+    pub fn mismatched(&self) -> Option<String> {
+        self.shards.iter().find_map(|s| s.mismatch.clone())
     }
 
     pub fn down(&self) -> Vec<String> {
@@ -181,8 +192,9 @@ impl Cluster {
             .collect()
     }
 
-    /// Opens a route stream through every shard for `epoch`.
-    pub async fn open_route(&self, epoch: u64, seam: SeamDtype) -> Result<RouteLink, String> {
+    /// Opens a route stream through every shard for `epoch`; the refusal says whether a retry
+    /// may help (a shard down) or not (a recipe mismatch).
+    pub async fn open_route(&self, epoch: u64, seam: SeamDtype) -> Result<RouteLink, ApiError> {
         // On a route of several shards the last one answers here directly: its replies stream
         // is opened first, under a key the route's setup then names.
         let (reply_key, direct) = match self.shards.len() {
@@ -197,7 +209,7 @@ impl Cluster {
                 let direct = last
                     .replies(key)
                     .await
-                    .map_err(|e| format!("{}: {}", last.address(), e.message()))?;
+                    .map_err(|e| ApiError::from_route_status(last.address(), &e))?;
                 (key, Some(direct))
             }
         };
@@ -218,11 +230,12 @@ impl Cluster {
             msg: Some(route_msg::Msg::Setup(setup)),
         })
         .await
-        .map_err(|_| "route channel closed".to_string())?;
-        let upstream = self.shards[0]
+        .map_err(|_| ApiError::unavailable("the route channel closed"))?;
+        let first = &self.shards[0];
+        let upstream = first
             .route(rx)
             .await
-            .map_err(|e| e.message().to_string())?;
+            .map_err(|e| ApiError::from_route_status(first.address(), &e))?;
         Ok(RouteLink {
             tx,
             upstream,
@@ -250,6 +263,23 @@ pub struct RouteLink {
     pub direct: Option<ReplyStream>,
 }
 
+/// How a shard that answers now differs from what the route was validated with, if it does.
+fn identity_change(addr: &str, validated: &ShardInfo, now: &ShardInfo) -> Option<String> {
+    let (a, b) = (validated, now);
+    if a.model_digest != b.model_digest
+        || a.layer_start != b.layer_start
+        || a.layer_end != b.layer_end
+        || a.recipe != b.recipe
+        || a.protocol_version != b.protocol_version
+    {
+        return Some(format!(
+            "recipe_mismatch: shard {addr} now serves layers {}..{} of model {}, but the route was validated with layers {}..{} of model {} (and its cache recipe); restart it as it was, or restart the tracker",
+            b.layer_start, b.layer_end, b.model_digest, a.layer_start, a.layer_end, a.model_digest
+        ));
+    }
+    None
+}
+
 /// Probes every shard every `period`, publishing health snapshots and per-shard metrics.
 pub async fn monitor(
     cluster: Arc<Cluster>,
@@ -263,9 +293,15 @@ pub async fn monitor(
         tick.tick().await;
         let mut snapshot = Health::default();
         for (s, info) in cluster.shards.iter().zip(&cluster.infos) {
-            let probe = s.stats(period.max(Duration::from_millis(800))).await;
+            let timeout = period.max(Duration::from_millis(800));
             let addr = s.address().to_string();
             let l = [("shard", addr.as_str())];
+            // A shard restarted on its address may hold something else now.
+            let mismatch = match s.describe(timeout).await {
+                Ok(now) => identity_change(&addr, info, &now),
+                Err(_) => None,
+            };
+            let probe = s.stats(timeout).await;
             let (up, last_error, stats) = match probe {
                 Ok(st) => {
                     metrics.set(
@@ -309,10 +345,17 @@ pub async fn monitor(
                     );
                     metrics.set("strata_shard_kv_blocks", &l, st.kv_blocks_in_use as f64);
                     metrics.set(
-                        "strata_shard_kv_blocks_total",
+                        "strata_shard_kv_blocks_capacity",
                         &l,
                         st.kv_blocks_total as f64,
                     );
+                    if st.kv_bytes_budget > 0 {
+                        metrics.set(
+                            "strata_shard_kv_usage_ratio",
+                            &l,
+                            st.kv_bytes_in_use as f64 / st.kv_bytes_budget as f64,
+                        );
+                    }
                     metrics.set("strata_shard_sessions", &l, st.sessions as f64);
                     metrics.set("strata_shard_rss_bytes", &l, st.rss_bytes as f64);
                     metrics.set("strata_shard_weight_bytes", &l, st.weight_bytes as f64);
@@ -336,7 +379,7 @@ pub async fn monitor(
                         metrics.set("strata_shard_pool_bytes", &pl, used as f64);
                         metrics.set("strata_shard_pool_budget_bytes", &pl, budget as f64);
                     }
-                    (true, None, Some(st))
+                    (mismatch.is_none(), mismatch.clone(), Some(st))
                 }
                 Err(e) => (false, Some(e.message().to_string()), None),
             };
@@ -346,6 +389,7 @@ pub async fn monitor(
                 layers: (info.layer_start, info.layer_end),
                 up,
                 last_error,
+                mismatch,
                 stats,
             });
         }

@@ -13,165 +13,239 @@ pub struct ApiError {
     pub message: String,
     /// The limit that was hit, when one was.
     pub limit: Option<String>,
+    /// Whether the same request may succeed later, as sent.
+    pub retryable: bool,
     /// Seconds after which a retry may succeed (retryable errors only).
     pub retry_after: Option<u64>,
     /// The request field at fault, for invalid requests.
     pub param: Option<String>,
 }
 
+/// What kind of "no" an error is, for metrics: the client's own request (`invalid`), a limit
+/// of the cluster that may free up (`capacity`), a spent allowance (`budget`), or something
+/// that broke (`failure`: a shard lost, a recipe that no longer matches).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    Invalid,
+    Capacity,
+    Budget,
+    Failure,
+}
+
+impl ErrorClass {
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorClass::Invalid => "invalid",
+            ErrorClass::Capacity => "capacity",
+            ErrorClass::Budget => "budget",
+            ErrorClass::Failure => "failure",
+        }
+    }
+}
+
 impl ApiError {
-    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+    fn new(status: u16, reason: &'static str, message: impl Into<String>) -> Self {
         ApiError {
-            status: 400,
-            reason: "invalid_request",
+            status,
+            reason,
             message: message.into(),
             limit: None,
+            retryable: false,
             retry_after: None,
-            param: Some(param.to_string()),
+            param: None,
         }
+    }
+
+    /// Marks the error retryable after `secs` seconds.
+    fn retry_in(mut self, secs: u64) -> Self {
+        self.retryable = true;
+        self.retry_after = Some(secs);
+        self
+    }
+
+    fn limit(mut self, limit: impl Into<String>) -> Self {
+        self.limit = Some(limit.into());
+        self
+    }
+
+    /// The request field at fault.
+    pub fn param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
+    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+        Self::new(400, "invalid_request", message).param(param)
+    }
+
+    /// A request that exceeds a fixed limit of the API (context, stop strings, body size):
+    /// 400 naming the field and the limit.
+    pub fn over_limit(param: &str, limit: &str, message: impl Into<String>) -> Self {
+        Self::invalid(param, message).limit(limit)
+    }
+
+    /// A request body over the limit (413, terminal as sent).
+    pub fn body_too_large(limit_bytes: usize) -> Self {
+        Self::new(
+            413,
+            "too_large",
+            format!("the request body is larger than the limit of {limit_bytes} bytes"),
+        )
+        .limit("max_body_bytes")
+        .param("body")
+    }
+
+    /// A request body that did not arrive in time (408).
+    pub fn body_timeout(limit: std::time::Duration) -> Self {
+        Self::new(
+            408,
+            "timeout",
+            format!(
+                "the request body did not arrive within {} ms",
+                limit.as_millis()
+            ),
+        )
+        .limit("body_timeout")
+        .param("body")
     }
 
     /// A model no route of this tracker holds: refused, never loaded on demand.
     pub fn not_resident(requested: &str, resident: &str) -> Self {
-        ApiError {
-            status: 404,
-            reason: "not_resident",
-            message: format!(
-                "model `{requested}` is not resident on any route of this tracker (resident: {resident}); models are loaded only when their shards start"
-            ),
-            limit: None,
-            retry_after: None,
-            param: Some("model".into()),
-        }
+        Self::new(404, "not_resident", format!(
+            "model `{requested}` is not resident on any route of this tracker (resident: {resident}); models are loaded only when their shards start"
+        ))
+        .param("model")
+    }
+
+    pub fn not_found(path: &str) -> Self {
+        Self::new(404, "not_found", format!("no route for `{path}`"))
+    }
+
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        Self::new(
+            405,
+            "method_not_allowed",
+            format!("`{path}` does not take {method}"),
+        )
     }
 
     pub fn shard_failed(shard: &str, message: impl Into<String>) -> Self {
-        ApiError {
-            status: 503,
-            reason: "shard_failed",
-            message: format!("shard {shard} failed: {}", message.into()),
-            limit: Some(format!("shard {shard}")),
-            retry_after: Some(1),
-            param: None,
-        }
+        Self::new(
+            503,
+            "shard_failed",
+            format!("shard {shard} failed: {}", message.into()),
+        )
+        .limit(format!("shard {shard}"))
+        .retry_in(1)
     }
 
     pub fn unavailable(message: impl Into<String>) -> Self {
-        ApiError {
-            status: 503,
-            reason: "shard_failed",
-            message: message.into(),
-            limit: None,
-            retry_after: Some(1),
-            param: None,
+        Self::new(503, "shard_failed", message).retry_in(1)
+    }
+
+    /// A shard is no longer what the route was validated with (another model, range or
+    /// recipe): terminal until an operator restarts it as it was.
+    pub fn recipe_mismatch(message: impl Into<String>) -> Self {
+        Self::new(503, "recipe_mismatch", message)
+    }
+
+    /// A route stream a shard refused or broke: a recipe mismatch is terminal, anything else
+    /// is that shard failing.
+    pub fn from_route_status(shard: &str, status: &tonic::Status) -> Self {
+        let message = status.message();
+        if status.code() == tonic::Code::FailedPrecondition && message.contains("recipe_mismatch") {
+            Self::recipe_mismatch(message)
+        } else {
+            Self::shard_failed(shard, message)
         }
     }
 
     pub fn capacity(limit: &str, message: impl Into<String>) -> Self {
-        ApiError {
-            status: 503,
-            reason: "capacity",
-            message: message.into(),
-            limit: Some(limit.to_string()),
-            retry_after: Some(1),
-            param: None,
-        }
+        Self::new(503, "capacity", message).limit(limit).retry_in(1)
     }
 
     /// A request that could never fit, whatever else ran (terminal).
     pub fn too_large(limit: &str, message: impl Into<String>) -> Self {
-        ApiError {
-            status: 413,
-            reason: "too_large",
-            message: message.into(),
-            limit: Some(limit.to_string()),
-            retry_after: None,
-            param: Some("max_tokens".into()),
-        }
+        Self::new(413, "too_large", message)
+            .limit(limit)
+            .param("max_tokens")
     }
 
     /// A usage budget (API key tokens) that is spent: 429, distinct from capacity, and
     /// terminal until an operator raises the budget.
     pub fn budget(limit: &str, message: impl Into<String>) -> Self {
-        ApiError {
-            status: 429,
-            reason: "budget",
-            message: message.into(),
-            limit: Some(limit.to_string()),
-            retry_after: None,
-            param: None,
-        }
+        Self::new(429, "budget", message).limit(limit)
     }
 
     /// No or an unknown API key where keys are configured.
     pub fn unauthorized() -> Self {
-        ApiError {
-            status: 401,
-            reason: "unauthorized",
-            message: "a valid API key is required (Authorization: Bearer <key>)".into(),
-            limit: None,
-            retry_after: None,
-            param: None,
-        }
+        Self::new(
+            401,
+            "unauthorized",
+            "a valid API key is required (Authorization: Bearer <key>)",
+        )
+    }
+
+    /// A 409 for an operator action that cannot be done as asked.
+    pub fn conflict(reason: &'static str, limit: String, message: impl Into<String>) -> Self {
+        Self::new(409, reason, message).limit(limit)
     }
 
     pub fn retry_after(mut self, secs: Option<u64>) -> Self {
+        self.retryable = secs.is_some();
         self.retry_after = secs;
         self
     }
 
-    /// The refusal's class for metrics: `budget` (429), `capacity` (5xx: may fit later),
-    /// `invalid` (other 4xx: never will as sent).
-    pub fn class(&self) -> &'static str {
-        match self.status {
-            429 => "budget",
-            s if s >= 500 => "capacity",
-            _ => "invalid",
+    /// What kind of "no" this is (see [`ErrorClass`]).
+    pub fn class(&self) -> ErrorClass {
+        match self.reason {
+            "budget" => ErrorClass::Budget,
+            "capacity" | "too_large" => ErrorClass::Capacity,
+            "shard_failed" | "recipe_mismatch" | "cache_miss" | "stale_epoch" => {
+                ErrorClass::Failure
+            }
+            _ => ErrorClass::Invalid,
         }
     }
 
-    /// Counts this refusal in `strata_refusals_total` by reason, class and priority.
+    /// Counts this error where it belongs: refusals (capacity, budget, invalid) in
+    /// `strata_refusals_total`, failures in `strata_request_failures_total`.
     pub fn count(&self, metrics: &crate::Metrics, priority: engine::Priority) {
-        metrics.inc(
-            "strata_refusals_total",
-            &[
-                ("reason", self.reason),
-                ("class", self.class()),
-                ("priority", priority.name()),
-            ],
-            1.0,
-        );
+        match self.class() {
+            ErrorClass::Failure => metrics.inc(
+                "strata_request_failures_total",
+                &[("reason", self.reason), ("priority", priority.name())],
+                1.0,
+            ),
+            class => metrics.inc(
+                "strata_refusals_total",
+                &[
+                    ("reason", self.reason),
+                    ("class", class.name()),
+                    ("priority", priority.name()),
+                ],
+                1.0,
+            ),
+        }
     }
 
     /// A refusal a shard sent for one fragment.
     pub fn from_shard_refusal(reason: &str, message: &str) -> Self {
-        let (status, reason, retry): (u16, &'static str, Option<u64>) = match reason {
-            "capacity" => (503, "capacity", Some(1)),
-            "budget" => (429, "budget", Some(1)),
-            "stale_epoch" => (409, "stale_epoch", Some(0)),
-            "cache_miss" => (503, "cache_miss", Some(0)),
-            "recipe_mismatch" => (503, "recipe_mismatch", None),
-            "shard_failed" => (503, "shard_failed", Some(1)),
-            _ => (400, "invalid_request", None),
-        };
-        ApiError {
-            status,
-            reason,
-            message: message.to_string(),
-            limit: None,
-            retry_after: retry,
-            param: None,
+        match reason {
+            "capacity" => Self::new(503, "capacity", message).retry_in(1),
+            "budget" => Self::new(429, "budget", message).retry_in(1),
+            "stale_epoch" => Self::new(409, "stale_epoch", message).retry_in(0),
+            "cache_miss" => Self::new(503, "cache_miss", message).retry_in(0),
+            "recipe_mismatch" => Self::recipe_mismatch(message),
+            "shard_failed" => Self::new(503, "shard_failed", message).retry_in(1),
+            _ => Self::new(400, "invalid_request", message),
         }
-    }
-
-    /// Whether the same request may succeed later; a spent budget stays spent.
-    pub fn retryable(&self) -> bool {
-        matches!(self.status, 409 | 503) || (self.status == 429 && self.reason != "budget")
     }
 
     fn error_type(&self) -> &'static str {
         match self.status {
-            400 | 404 | 413 => "invalid_request_error",
+            400 | 404 | 405 | 408 | 413 => "invalid_request_error",
             401 => "authentication_error",
             429 => "rate_limit_error",
             _ => "server_error",
@@ -188,7 +262,7 @@ impl ApiError {
                 "param": self.param,
                 "reason": self.reason,
                 "limit": self.limit,
-                "retryable": self.retryable(),
+                "retryable": self.retryable,
                 "retry_after": self.retry_after,
             }
         })
@@ -199,11 +273,45 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut resp = (status, axum::Json(self.body())).into_response();
-        if let Some(s) = self.retry_after {
+        if let Some(s) = self.retry_after.filter(|_| self.retryable) {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
                 resp.headers_mut().insert("retry-after", v);
             }
         }
         resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_recipe_mismatch_is_not_retryable_and_a_lost_shard_is() {
+        let status = tonic::Status::failed_precondition(
+            "recipe_mismatch: shard a has layer_end 10 but the route expects 15",
+        );
+        let e = ApiError::from_route_status("a", &status);
+        assert_eq!(
+            (e.reason, e.retryable, e.retry_after),
+            ("recipe_mismatch", false, None)
+        );
+        assert_eq!(e.body()["error"]["retryable"], false);
+        let lost = ApiError::from_route_status("a", &tonic::Status::unavailable("gone"));
+        assert_eq!((lost.reason, lost.retryable), ("shard_failed", true));
+    }
+
+    #[test]
+    fn a_shard_failure_is_a_failure_not_a_capacity_refusal() {
+        assert_eq!(
+            ApiError::shard_failed("a", "x").class(),
+            ErrorClass::Failure
+        );
+        assert_eq!(
+            ApiError::capacity("kv_budget", "x").class(),
+            ErrorClass::Capacity
+        );
+        assert_eq!(ApiError::budget("key", "x").class(), ErrorClass::Budget);
+        assert_eq!(ApiError::invalid("n", "x").class(), ErrorClass::Invalid);
     }
 }

@@ -193,9 +193,14 @@ impl Ledger {
         }
         self.keys
             .iter()
-            .find(|k| k.secret == secret)
+            .find(|k| proto::secrets_equal(secret, &k.secret))
             .cloned()
             .ok_or_else(ApiError::unauthorized)
+    }
+
+    /// Whether API keys are configured (then every request must name one).
+    pub fn has_keys(&self) -> bool {
+        !self.keys.is_empty()
     }
 
     /// Commits an `accepted` row reserving `prompt + max_tokens` tokens for `key`, or refuses

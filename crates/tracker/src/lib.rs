@@ -11,8 +11,12 @@ mod error;
 mod http;
 pub mod ledger;
 mod metrics;
+mod ops;
+mod record;
 mod request;
+mod respond;
 mod runner;
+mod server;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +29,7 @@ use tokio::sync::{mpsc, watch};
 pub use cluster::{validate_route, Cluster, Health};
 pub use error::ApiError;
 pub use metrics::Metrics;
+pub use server::{default_max_connections, HttpConfig};
 
 /// Tracker settings, validated by the binary.
 #[derive(Debug, Clone)]
@@ -42,6 +47,15 @@ pub struct TrackerConfig {
     pub ledger: Option<Arc<ledger::Ledger>>,
     /// Bearer token of the admin API (evicting a model from a route); `None` disables it.
     pub admin_token: Option<String>,
+    /// How long a route may stay silent while it holds a step before it is declared failed
+    /// (shards working on a long step say so at a quarter of this).
+    pub liveness: Duration,
+    /// The HTTP server's timeouts, connection limit, body limit and TLS.
+    pub http: HttpConfig,
+    /// The one API key every request must present (`--api-key`), when set.
+    pub api_key: Option<String>,
+    /// `/health` and `/metrics` stay open to anyone although API keys are on.
+    pub public_metrics: bool,
 }
 
 impl Default for TrackerConfig {
@@ -58,212 +72,10 @@ impl Default for TrackerConfig {
             admission: engine::AdmissionConfig::default(),
             ledger: None,
             admin_token: None,
-        }
-    }
-}
-
-fn declare(m: &Metrics) {
-    for (name, kind, help) in [
-        (
-            "strata_requests_total",
-            "counter",
-            "requests by final status",
-        ),
-        (
-            "strata_refusals_total",
-            "counter",
-            "refusals by reason and class",
-        ),
-        ("strata_failures_total", "counter", "route failures by kind"),
-        (
-            "strata_cancelled_total",
-            "counter",
-            "sessions cancelled by their client",
-        ),
-        (
-            "strata_replays_total",
-            "counter",
-            "sessions recomputed after a shard lost their cache",
-        ),
-        (
-            "strata_prefill_tokens_total",
-            "counter",
-            "prompt tokens computed",
-        ),
-        ("strata_decode_tokens_total", "counter", "tokens decoded"),
-        ("strata_ttft_seconds", "histogram", "time to first token"),
-        (
-            "strata_inter_token_seconds",
-            "histogram",
-            "time between consecutive tokens of a session",
-        ),
-        ("strata_batch_tokens", "histogram", "tokens per step"),
-        (
-            "strata_batch_sessions",
-            "histogram",
-            "sessions per step (batch occupancy)",
-        ),
-        (
-            "strata_seam_latency_seconds",
-            "histogram",
-            "round trip across a seam as its sending shard measured it: a step to the next shard and back its acknowledgement, less the time the next shard held the step",
-        ),
-        (
-            "strata_route_overhead_seconds",
-            "histogram",
-            "messaging time of a step: its round trip from the tracker less the time the shards held it",
-        ),
-        (
-            "strata_seam_bytes_total",
-            "counter",
-            "activation bytes sent per hop",
-        ),
-        (
-            "strata_shard_step_seconds",
-            "histogram",
-            "compute time per shard and step",
-        ),
-        (
-            "strata_queue_depth",
-            "gauge",
-            "sessions admitted and waiting for a place on the route, by priority",
-        ),
-        (
-            "strata_queue_wait_seconds",
-            "histogram",
-            "time from admission to a session's first step, by priority",
-        ),
-        (
-            "strata_active_sessions",
-            "gauge",
-            "sessions on the route, by priority",
-        ),
-        (
-            "strata_admission_kv_reserved_bytes",
-            "gauge",
-            "KV bytes admitted sessions reserved on each shard",
-        ),
-        (
-            "strata_admission_kv_budget_bytes",
-            "gauge",
-            "KV budget of each shard as admission counts it",
-        ),
-        (
-            "strata_steps_in_flight",
-            "gauge",
-            "steps (micro-batches) sent down the route and not yet answered",
-        ),
-        ("strata_route_up", "gauge", "1 when the route is open"),
-        (
-            "strata_shard_pool_bytes",
-            "gauge",
-            "use of each shard pool (weights, kv, scratch of the last step, inflight)",
-        ),
-        (
-            "strata_shard_pool_budget_bytes",
-            "gauge",
-            "budget of each shard pool",
-        ),
-        (
-            "strata_model_resident",
-            "gauge",
-            "1 for each model resident on a route (models load only at start)",
-        ),
-        (
-            "strata_evictions_total",
-            "counter",
-            "models evicted from a route by the operator (pinned models never are)",
-        ),
-        ("strata_route_epoch", "gauge", "current route epoch"),
-        (
-            "strata_swaps_total",
-            "counter",
-            "model loads triggered while serving (always 0)",
-        ),
-        (
-            "strata_tracker_rss_bytes",
-            "gauge",
-            "tracker resident memory",
-        ),
-        ("strata_shard_up", "gauge", "1 when the shard answers"),
-        (
-            "strata_shard_prefill_tokens_total",
-            "gauge",
-            "prompt tokens a shard computed",
-        ),
-        (
-            "strata_shard_decode_tokens_total",
-            "gauge",
-            "tokens a shard decoded",
-        ),
-        ("strata_shard_steps_total", "gauge", "steps a shard ran"),
-        (
-            "strata_shard_prefix_reused_tokens_total",
-            "gauge",
-            "prompt positions a shard took from its prefix cache instead of computing them",
-        ),
-        (
-            "strata_shard_kernel_thread_moves_total",
-            "gauge",
-            "times a shard's kernel thread was woken onto the CPU of the thread handing it work and moved to another",
-        ),
-        (
-            "strata_shard_early_steps_total",
-            "gauge",
-            "decode steps a route's first shard started on the last shard's token hint before the tracker's step arrived (outcome: started, used as the tracker's step, discarded)",
-        ),
-        (
-            "strata_shard_kv_blocks_idle",
-            "gauge",
-            "cached prefix blocks no session holds (free room, kept for later prompts)",
-        ),
-        (
-            "strata_shard_kv_bytes",
-            "gauge",
-            "KV bytes in use per shard",
-        ),
-        (
-            "strata_shard_kv_budget_bytes",
-            "gauge",
-            "KV byte budget per shard",
-        ),
-        (
-            "strata_shard_kv_blocks",
-            "gauge",
-            "KV blocks held by sessions per shard",
-        ),
-        (
-            "strata_shard_kv_blocks_total",
-            "gauge",
-            "KV blocks the pool's budget holds per shard",
-        ),
-        ("strata_shard_sessions", "gauge", "sessions held per shard"),
-        (
-            "strata_shard_rss_bytes",
-            "gauge",
-            "resident memory per shard",
-        ),
-        (
-            "strata_shard_weight_bytes",
-            "gauge",
-            "weight bytes per shard",
-        ),
-        (
-            "strata_shard_seam_bytes_out_total",
-            "gauge",
-            "activation bytes a shard sent downstream",
-        ),
-    ] {
-        m.describe(name, kind, help);
-    }
-    // Both refusal classes exist from the start, for every priority class.
-    for p in engine::Priority::ALL {
-        for class in ["capacity", "budget"] {
-            m.inc(
-                "strata_refusals_total",
-                &[("reason", class), ("class", class), ("priority", p.name())],
-                0.0,
-            );
+            liveness: Duration::from_secs(2),
+            http: HttpConfig::default(),
+            api_key: None,
+            public_metrics: false,
         }
     }
 }
@@ -306,7 +118,7 @@ impl Tracker {
             return Err("no route given".into());
         }
         let metrics = Arc::new(Metrics::default());
-        declare(&metrics);
+        metrics::declare(&metrics);
         let mut models: Vec<http::ModelEntry> = Vec::new();
         for spec in routes {
             let cluster = Arc::new(
@@ -342,7 +154,8 @@ impl Tracker {
                 let tokenizer =
                     Arc::new(Tokenizer::from_header(vocab.header()).map_err(|e| e.to_string())?);
                 let template = ChatTemplate::from_header(vocab.header(), &tokenizer)
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| e.to_string())?
+                    .map(Arc::new);
                 let handle = start_route(
                     &config,
                     &spec.name,
@@ -367,14 +180,25 @@ impl Tracker {
                 1.0,
             );
         }
+        let n_cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let state = Arc::new(http::AppState {
             models,
             metrics,
             default_chat_max_tokens: config.default_chat_max_tokens,
             ledger: config.ledger,
+            api_key: config.api_key,
+            public_metrics: config.public_metrics,
             admin_token: config.admin_token,
+            http: config.http,
+            tokenizing: tokio::sync::Semaphore::new(n_cores.saturating_sub(1).max(1)),
         });
         Ok(Tracker { state })
+    }
+
+    /// The registry behind `/metrics` (for the binary's own series, such as restarts of the
+    /// shards `strata serve` supervises).
+    pub fn metrics(&self) -> Arc<Metrics> {
+        Arc::clone(&self.state.metrics)
     }
 
     /// Every route: its name, model, and shards in layer order with their ranges.
@@ -404,17 +228,8 @@ impl Tracker {
         listener: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<(), String> {
-        use axum::serve::ListenerExt;
-        // Tokens stream as small SSE writes: never let Nagle hold one back waiting for an ACK.
-        let listener = listener.tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "TCP_NODELAY on an HTTP connection");
-            }
-        });
-        axum::serve(listener, http::router(self.state))
-            .with_graceful_shutdown(shutdown)
-            .await
-            .map_err(|e| e.to_string())
+        let config = self.state.http.clone();
+        server::serve(listener, http::router(self.state), config, shutdown).await
     }
 }
 
@@ -511,8 +326,7 @@ async fn start_route(
         runner::RunnerConfig {
             scheduler,
             seam: config.seam,
-            step_deadline_base: Duration::from_millis(2000),
-            step_deadline_per_token: Duration::from_millis(10),
+            liveness: config.liveness,
         },
         Arc::clone(&cluster),
         tokenizer,
@@ -539,6 +353,7 @@ async fn start_route(
         cluster,
         commands: cmd_tx,
         health: health_rx,
+        up: route_rx,
         evicted: std::sync::atomic::AtomicBool::new(false),
     })
 }

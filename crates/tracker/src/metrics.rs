@@ -54,6 +54,11 @@ pub const LATENCY_BUCKETS: &[f64] = &[
     0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
 ];
+/// Buckets for token counts of a request (prompt or generation).
+pub const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 4.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+    32768.0,
+];
 /// Buckets for counts (rows or sessions per step).
 pub const COUNT_BUCKETS: &[f64] = &[
     1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
@@ -195,6 +200,337 @@ impl Metrics {
             }
             out
         })
+    }
+}
+
+/// Declares every metric the tracker exports (with its type and help), so each is exported
+/// from the start, and sets the ones known at start.
+pub fn declare(m: &Metrics) {
+    for (name, kind, help) in [
+        (
+            "strata_requests_total",
+            "counter",
+            "requests by how they ended: status ok, cancelled (the client went away), or the reason of the refusal or failure",
+        ),
+        (
+            "strata_request_duration_seconds",
+            "histogram",
+            "end-to-end time of a request, from its arrival to the end of its answer, by status and priority",
+        ),
+        (
+            "strata_request_prompt_tokens",
+            "histogram",
+            "prompt tokens of answered requests",
+        ),
+        (
+            "strata_request_generation_tokens",
+            "histogram",
+            "generated tokens of answered requests",
+        ),
+        (
+            "strata_finished_requests_total",
+            "counter",
+            "answered requests by finish_reason",
+        ),
+        (
+            "strata_refusals_total",
+            "counter",
+            "refusals by reason and class",
+        ),
+        ("strata_failures_total", "counter", "route failures by kind"),
+        (
+            "strata_request_failures_total",
+            "counter",
+            "requests that failed (not refused) by reason and priority: a shard lost, a recipe that no longer matches",
+        ),
+        (
+            "strata_cancelled_total",
+            "counter",
+            "sessions cancelled by their client",
+        ),
+        (
+            "strata_replays_total",
+            "counter",
+            "sessions recomputed after a shard lost their cache",
+        ),
+        (
+            "strata_prefill_tokens_total",
+            "counter",
+            "prompt tokens computed",
+        ),
+        ("strata_decode_tokens_total", "counter", "tokens decoded"),
+        ("strata_ttft_seconds", "histogram", "time to first token"),
+        (
+            "strata_inter_token_seconds",
+            "histogram",
+            "time between consecutive tokens of a session",
+        ),
+        ("strata_batch_tokens", "histogram", "tokens per step"),
+        (
+            "strata_batch_sessions",
+            "histogram",
+            "sessions per step (batch occupancy)",
+        ),
+        (
+            "strata_seam_latency_seconds",
+            "histogram",
+            "round trip across a seam as its sending shard measured it: a step to the next shard and back its acknowledgement, less the time the next shard held the step",
+        ),
+        (
+            "strata_route_overhead_seconds",
+            "histogram",
+            "messaging time of a step: its round trip from the tracker less the time the shards held it",
+        ),
+        (
+            "strata_seam_bytes_total",
+            "counter",
+            "activation bytes sent per hop",
+        ),
+        (
+            "strata_shard_step_seconds",
+            "histogram",
+            "compute time per shard and step",
+        ),
+        (
+            "strata_queue_depth",
+            "gauge",
+            "sessions admitted and waiting for a place on the route, by priority",
+        ),
+        (
+            "strata_queue_wait_seconds",
+            "histogram",
+            "time from admission to a session's first step, by priority",
+        ),
+        (
+            "strata_active_sessions",
+            "gauge",
+            "sessions on the route, by priority",
+        ),
+        (
+            "strata_admission_kv_reserved_bytes",
+            "gauge",
+            "KV bytes admitted sessions reserved on each shard",
+        ),
+        (
+            "strata_admission_kv_budget_bytes",
+            "gauge",
+            "KV budget of each shard as admission counts it",
+        ),
+        (
+            "strata_steps_in_flight",
+            "gauge",
+            "steps (micro-batches) sent down the route and not yet answered",
+        ),
+        (
+            "strata_route_up",
+            "gauge",
+            "1 when the route takes work: open end to end and every shard answering as validated (what /health reports)",
+        ),
+        (
+            "strata_shard_kv_usage_ratio",
+            "gauge",
+            "KV bytes in use over the KV budget, per shard",
+        ),
+        (
+            "strata_build_info",
+            "gauge",
+            "1, labelled with the build's version and wire protocol",
+        ),
+        (
+            "process_resident_memory_bytes",
+            "gauge",
+            "resident memory of the tracker process",
+        ),
+        (
+            "process_virtual_memory_bytes",
+            "gauge",
+            "virtual memory of the tracker process",
+        ),
+        (
+            "process_cpu_seconds_total",
+            "counter",
+            "CPU time (user and system) the tracker process used",
+        ),
+        (
+            "process_open_fds",
+            "gauge",
+            "file descriptors the tracker process holds",
+        ),
+        (
+            "process_max_fds",
+            "gauge",
+            "the tracker process's soft limit of file descriptors",
+        ),
+        (
+            "process_start_time_seconds",
+            "gauge",
+            "when the tracker process started, in seconds since the Unix epoch",
+        ),
+        (
+            "strata_shard_pool_bytes",
+            "gauge",
+            "use of each shard pool (weights, kv, scratch of the last step, inflight)",
+        ),
+        (
+            "strata_shard_pool_budget_bytes",
+            "gauge",
+            "budget of each shard pool",
+        ),
+        (
+            "strata_model_resident",
+            "gauge",
+            "1 for each model resident on a route (models load only at start)",
+        ),
+        (
+            "strata_evictions_total",
+            "counter",
+            "models evicted from a route by the operator (pinned models never are)",
+        ),
+        ("strata_route_epoch", "gauge", "current route epoch"),
+        (
+            "strata_swaps_total",
+            "counter",
+            "model loads triggered while serving (always 0)",
+        ),
+        (
+            "strata_tracker_rss_bytes",
+            "gauge",
+            "tracker resident memory",
+        ),
+        ("strata_shard_up", "gauge", "1 when the shard answers"),
+        (
+            "strata_shard_prefill_tokens_total",
+            "counter",
+            "prompt tokens a shard computed",
+        ),
+        (
+            "strata_shard_decode_tokens_total",
+            "counter",
+            "tokens a shard decoded",
+        ),
+        ("strata_shard_steps_total", "counter", "steps a shard ran"),
+        (
+            "strata_shard_prefix_reused_tokens_total",
+            "counter",
+            "prompt positions a shard took from its prefix cache instead of computing them",
+        ),
+        (
+            "strata_shard_kernel_thread_moves_total",
+            "counter",
+            "times a shard's kernel thread was woken onto the CPU of the thread handing it work and moved to another",
+        ),
+        (
+            "strata_shard_early_steps_total",
+            "counter",
+            "decode steps a route's first shard started on the last shard's token hint before the tracker's step arrived (outcome: started, used as the tracker's step, discarded)",
+        ),
+        (
+            "strata_shard_kv_blocks_idle",
+            "gauge",
+            "cached prefix blocks no session holds (free room, kept for later prompts)",
+        ),
+        (
+            "strata_shard_kv_bytes",
+            "gauge",
+            "KV bytes in use per shard",
+        ),
+        (
+            "strata_shard_kv_budget_bytes",
+            "gauge",
+            "KV byte budget per shard",
+        ),
+        (
+            "strata_shard_kv_blocks",
+            "gauge",
+            "KV blocks held by sessions per shard",
+        ),
+        (
+            "strata_shard_kv_blocks_capacity",
+            "gauge",
+            "KV blocks the pool's budget holds per shard",
+        ),
+        ("strata_shard_sessions", "gauge", "sessions held per shard"),
+        (
+            "strata_shard_rss_bytes",
+            "gauge",
+            "resident memory per shard",
+        ),
+        (
+            "strata_shard_weight_bytes",
+            "gauge",
+            "weight bytes per shard",
+        ),
+        (
+            "strata_shard_seam_bytes_out_total",
+            "counter",
+            "activation bytes a shard sent downstream",
+        ),
+    ] {
+        m.describe(name, kind, help);
+    }
+    m.set(
+        "strata_build_info",
+        &[
+            ("version", env!("CARGO_PKG_VERSION")),
+            ("protocol", &proto::PROTOCOL_VERSION.to_string()),
+        ],
+        1.0,
+    );
+    // Both refusal classes exist from the start, for every priority class.
+    for p in engine::Priority::ALL {
+        for class in ["capacity", "budget"] {
+            m.inc(
+                "strata_refusals_total",
+                &[("reason", class), ("class", class), ("priority", p.name())],
+                0.0,
+            );
+        }
+    }
+}
+
+/// Sets the standard `process_*` metrics of this process from Linux's `/proc/self` (nothing
+/// elsewhere).
+pub fn observe_process(m: &Metrics) {
+    let (_, rss) = proto::rss_bytes();
+    m.set("process_resident_memory_bytes", &[], rss as f64);
+    m.set("strata_tracker_rss_bytes", &[], rss as f64);
+    // SAFETY: sysconf only reads a configuration value.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
+        // Fields after the command name (which is in parentheses and may hold spaces).
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .map_or("", |(_, rest)| rest)
+            .split_whitespace()
+            .collect();
+        let field = |n: usize| fields.get(n).and_then(|v| v.parse::<f64>().ok());
+        // utime and stime are fields 14 and 15 of stat(5), the start time 22, vsize 23;
+        // `fields` starts at field 3.
+        if let (Some(user), Some(system)) = (field(11), field(12)) {
+            m.set("process_cpu_seconds_total", &[], (user + system) / ticks);
+        }
+        if let Some(vsize) = field(20) {
+            m.set("process_virtual_memory_bytes", &[], vsize);
+        }
+        let boot = std::fs::read_to_string("/proc/stat").ok().and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("btime "))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        });
+        if let (Some(start), Some(boot)) = (field(19), boot) {
+            m.set("process_start_time_seconds", &[], boot + start / ticks);
+        }
+    }
+    if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+        m.set("process_open_fds", &[], dir.count() as f64);
+    }
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+        m.set("process_max_fds", &[], lim.rlim_cur as f64);
     }
 }
 

@@ -12,6 +12,15 @@ pub enum Endpoint {
     Chat,
 }
 
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
 /// The prompt before tokenization.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PromptInput {
@@ -50,6 +59,10 @@ pub struct ValidRequest {
     /// `priority`: `agent` or `grading` (the header `x-strata-priority` is used when absent).
     pub priority: Option<engine::Priority>,
 }
+
+/// Longest stop string accepted, in bytes. Stop strings are matched against every generated
+/// token; a stop string is a marker, not a document.
+pub const MAX_STOP_BYTES: usize = 1024;
 
 fn number(body: &Value, key: &str, min: f64, max: f64) -> Result<Option<f64>, ApiError> {
     match body.get(key) {
@@ -101,10 +114,11 @@ fn boolean(body: &Value, key: &str) -> Result<Option<bool>, ApiError> {
     }
 }
 
-fn content_text(v: &Value, idx: usize) -> Result<String, ApiError> {
+/// A message's content as text, moved out of the body (a long text is not copied).
+fn content_text(v: Value, idx: usize) -> Result<String, ApiError> {
     let param = format!("messages[{idx}].content");
     match v {
-        Value::String(s) => Ok(s.clone()),
+        Value::String(s) => Ok(s),
         Value::Array(parts) => {
             let mut out = String::new();
             for p in parts {
@@ -131,8 +145,8 @@ fn content_text(v: &Value, idx: usize) -> Result<String, ApiError> {
     }
 }
 
-/// Validates a request body for `endpoint`.
-pub fn validate(endpoint: Endpoint, body: &Value) -> Result<ValidRequest, ApiError> {
+/// Validates a request body for `endpoint`; the prompt's text is moved out of it, not copied.
+pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, ApiError> {
     if !body.is_object() {
         return Err(ApiError::invalid(
             "body",
@@ -149,7 +163,7 @@ pub fn validate(endpoint: Endpoint, body: &Value) -> Result<ValidRequest, ApiErr
             ))
         }
     };
-    if let Some(n) = integer(body, "n", 0, u64::MAX)? {
+    if let Some(n) = integer(&body, "n", 0, u64::MAX)? {
         if n != 1 {
             return Err(ApiError::invalid(
                 "n",
@@ -158,10 +172,13 @@ pub fn validate(endpoint: Endpoint, body: &Value) -> Result<ValidRequest, ApiErr
         }
     }
     let prompt = match endpoint {
-        Endpoint::Completions => match body.get("prompt") {
-            Some(Value::String(s)) => PromptInput::Text(s.clone()),
-            Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
-                PromptInput::Text(items[0].as_str().unwrap_or_default().to_string())
+        Endpoint::Completions => match body.get_mut("prompt").map(Value::take) {
+            Some(Value::String(s)) => PromptInput::Text(s),
+            Some(Value::Array(mut items)) if items.len() == 1 && items[0].is_string() => {
+                PromptInput::Text(match items.pop() {
+                    Some(Value::String(s)) => s,
+                    _ => String::new(),
+                })
             }
             Some(Value::Array(items)) if !items.is_empty() && items.iter().all(|v| v.is_u64()) => {
                 let ids = items
@@ -191,8 +208,8 @@ pub fn validate(endpoint: Endpoint, body: &Value) -> Result<ValidRequest, ApiErr
         },
         Endpoint::Chat => {
             let msgs = body
-                .get("messages")
-                .and_then(Value::as_array)
+                .get_mut("messages")
+                .and_then(Value::as_array_mut)
                 .ok_or_else(|| {
                     ApiError::invalid("messages", "`messages` must be a non-empty list")
                 })?;
@@ -203,7 +220,8 @@ pub fn validate(endpoint: Endpoint, body: &Value) -> Result<ValidRequest, ApiErr
                 ));
             }
             let mut out = Vec::with_capacity(msgs.len());
-            for (i, m) in msgs.iter().enumerate() {
+            for (i, m) in msgs.iter_mut().enumerate() {
+                let content = m.get_mut("content").map(Value::take).unwrap_or(Value::Null);
                 let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
                     ApiError::invalid(
                         &format!("messages[{i}].role"),
@@ -219,15 +237,15 @@ pub fn validate(endpoint: Endpoint, body: &Value) -> Result<ValidRequest, ApiErr
                 let role = if role == "developer" { "system" } else { role };
                 out.push(ChatMessage {
                     role: role.to_string(),
-                    content: content_text(m.get("content").unwrap_or(&Value::Null), i)?,
+                    content: content_text(content, i)?,
                 });
             }
             PromptInput::Messages(out)
         }
     };
-    let max_tokens = match integer(body, "max_completion_tokens", 1, 1 << 20)? {
+    let max_tokens = match integer(&body, "max_completion_tokens", 1, 1 << 20)? {
         Some(v) => Some(v as usize),
-        None => integer(body, "max_tokens", 1, 1 << 20)?.map(|v| v as usize),
+        None => integer(&body, "max_tokens", 1, 1 << 20)?.map(|v| v as usize),
     };
     let stop = match body.get("stop") {
         None | Some(Value::Null) => Vec::new(),
@@ -260,13 +278,23 @@ pub fn validate(endpoint: Endpoint, body: &Value) -> Result<ValidRequest, ApiErr
             "`stop` strings must not be empty",
         ));
     }
-    number(body, "presence_penalty", -2.0, 2.0)?;
-    number(body, "frequency_penalty", -2.0, 2.0)?;
+    if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::over_limit(
+            "stop",
+            "max_stop_bytes",
+            format!(
+                "a `stop` string has {} bytes; at most {MAX_STOP_BYTES} are allowed",
+                long.len()
+            ),
+        ));
+    }
+    number(&body, "presence_penalty", -2.0, 2.0)?;
+    number(&body, "frequency_penalty", -2.0, 2.0)?;
     let logprobs = match endpoint {
-        Endpoint::Completions => integer(body, "logprobs", 0, 20)?.map(|v| v as u32),
+        Endpoint::Completions => integer(&body, "logprobs", 0, 20)?.map(|v| v as u32),
         Endpoint::Chat => {
-            let top = integer(body, "top_logprobs", 0, 20)?.map(|v| v as u32);
-            match boolean(body, "logprobs")? {
+            let top = integer(&body, "top_logprobs", 0, 20)?.map(|v| v as u32);
+            match boolean(&body, "logprobs")? {
                 Some(true) => Some(top.unwrap_or(0)),
                 _ if top.is_some() => {
                     return Err(ApiError::invalid(
@@ -279,11 +307,11 @@ pub fn validate(endpoint: Endpoint, body: &Value) -> Result<ValidRequest, ApiErr
         }
     };
     let sampling = SamplingRequest {
-        temperature: number(body, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32,
-        top_p: number(body, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
-        top_k: integer(body, "top_k", 0, 1 << 20)?.unwrap_or(0) as u32,
-        min_p: number(body, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
-        repeat_penalty: number(body, "repetition_penalty", 0.01, 10.0)?.unwrap_or(1.0) as f32,
+        temperature: number(&body, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32,
+        top_p: number(&body, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
+        top_k: integer(&body, "top_k", 0, 1 << 20)?.unwrap_or(0) as u32,
+        min_p: number(&body, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
+        repeat_penalty: number(&body, "repetition_penalty", 0.01, 10.0)?.unwrap_or(1.0) as f32,
         seed: match body.get("seed") {
             None | Some(Value::Null) => 0,
             Some(v) => v.as_i64().map(|s| s as u64).ok_or_else(|| {
@@ -301,10 +329,10 @@ pub fn validate(endpoint: Endpoint, body: &Value) -> Result<ValidRequest, ApiErr
         max_tokens,
         sampling,
         stop,
-        stream: boolean(body, "stream")?.unwrap_or(false),
+        stream: boolean(&body, "stream")?.unwrap_or(false),
         logprobs,
-        return_token_ids: boolean(body, "return_token_ids")?.unwrap_or(false),
-        ignore_eos: boolean(body, "ignore_eos")?.unwrap_or(false),
+        return_token_ids: boolean(&body, "return_token_ids")?.unwrap_or(false),
+        ignore_eos: boolean(&body, "ignore_eos")?.unwrap_or(false),
         priority: match body.get("priority") {
             None | Some(Value::Null) => None,
             Some(v) => Some(
@@ -330,7 +358,7 @@ mod tests {
     fn a_plain_completion_is_valid_and_unknown_fields_are_ignored() {
         let r = validate(
             Endpoint::Completions,
-            &json!({"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0, "whatever": [1, 2]}),
+            json!({"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0, "whatever": [1, 2]}),
         )
         .unwrap();
         assert_eq!(r.prompt, PromptInput::Text("hi".into()));
@@ -349,18 +377,22 @@ mod tests {
             (json!({"prompt": "x", "stop": [1]}), "stop"),
             (json!({"prompt": "x", "n": 3}), "n"),
             (json!({"prompt": "x", "stream": "yes"}), "stream"),
+            (
+                json!({"prompt": "x", "stop": "s".repeat(MAX_STOP_BYTES + 1)}),
+                "stop",
+            ),
         ] {
-            let e = validate(Endpoint::Completions, &body).unwrap_err();
+            let e = validate(Endpoint::Completions, body.clone()).unwrap_err();
             assert_eq!(e.status, 400, "{body}");
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
         }
         let e = validate(
             Endpoint::Chat,
-            &json!({"messages": [{"role": "wizard", "content": "x"}]}),
+            json!({"messages": [{"role": "wizard", "content": "x"}]}),
         )
         .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
-        let e = validate(Endpoint::Chat, &json!({"messages": []})).unwrap_err();
+        let e = validate(Endpoint::Chat, json!({"messages": []})).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages"));
     }
 
@@ -368,7 +400,7 @@ mod tests {
     fn chat_logprobs_and_content_parts() {
         let r = validate(
             Endpoint::Chat,
-            &json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
                     "logprobs": true, "top_logprobs": 3}),
         )
         .unwrap();

@@ -78,10 +78,10 @@ pub enum Command {
 pub struct RunnerConfig {
     pub scheduler: SchedulerConfig,
     pub seam: SeamDtype,
-    /// A step may take this long plus `step_deadline_per_token` per token before the route is
-    /// declared failed.
-    pub step_deadline_base: Duration,
-    pub step_deadline_per_token: Duration,
+    /// The longest the route may stay silent (no reply, acknowledgement or progress) while a
+    /// step is in flight before it is declared failed; shards working on a long step say so
+    /// at a quarter of this.
+    pub liveness: Duration,
 }
 
 /// Times one session may be recomputed after a shard lost its cache before it fails.
@@ -137,28 +137,59 @@ pub struct Runner {
     /// Why the route is down, for refusals.
     down_reason: Option<ApiError>,
     next_attempt: Instant,
+    /// When the route last said anything (reply, acknowledgement, progress).
+    last_heard: Instant,
 }
 
 /// A step sent down the route whose reply has not come back yet.
 struct InFlight {
     plan: engine::StepPlan,
     sent: Instant,
-    deadline: Duration,
 }
 
+/// What the loop woke up for.
 enum Waited {
     Upstream(Option<Result<RouteReply, tonic::Status>>),
     Direct(Option<Result<RouteReply, tonic::Status>>),
+    Command(Command),
+    /// The route was silent for its liveness while steps were in flight.
     Timeout,
+    /// Nothing in flight: a health change or a short sleep.
+    Idle,
+    /// Every command sender is gone: the tracker is shutting down.
+    Closed,
 }
 
-/// The next item of the last shard's replies stream, or never when there is none.
-async fn next_direct(
-    direct: &mut Option<ReplyStream>,
-) -> Option<Result<RouteReply, tonic::Status>> {
-    match direct {
-        Some(d) => d.next().await,
+/// The next item of a stream, or never when there is none.
+async fn next_of(stream: Option<&mut ReplyStream>) -> Option<Result<RouteReply, tonic::Status>> {
+    match stream {
+        Some(s) => s.next().await,
         None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until(due: Option<Instant>) {
+    match due {
+        Some(t) => tokio::time::sleep_until(t.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A route stream that broke: the shard at its far end failed, unless it refused the route
+/// for a recipe mismatch (then nothing but an operator fixes it).
+fn link_error(shard: &str, status: &tonic::Status) -> ApiError {
+    ApiError::from_route_status(shard, status)
+}
+
+/// Why the route refuses work while the health monitor reports some shard down (or holding
+/// something other than what the route was validated with).
+fn health_refusal(health: &Health) -> ApiError {
+    match health.mismatched() {
+        Some(why) => ApiError::recipe_mismatch(why),
+        None => ApiError::shard_failed(
+            &health.down().join(", "),
+            "the shard is down; retry when it is back",
+        ),
     }
 }
 
@@ -190,6 +221,7 @@ impl Runner {
             in_flight: VecDeque::new(),
             down_reason: Some(ApiError::unavailable("the route is starting")),
             next_attempt: Instant::now(),
+            last_heard: Instant::now(),
         }
     }
 
@@ -225,133 +257,171 @@ impl Runner {
                 };
                 self.send(plan).await;
             }
-            for p in Priority::ALL {
-                let labels = [("priority", p.name())];
-                let waiting = self.scheduler.n_waiting_of(p) as f64;
-                self.metrics.set("strata_queue_depth", &labels, waiting);
-                let active = self.scheduler.n_active_of(p) as f64;
-                self.metrics.set("strata_active_sessions", &labels, active);
+            self.publish_gauges();
+            self.publish_route_state();
+            match self.wait(&mut commands).await {
+                Waited::Closed => return,
+                Waited::Command(c) => self.handle(c),
+                Waited::Idle => {}
+                Waited::Timeout => self.silent_route().await,
+                Waited::Upstream(reply) => self.on_upstream(reply),
+                Waited::Direct(reply) => self.on_direct(reply),
             }
-            let reserved = self.admission.reserved_kv_bytes();
-            for (s, r) in self.admission.shards().iter().zip(reserved) {
-                let labels = [("shard", s.address.as_str())];
-                self.metrics
-                    .set("strata_admission_kv_reserved_bytes", &labels, r as f64);
-            }
-            self.metrics
-                .set("strata_steps_in_flight", &[], self.in_flight.len() as f64);
-            let Some(oldest) = self.in_flight.front() else {
-                tokio::select! {
-                    cmd = commands.recv() => match cmd {
-                        Some(c) => self.handle(c),
-                        None => return,
-                    },
-                    _ = self.health.changed() => {}
-                    // Work held back (grading waiting out the gap after agent work) is looked
-                    // at again soon; an idle route sleeps longer.
-                    _ = tokio::time::sleep(if self.scheduler.is_idle() {
-                        Duration::from_millis(100)
-                    } else {
-                        Duration::from_millis(5)
-                    }) => {}
-                }
-                continue;
-            };
-            let (due, n_tokens, deadline) = (
-                oldest.sent + oldest.deadline,
-                oldest.plan.n_tokens(),
-                oldest.deadline,
-            );
-            let link = self
-                .link
-                .as_mut()
-                .expect("steps are in flight only with a link");
-            let waited = tokio::select! {
-                reply = link.upstream.next() => Waited::Upstream(reply),
-                reply = next_direct(&mut link.direct) => Waited::Direct(reply),
-                _ = tokio::time::sleep_until(due.into()) => Waited::Timeout,
-                cmd = commands.recv() => match cmd {
-                    // A new request can join the next step while this one is in flight.
-                    Some(c) => {
-                        self.handle(c);
-                        continue;
-                    }
-                    None => return,
-                },
-            };
-            let first = || self.cluster.addresses()[0].clone();
-            let last = || self.cluster.addresses().last().cloned().unwrap_or_default();
-            let reply = match waited {
-                Waited::Upstream(Some(Ok(r)))
-                    if r.step_error.is_some() || link.replies_upstream =>
-                {
-                    r
-                }
-                Waited::Direct(Some(Ok(r))) => r,
-                Waited::Direct(None) => {
-                    // The last shard's route ended because a shard before it closed it: the
-                    // upstream stream names that shard (or the step deadline runs out).
-                    link.direct = None;
-                    continue;
-                }
-                Waited::Timeout => {
-                    let culprit = self
-                        .cluster
-                        .first_unresponsive(Duration::from_millis(300))
-                        .await
-                        .unwrap_or_else(|| "on the route".to_string());
-                    self.route_failed(ApiError::shard_failed(
-                        &culprit,
-                        format!(
-                            "no reply to a {n_tokens}-token step within {} ms",
-                            deadline.as_millis()
-                        ),
-                    ));
-                    continue;
-                }
-                broken => {
-                    let (shard, why) = match broken {
-                        Waited::Upstream(Some(Ok(r))) => (
-                            first(),
-                            format!(
-                                "an unexpected answer to step {} on the route stream",
-                                r.step_id
-                            ),
-                        ),
-                        Waited::Upstream(Some(Err(status))) => {
-                            (first(), status.message().to_string())
-                        }
-                        Waited::Direct(Some(Err(status))) => (last(), status.message().to_string()),
-                        // The first shard closed the route stream.
-                        _ => (first(), "the route stream ended".to_string()),
-                    };
-                    self.route_failed(ApiError::shard_failed(&shard, why));
-                    continue;
-                }
-            };
-            if let Some(e) = &reply.step_error {
-                // The route is broken: every session on it fails (route_failed resets them all).
-                let err = if e.reason == "shard_failed" {
-                    ApiError::shard_failed(&e.shard, e.message.clone())
-                } else {
-                    ApiError::from_shard_refusal(&e.reason, &e.message)
-                };
-                self.route_failed(err);
-                continue;
-            }
-            let f = self.in_flight.pop_front().expect("oldest step");
-            if reply.step_id != f.plan.step_id {
-                self.route_failed(ApiError::shard_failed(
-                    &last(),
-                    format!(
-                        "reply for step {} while step {} was the oldest in flight",
-                        reply.step_id, f.plan.step_id
-                    ),
-                ));
-                continue;
-            }
-            self.apply(f.plan, reply, f.sent);
         }
+    }
+
+    /// Whether the route can take work: open end to end and every shard answering its
+    /// probes as what it was validated to be. `/health`, `strata_route_up` and the start-up
+    /// wait all read this one value.
+    fn publish_route_state(&self) {
+        let up = self.link.is_some() && self.health.borrow().all_up();
+        self.metrics
+            .set("strata_route_up", &[], if up { 1.0 } else { 0.0 });
+        self.route_up
+            .send_if_modified(|was| std::mem::replace(was, up) != up);
+    }
+
+    fn publish_gauges(&self) {
+        for p in Priority::ALL {
+            let labels = [("priority", p.name())];
+            let waiting = self.scheduler.n_waiting_of(p) as f64;
+            self.metrics.set("strata_queue_depth", &labels, waiting);
+            let active = self.scheduler.n_active_of(p) as f64;
+            self.metrics.set("strata_active_sessions", &labels, active);
+        }
+        let reserved = self.admission.reserved_kv_bytes();
+        for (s, r) in self.admission.shards().iter().zip(reserved) {
+            let labels = [("shard", s.address.as_str())];
+            self.metrics
+                .set("strata_admission_kv_reserved_bytes", &labels, r as f64);
+        }
+        self.metrics
+            .set("strata_steps_in_flight", &[], self.in_flight.len() as f64);
+    }
+
+    /// Waits for the next thing to do: a command, a message on the route's streams, the
+    /// route's silence running out while steps are in flight, or (idle) a health change or a
+    /// short sleep. Messages come first: a reply that is in must never lose to a deadline.
+    async fn wait(&mut self, commands: &mut mpsc::Receiver<Command>) -> Waited {
+        // Liveness, not speed: the oldest step fails only when nothing has come back from the
+        // route (reply, acknowledgement or progress) for `liveness`.
+        let due = self
+            .in_flight
+            .front()
+            .map(|oldest| oldest.sent.max(self.last_heard) + self.config.liveness);
+        let idle_sleep = if self.scheduler.is_idle() {
+            Duration::from_millis(100)
+        } else {
+            // Work held back (grading waiting out the gap after agent work) is looked at
+            // again soon.
+            Duration::from_millis(5)
+        };
+        let (upstream, direct) = match self.link.as_mut() {
+            Some(link) => (Some(&mut link.upstream), link.direct.as_mut()),
+            None => (None, None),
+        };
+        tokio::select! {
+            biased;
+            reply = next_of(upstream) => Waited::Upstream(reply),
+            reply = next_of(direct) => Waited::Direct(reply),
+            cmd = commands.recv() => cmd.map_or(Waited::Closed, Waited::Command),
+            _ = sleep_until(due) => Waited::Timeout,
+            _ = self.health.changed(), if due.is_none() => Waited::Idle,
+            _ = tokio::time::sleep(idle_sleep), if due.is_none() => Waited::Idle,
+        }
+    }
+
+    /// The route said nothing for its liveness while a step was in flight: the shard that does
+    /// not answer a probe is the one that failed.
+    async fn silent_route(&mut self) {
+        let culprit = self
+            .cluster
+            .first_unresponsive(Duration::from_millis(300))
+            .await
+            .unwrap_or_else(|| "on the route".to_string());
+        let n_tokens = self.in_flight.front().map_or(0, |f| f.plan.n_tokens());
+        self.route_failed(ApiError::shard_failed(
+            &culprit,
+            format!(
+                "the route was silent for {} ms while a {n_tokens}-token step was in flight",
+                self.config.liveness.as_millis()
+            ),
+        ));
+    }
+
+    /// A message on the first shard's stream: on a route of one shard the replies, else only
+    /// failures and progress. An end or error of the stream is the first shard's failure.
+    fn on_upstream(&mut self, reply: Option<Result<RouteReply, tonic::Status>>) {
+        self.last_heard = Instant::now();
+        let first = self.cluster.addresses()[0].clone();
+        let replies_upstream = self.link.as_ref().is_some_and(|l| l.replies_upstream);
+        match reply {
+            Some(Ok(r)) if r.progress.is_some() => {}
+            Some(Ok(r)) if r.step_error.is_some() || replies_upstream => self.on_reply(r),
+            Some(Ok(r)) => self.route_failed(ApiError::shard_failed(
+                &first,
+                format!(
+                    "an unexpected answer to step {} on the route stream",
+                    r.step_id
+                ),
+            )),
+            Some(Err(status)) => self.route_failed(link_error(&first, &status)),
+            // The first shard closed the route stream (also when no step was in flight: the
+            // route must be reopened before it is reported up or used).
+            None => self.route_failed(ApiError::shard_failed(&first, "the route stream ended")),
+        }
+    }
+
+    /// A message on the last shard's replies stream (a route of several shards).
+    fn on_direct(&mut self, reply: Option<Result<RouteReply, tonic::Status>>) {
+        self.last_heard = Instant::now();
+        let last = self.cluster.addresses().last().cloned().unwrap_or_default();
+        match reply {
+            Some(Ok(r)) if r.progress.is_some() => {}
+            Some(Ok(r)) => self.on_reply(r),
+            Some(Err(status)) => self.route_failed(link_error(&last, &status)),
+            None => {
+                // The last shard's route ended because a shard before it closed it: the
+                // upstream stream names that shard (or the route's silence runs out).
+                if let Some(link) = self.link.as_mut() {
+                    link.direct = None;
+                }
+            }
+        }
+    }
+
+    /// A step's reply, or a failure of the whole route.
+    fn on_reply(&mut self, reply: RouteReply) {
+        if let Some(e) = &reply.step_error {
+            // The route is broken: every session on it fails (route_failed resets them all).
+            let err = if e.reason == "shard_failed" {
+                ApiError::shard_failed(&e.shard, e.message.clone())
+            } else {
+                ApiError::from_shard_refusal(&e.reason, &e.message)
+            };
+            self.route_failed(err);
+            return;
+        }
+        let Some(f) = self.in_flight.pop_front() else {
+            let last = self.cluster.addresses().last().cloned().unwrap_or_default();
+            self.route_failed(ApiError::shard_failed(
+                &last,
+                format!("a reply for step {} with no step in flight", reply.step_id),
+            ));
+            return;
+        };
+        if reply.step_id != f.plan.step_id {
+            let last = self.cluster.addresses().last().cloned().unwrap_or_default();
+            self.route_failed(ApiError::shard_failed(
+                &last,
+                format!(
+                    "reply for step {} while step {} was the oldest in flight",
+                    reply.step_id, f.plan.step_id
+                ),
+            ));
+            return;
+        }
+        self.apply(f.plan, reply, f.sent);
     }
 
     /// Sends one planned step down the route and records it as in flight.
@@ -364,9 +434,7 @@ impl Runner {
             "step"
         );
         let n_tokens = plan.n_tokens();
-        let deadline =
-            self.config.step_deadline_base + self.config.step_deadline_per_token * n_tokens as u32;
-        let step = self.to_wire(&plan, deadline);
+        let step = self.to_wire(&plan);
         let link = self.link.as_mut().expect("a plan is sent only with a link");
         if link
             .tx
@@ -401,10 +469,13 @@ impl Runner {
                 plan.items.len() as f64,
             );
         }
+        if self.in_flight.is_empty() {
+            // Silence is measured from the first step of a busy spell, not from long ago.
+            self.last_heard = Instant::now();
+        }
         self.in_flight.push_back(InFlight {
             plan,
             sent: Instant::now(),
-            deadline,
         });
     }
 
@@ -416,11 +487,7 @@ impl Runner {
         let health = self.health.borrow().clone();
         if !health.all_up() {
             if !health.shards.is_empty() {
-                let down = health.down().join(", ");
-                self.down_reason = Some(ApiError::shard_failed(
-                    &down,
-                    "the shard is down; retry when it is back",
-                ));
+                self.down_reason = Some(health_refusal(&health));
             }
             return;
         }
@@ -437,13 +504,9 @@ impl Runner {
                 self.down_reason = None;
                 self.metrics
                     .set("strata_route_epoch", &[], self.epoch as f64);
-                self.metrics.set("strata_route_up", &[], 1.0);
-                let _ = self.route_up.send(true);
             }
             Err(e) => {
-                self.down_reason = Some(ApiError::unavailable(format!(
-                    "the route cannot be opened: {e}"
-                )));
+                self.down_reason = Some(e);
                 self.next_attempt = Instant::now() + Duration::from_millis(250);
             }
         }
@@ -459,6 +522,14 @@ impl Runner {
                 // Refusals are counted where they are answered (the HTTP handler).
                 if let Some(reason) = &self.down_reason {
                     let _ = accepted.send(Err(reason.clone()));
+                    return;
+                }
+                // The route is open but a shard stopped answering its probes (frozen, or
+                // replaced by one holding something else): work sent now would only wait for
+                // the route's silence to run out.
+                let health = self.health.borrow().clone();
+                if !health.all_up() {
+                    let _ = accepted.send(Err(health_refusal(&health)));
                     return;
                 }
                 let id = SessionId(self.next_id);
@@ -552,7 +623,7 @@ impl Runner {
         }
     }
 
-    fn to_wire(&self, plan: &engine::StepPlan, deadline: Duration) -> Step {
+    fn to_wire(&self, plan: &engine::StepPlan) -> Step {
         let fragments = plan
             .items
             .iter()
@@ -583,7 +654,7 @@ impl Runner {
             fragments,
             release: plan.release.iter().map(|s| s.0).collect(),
             activations: Vec::new(),
-            deadline_ms: deadline.as_millis() as u32,
+            liveness_ms: self.config.liveness.as_millis().min(u128::from(u32::MAX)) as u32,
             errors: Vec::new(),
             hops: Vec::new(),
         }
@@ -593,8 +664,7 @@ impl Runner {
         tracing::warn!(error = %err.message, "route failed");
         self.link = None;
         self.in_flight.clear();
-        self.metrics.set("strata_route_up", &[], 0.0);
-        let _ = self.route_up.send(false);
+        self.publish_route_state();
         self.metrics
             .inc("strata_failures_total", &[("kind", err.reason)], 1.0);
         self.scheduler.reset();
@@ -627,8 +697,8 @@ impl Runner {
             }
             failed.push(id);
             let err = ApiError::from_shard_refusal(&e.reason, &e.message);
+            // Counted where the client is answered (the request's record).
             if let Some(l) = self.forget(id, "failed") {
-                err.count(&self.metrics, l.priority);
                 let _ = l.events.send(SessionEvent::Error(err));
             }
         }
@@ -767,8 +837,6 @@ impl Runner {
     }
 
     fn done(&self, live: Live, reason: &'static str) {
-        self.metrics
-            .inc("strata_requests_total", &[("status", "ok")], 1.0);
         let _ = live.events.send(SessionEvent::Done {
             finish_reason: reason,
             prompt_tokens: live.n_prompt,

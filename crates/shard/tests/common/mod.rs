@@ -39,6 +39,7 @@ pub fn config(kv_budget_bytes: usize, kv_ttl: Duration) -> ShardConfig {
         pinned: false,
         prefix_cache: true,
         label: "test-shard".into(),
-        cluster_token: "unused-in-process-token".into(),
+        link: proto::Link::plain("unused-in-process-token"),
+        tls_identity: None,
     }
 }

@@ -1,0 +1,715 @@
+//! The compute thread's state: the model, every session's KV cache, and the step it runs.
+//!
+//! Sessions are keyed by who opened them: the route stream and the id the tracker gave the
+//! session on it ([`SessionKey`]). Two trackers, or two routes of one tracker, number their
+//! sessions independently; keyed by id alone they would read and extend each other's caches.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use model::sampling::{log_probs, top_k, Sampler, SamplingParams};
+use model::{Batch, KvCache, KvPool, Model, Row, BLOCK_POSITIONS};
+use proto::v1::{Fragment, SessionError, SessionOutput, TopLogprob};
+
+use crate::core::{Counters, Early, EarlyJob, StepJob, StepOutcome};
+use crate::{mib, ShardConfig};
+
+/// A session as a shard knows it: the route stream that opened it and its id there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct SessionKey {
+    pub stream: u64,
+    pub id: u64,
+}
+
+struct Session {
+    epoch: u64,
+    kv: KvCache,
+    tokens: Vec<u32>,
+    sampler: Option<Sampler>,
+    n_top: u32,
+    last_used: Instant,
+}
+
+/// The state owned by the compute thread.
+pub(crate) struct Worker {
+    pub model: Model,
+    /// Every session's KV blocks come from here; its capacity is the KV budget.
+    pub kv_pool: KvPool,
+    sessions: HashMap<SessionKey, Session>,
+    pub counters: Arc<Counters>,
+    pub config: ShardConfig,
+    /// The last range's logits, reused step after step (16 rows are 3 MiB: a fresh buffer
+    /// each step would be zeroed and faulted in again).
+    logits: Vec<f32>,
+}
+
+fn refusal(session_id: u64, reason: &str, message: String) -> SessionError {
+    SessionError {
+        session_id,
+        reason: reason.into(),
+        message,
+    }
+}
+
+fn sampling_params(s: &proto::v1::Sampling) -> SamplingParams {
+    SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k as usize,
+        top_p: if s.top_p > 0.0 { s.top_p } else { 1.0 },
+        min_p: s.min_p,
+        repeat_penalty: if s.repeat_penalty > 0.0 {
+            s.repeat_penalty
+        } else {
+            1.0
+        },
+        repeat_last_n: s.repeat_last_n as usize,
+        seed: s.seed,
+    }
+}
+
+/// The step's running totals while fragments are admitted one by one.
+#[derive(Default)]
+struct Planned {
+    /// Bytes of blocks the fragments accepted so far will take when the step runs.
+    kv_bytes: usize,
+    /// Rows and logit rows of the fragments accepted so far (the step's scratch).
+    rows: usize,
+    outputs: usize,
+}
+
+impl Worker {
+    pub fn new(
+        model: Model,
+        kv_pool: KvPool,
+        counters: Arc<Counters>,
+        config: ShardConfig,
+    ) -> Self {
+        Worker {
+            model,
+            kv_pool,
+            sessions: HashMap::new(),
+            counters,
+            config,
+            logits: Vec::new(),
+        }
+    }
+
+    /// Forgets every session a closed route stream created.
+    pub fn release_stream(&mut self, stream: u64) {
+        self.sessions.retain(|k, _| k.stream != stream);
+        self.publish_gauges();
+    }
+
+    pub fn publish_gauges(&self) {
+        let c = &self.counters;
+        let p = &self.kv_pool;
+        c.kv_bytes_in_use
+            .store(p.bytes_in_use() as u64, Ordering::Relaxed);
+        c.kv_blocks_in_use
+            .store(p.blocks_in_use() as u64, Ordering::Relaxed);
+        c.kv_blocks_total
+            .store(p.capacity_blocks() as u64, Ordering::Relaxed);
+        c.kv_block_bytes
+            .store(p.block_bytes() as u64, Ordering::Relaxed);
+        c.kv_blocks_idle
+            .store(p.idle_blocks() as u64, Ordering::Relaxed);
+        c.kernel_thread_moves
+            .store(self.model.kernel_thread_moves(), Ordering::Relaxed);
+        c.sessions
+            .store(self.sessions.len() as u64, Ordering::Relaxed);
+    }
+
+    /// The key root of this shard's cached prefix blocks for `job`'s route.
+    fn prefix_root(&self, job: &StepJob) -> u64 {
+        // The first range's K and V depend on the tokens alone; later ranges' also on how the
+        // hidden states crossed the seams.
+        KvPool::prefix_root(if self.model.is_first() {
+            0
+        } else {
+            job.prefix_scope
+        })
+    }
+
+    fn policy(&self) -> engine::EvictionPolicy {
+        engine::EvictionPolicy {
+            ttl: self.config.kv_ttl,
+        }
+    }
+
+    /// Every held session as the eviction policy sees it; those `job` names are in the step.
+    fn residents(&self, job: &StepJob) -> Vec<engine::Resident<SessionKey>> {
+        self.sessions
+            .iter()
+            .map(|(&key, s)| engine::Resident {
+                session: key,
+                last_used: s.last_used,
+                bytes: s.kv.releasable_bytes(),
+                in_step: key.stream == job.stream_id
+                    && job.fragments.iter().any(|f| f.session_id == key.id),
+            })
+            .collect()
+    }
+
+    /// Forgets sessions idle past the TTL (never one this step names).
+    fn expire(&mut self, job: &StepJob) {
+        let residents = self.residents(job);
+        for key in self.policy().expired(&residents, job.now) {
+            self.sessions.remove(&key);
+            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Why a fragment cannot run whatever the shard holds, if it cannot: malformed, past the
+    /// context, or over the step's scratch budget beside the fragments accepted before it.
+    fn check_fragment(&self, f: &Fragment, planned: &Planned) -> Option<SessionError> {
+        let (id, label) = (f.session_id, &self.config.label);
+        let end = f.start_pos as usize + f.tokens.len();
+        if f.prefix.len() > f.start_pos as usize {
+            return Some(refusal(
+                id,
+                "invalid_request",
+                format!("fragment of session {id} names a prefix longer than its start"),
+            ));
+        }
+        // Only positions taken whole from a prefix cache come without tokens to compute, and
+        // such a fragment cannot sample.
+        if f.tokens.is_empty() && (f.prefix.is_empty() || f.want_output) {
+            return Some(refusal(
+                id,
+                "invalid_request",
+                format!("fragment of session {id} has no tokens"),
+            ));
+        }
+        if end > self.config.n_ctx {
+            return Some(refusal(
+                id,
+                "invalid_request",
+                format!(
+                    "session {id} would reach position {end} but `n_ctx` is {} on shard {label}",
+                    self.config.n_ctx
+                ),
+            ));
+        }
+        let (rows, outputs) = (
+            planned.rows + f.tokens.len(),
+            planned.outputs + usize::from(f.want_output),
+        );
+        let scratch = self.model.scratch_bytes(rows, outputs);
+        let budget = self.config.scratch_budget_bytes;
+        (scratch > budget).then(|| {
+            refusal(
+                id,
+                "capacity",
+                format!(
+                    "scratch_budget on shard {label}: a step of {rows} tokens needs {:.1} MiB of activations, the budget is {:.1} MiB",
+                    mib(scratch as u64),
+                    mib(budget as u64)
+                ),
+            )
+        })
+    }
+
+    /// Finds or opens the session a fragment continues, positioned at `base` (where its
+    /// positions must end before the fragment): `Ok(created)`, or the refusal.
+    fn open_session(
+        &mut self,
+        key: SessionKey,
+        job: &StepJob,
+        f: &Fragment,
+        base: usize,
+    ) -> Result<bool, SessionError> {
+        let (id, label) = (key.id, &self.config.label);
+        let n_held = self.sessions.len();
+        match self.sessions.get_mut(&key) {
+            Some(s) if s.epoch != job.epoch => Err(refusal(
+                id,
+                "stale_epoch",
+                format!(
+                    "session {id} belongs to epoch {} but the step is epoch {}",
+                    s.epoch, job.epoch
+                ),
+            )),
+            Some(s) if base > s.kv.len() => Err(refusal(
+                id,
+                "cache_miss",
+                format!(
+                    "session {id} holds {} positions on shard {label}; fragment starts at {base}",
+                    s.kv.len()
+                ),
+            )),
+            Some(s) => {
+                // A fragment that starts inside the cache rewinds it (replay after a retry);
+                // whole blocks past the new end go back to the pool.
+                s.kv.truncate(base);
+                s.tokens.truncate(base);
+                Ok(false)
+            }
+            None if base != 0 => Err(refusal(
+                id,
+                "cache_miss",
+                format!("session {id} is not held on shard {label}"),
+            )),
+            None if n_held >= self.config.max_sessions => Err(refusal(
+                id,
+                "capacity",
+                format!("max_sessions on shard {label}: {n_held} sessions held"),
+            )),
+            None => {
+                let session = Session {
+                    epoch: job.epoch,
+                    kv: self.kv_pool.new_cache(self.config.n_ctx),
+                    tokens: Vec::new(),
+                    sampler: f
+                        .sampling
+                        .as_ref()
+                        .map(|s| Sampler::new(sampling_params(s))),
+                    n_top: f.n_top_logprobs,
+                    last_used: job.now,
+                };
+                self.sessions.insert(key, session);
+                Ok(true)
+            }
+        }
+    }
+
+    /// Takes a fragment's leading positions from the prefix cache where it may: the positions
+    /// an upstream shard took (`prefix`, or `cache_miss`), or on the first shard the longest
+    /// registered prefix of a prompt fragment (then the fragment is rewritten to name them).
+    fn attach_prefix(
+        &mut self,
+        key: SessionKey,
+        f: &mut Fragment,
+        base: usize,
+        root: u64,
+    ) -> Result<(), SessionError> {
+        let s = self.sessions.get_mut(&key).expect("opened before");
+        if !f.prefix.is_empty() {
+            let held = if self.config.prefix_cache {
+                self.kv_pool
+                    .attach(&mut s.kv, &f.prefix, root, f.prefix.len() / BLOCK_POSITIONS)
+            } else {
+                0
+            };
+            if held != f.prefix.len() {
+                s.kv.truncate(base);
+                return Err(refusal(
+                    key.id,
+                    "cache_miss",
+                    format!(
+                        "session {} continues at position {base} with a {}-position prefix that is not cached on shard {}",
+                        key.id,
+                        f.prefix.len(),
+                        self.config.label
+                    ),
+                ));
+            }
+            s.tokens.extend_from_slice(&f.prefix);
+        } else if self.config.prefix_cache && f.reuse_prefix && self.model.is_first() {
+            // Continue on the cached blocks of the longest registered prefix; a fragment that
+            // samples keeps at least one token to compute. The rest of the fragment goes on
+            // from there, naming the positions taken.
+            let max_blocks = if f.want_output {
+                f.tokens.len().saturating_sub(1) / BLOCK_POSITIONS
+            } else {
+                f.tokens.len() / BLOCK_POSITIONS
+            };
+            let held = self.kv_pool.attach(&mut s.kv, &f.tokens, root, max_blocks);
+            if held > 0 {
+                f.prefix = f.tokens.drain(..held).collect();
+                f.start_pos += held as u32;
+                s.tokens.extend_from_slice(&f.prefix);
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes room in the KV budget for `need` more bytes beside what the step already plans,
+    /// evicting idle sessions (least recently used first) when that is enough and allowed;
+    /// the refusal names the numbers when it is not.
+    fn fit_kv(
+        &mut self,
+        job: &StepJob,
+        id: u64,
+        need: usize,
+        planned: usize,
+        may_evict: bool,
+    ) -> Result<(), SessionError> {
+        let budget = self.kv_pool.budget_bytes();
+        let in_use = |w: &Self| w.kv_pool.bytes_in_use() + planned;
+        if may_evict && in_use(self) + need > budget {
+            let residents = self.residents(job);
+            if let Some(victims) = self
+                .policy()
+                .make_room(&residents, in_use(self), budget, need)
+            {
+                for v in victims {
+                    // Dropping the session returns its blocks to the pool.
+                    if self.sessions.remove(&v).is_some() {
+                        self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        let kv_in_use = in_use(self);
+        if kv_in_use + need <= budget {
+            return Ok(());
+        }
+        Err(refusal(
+            id,
+            "capacity",
+            format!(
+                "kv_budget on shard {}: need {:.1} MiB, free {:.1} MiB of {:.1} MiB",
+                self.config.label,
+                mib(need as u64),
+                mib(budget.saturating_sub(kv_in_use) as u64),
+                mib(budget as u64)
+            ),
+        ))
+    }
+
+    /// Decides, fragment by fragment, what can run; creates sessions for new fragments.
+    /// `root` is the key root of this step's prefix blocks ([`Worker::prefix_root`]).
+    /// An early step evicts no one (`may_evict` false).
+    fn admit(
+        &mut self,
+        job: &mut StepJob,
+        root: u64,
+        may_evict: bool,
+        out: &mut StepOutcome,
+    ) -> Vec<usize> {
+        let mut planned = Planned::default();
+        let mut accepted = Vec::new();
+        let mut seen = HashSet::with_capacity(job.fragments.len());
+        for i in 0..job.fragments.len() {
+            let id = job.fragments[i].session_id;
+            let key = SessionKey {
+                stream: job.stream_id,
+                id,
+            };
+            // One session computes one run of positions per step: a second fragment of it
+            // would need its cache twice.
+            if !seen.insert(id) {
+                out.errors.push(refusal(
+                    id,
+                    "invalid_request",
+                    format!("session {id} has more than one fragment in step"),
+                ));
+                continue;
+            }
+            if let Some(e) = self.check_fragment(&job.fragments[i], &planned) {
+                out.errors.push(e);
+                continue;
+            }
+            let f = &job.fragments[i];
+            let base = f.start_pos as usize - f.prefix.len();
+            let created = match self.open_session(key, job, f, base) {
+                Ok(created) => created,
+                Err(e) => {
+                    out.errors.push(e);
+                    continue;
+                }
+            };
+            let mut f = std::mem::take(&mut job.fragments[i]);
+            let attached = self.attach_prefix(key, &mut f, base, root);
+            job.fragments[i] = f;
+            let f = &job.fragments[i];
+            let fit = attached.and_then(|()| {
+                let end = f.start_pos as usize + f.tokens.len();
+                let need = self.sessions[&key].kv.extra_bytes_for(end);
+                self.fit_kv(job, id, need, planned.kv_bytes, may_evict)
+                    .map(|()| need)
+            });
+            match fit {
+                Ok(need) => {
+                    planned.kv_bytes += need;
+                    planned.rows += f.tokens.len();
+                    planned.outputs += usize::from(f.want_output);
+                    accepted.push(i);
+                }
+                Err(e) => {
+                    out.errors.push(e);
+                    // A refused new session is not kept.
+                    if created || self.sessions.get(&key).is_some_and(|s| s.kv.is_empty()) {
+                        self.sessions.remove(&key);
+                    }
+                }
+            }
+        }
+        accepted
+    }
+
+    /// Runs an early step whole, or rolls back what it did and answers `None`.
+    pub fn early(&mut self, job: EarlyJob) -> Option<Early> {
+        // Only on the tokens' own sessions, each holding exactly the positions before its token:
+        // a hint that a later step of the tracker's overtook is stale.
+        let fresh = job.tokens.iter().all(|&(id, _, pos)| {
+            let key = SessionKey {
+                stream: job.stream_id,
+                id,
+            };
+            self.sessions
+                .get(&key)
+                .is_some_and(|s| s.epoch == job.epoch && s.kv.len() == pos as usize)
+        });
+        if job.tokens.is_empty() || !fresh {
+            return None;
+        }
+        self.counters
+            .early_steps_started
+            .fetch_add(1, Ordering::Relaxed);
+        let fragments: Vec<Fragment> = job
+            .tokens
+            .iter()
+            .map(|&(session_id, token, pos)| Fragment {
+                session_id,
+                start_pos: pos,
+                tokens: vec![token],
+                want_output: true,
+                ..Default::default()
+            })
+            .collect();
+        let outcome = self.step(
+            StepJob {
+                stream_id: job.stream_id,
+                epoch: job.epoch,
+                fragments: fragments.clone(),
+                release: Vec::new(),
+                hidden: None,
+                now: job.now,
+                prefix_scope: job.prefix_scope,
+                rollback: Vec::new(),
+            },
+            true,
+        );
+        let early = Early { fragments, outcome };
+        if early.outcome.errors.is_empty() && early.outcome.accepted.len() == early.fragments.len()
+        {
+            return Some(early);
+        }
+        self.roll_back(job.stream_id, &early.rollback());
+        self.counters
+            .early_steps_discarded
+            .fetch_add(1, Ordering::Relaxed);
+        None
+    }
+
+    /// Cuts sessions of `stream` back to the given lengths (whole blocks past the end go back
+    /// to the pool).
+    fn roll_back(&mut self, stream: u64, to: &[(u64, usize)]) {
+        for &(id, len) in to {
+            if let Some(s) = self.sessions.get_mut(&SessionKey { stream, id }) {
+                if s.kv.len() > len {
+                    s.kv.truncate(len);
+                    s.tokens.truncate(len);
+                }
+            }
+        }
+    }
+
+    /// Runs a step; an `early` one evicts no one and leaves the step counters to whoever uses
+    /// it.
+    pub fn step(&mut self, mut job: StepJob, early: bool) -> StepOutcome {
+        let t0 = Instant::now();
+        let mut out = StepOutcome::default();
+        self.roll_back(job.stream_id, &job.rollback);
+        for &id in &job.release {
+            self.sessions.remove(&SessionKey {
+                stream: job.stream_id,
+                id,
+            });
+        }
+        self.expire(&job);
+        let root = self.prefix_root(&job);
+        let accepted = self.admit(&mut job, root, !early, &mut out);
+        let (n_rows, n_outputs) = accepted.iter().fold((0, 0), |(r, o), &i| {
+            let f = &job.fragments[i];
+            (r + f.tokens.len(), o + usize::from(f.want_output))
+        });
+        self.counters.scratch_bytes_last_step.store(
+            self.model.scratch_bytes(n_rows, n_outputs) as u64,
+            Ordering::Relaxed,
+        );
+        let keys: Vec<SessionKey> = accepted
+            .iter()
+            .map(|&i| SessionKey {
+                stream: job.stream_id,
+                id: job.fragments[i].session_id,
+            })
+            .collect();
+        for key in &keys {
+            if let Some(s) = self.sessions.get_mut(key) {
+                s.last_used = job.now;
+            }
+        }
+        if !early {
+            self.counters
+                .rejected_fragments
+                .fetch_add(out.errors.len() as u64, Ordering::Relaxed);
+        }
+        if !accepted.is_empty() {
+            self.run_accepted(&job, &accepted, &keys, root, &mut out);
+            if !early {
+                self.counters.count_step(&out.accepted);
+            }
+        }
+        self.publish_gauges();
+        out.compute_micros = t0.elapsed().as_micros() as u64;
+        if !accepted.is_empty() {
+            self.counters
+                .compute_micros
+                .fetch_add(out.compute_micros, Ordering::Relaxed);
+        }
+        out
+    }
+
+    /// Computes the accepted fragments (`keys` are their sessions, in order): hidden states
+    /// for the next shard, or on the last shard a sampled token per fragment that asks for one.
+    fn run_accepted(
+        &mut self,
+        job: &StepJob,
+        accepted: &[usize],
+        keys: &[SessionKey],
+        root: u64,
+        out: &mut StepOutcome,
+    ) {
+        let (rows, hidden) = self.rows_of(job, accepted);
+        let result = if rows.is_empty() {
+            // Every accepted fragment was taken whole from the prefix cache: nothing to run.
+            Ok(Vec::new())
+        } else {
+            // Borrow every accepted session's cache at once, in the order of `keys`.
+            let mut by_key: HashMap<SessionKey, &mut KvCache> = self
+                .sessions
+                .iter_mut()
+                .filter(|(k, _)| keys.contains(k))
+                .map(|(k, s)| (*k, &mut s.kv))
+                .collect();
+            let mut refs: Vec<&mut KvCache> = keys
+                .iter()
+                .map(|k| by_key.remove(k).expect("admitted sessions are held"))
+                .collect();
+            let batch = Batch {
+                rows: &rows,
+                hidden: job.hidden.as_ref().map(|_| hidden.as_slice()),
+            };
+            let mut buf = std::mem::take(&mut self.logits);
+            self.model
+                .forward_into(batch, &mut refs, &mut buf)
+                .map(|()| buf)
+        };
+        let computed = match result {
+            Err(e) => {
+                for key in keys {
+                    out.errors
+                        .push(refusal(key.id, "invalid_request", e.to_string()));
+                }
+                return;
+            }
+            Ok(computed) => computed,
+        };
+        for (&i, key) in accepted.iter().zip(keys) {
+            let s = self
+                .sessions
+                .get_mut(key)
+                .expect("admitted sessions are held");
+            s.tokens.extend_from_slice(&job.fragments[i].tokens);
+        }
+        if self.model.is_last() {
+            self.sample(job, accepted, keys, &computed, out);
+            self.logits = computed;
+        } else {
+            out.hidden = computed;
+        }
+        out.accepted = accepted.iter().map(|&i| job.fragments[i].clone()).collect();
+        if self.config.prefix_cache {
+            // Full blocks become shareable as soon as they are written.
+            for key in keys {
+                if let Some(s) = self.sessions.get_mut(key) {
+                    self.kv_pool.register(&mut s.kv, &s.tokens, root);
+                }
+            }
+        }
+    }
+
+    /// The rows of the accepted fragments, and their slice of the incoming hidden states.
+    fn rows_of(&self, job: &StepJob, accepted: &[usize]) -> (Vec<Row>, Vec<f32>) {
+        let n_embd = self.model.config().n_embd;
+        let mut row_offsets = Vec::with_capacity(job.fragments.len());
+        let mut acc = 0;
+        for f in &job.fragments {
+            row_offsets.push(acc);
+            acc += f.tokens.len();
+        }
+        let mut rows = Vec::new();
+        let mut hidden = Vec::new();
+        for (seq, &i) in accepted.iter().enumerate() {
+            let f = &job.fragments[i];
+            for (k, &token) in f.tokens.iter().enumerate() {
+                rows.push(Row {
+                    seq,
+                    pos: f.start_pos as usize + k,
+                    token,
+                    want_logits: f.want_output && k + 1 == f.tokens.len(),
+                });
+            }
+            if let Some(h) = &job.hidden {
+                let start = row_offsets[i] * n_embd;
+                hidden.extend_from_slice(&h[start..start + f.tokens.len() * n_embd]);
+            }
+        }
+        (rows, hidden)
+    }
+
+    /// Samples a token for every accepted fragment that asks for one, from its logit row.
+    fn sample(
+        &mut self,
+        job: &StepJob,
+        accepted: &[usize],
+        keys: &[SessionKey],
+        logits: &[f32],
+        out: &mut StepOutcome,
+    ) {
+        let n_vocab = self.model.config().n_vocab;
+        let mut li = 0;
+        for (&i, key) in accepted.iter().zip(keys) {
+            let f = &job.fragments[i];
+            if !f.want_output {
+                continue;
+            }
+            let l = &logits[li * n_vocab..(li + 1) * n_vocab];
+            li += 1;
+            let s = self
+                .sessions
+                .get_mut(key)
+                .expect("admitted sessions are held");
+            let sampler = s
+                .sampler
+                .get_or_insert_with(|| Sampler::new(SamplingParams::default()));
+            let token = sampler.sample(l, &s.tokens);
+            let n_top = (s.n_top as usize).min(n_vocab);
+            let top = if n_top > 0 {
+                let best: Vec<u32> = top_k(l, n_top).into_iter().map(|(id, _)| id).collect();
+                let lp = log_probs(l, &best);
+                best.into_iter()
+                    .zip(lp)
+                    .map(|(token, logprob)| TopLogprob { token, logprob })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            out.outputs.push(SessionOutput {
+                session_id: f.session_id,
+                token,
+                logprob: if f.want_logprob || n_top > 0 {
+                    log_probs(l, &[token])[0]
+                } else {
+                    0.0
+                },
+                top,
+                next_pos: f.start_pos + f.tokens.len() as u32,
+            });
+        }
+    }
+}

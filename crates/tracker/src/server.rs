@@ -1,0 +1,211 @@
+//! The HTTP server under the API: its own accept loop, so that every connection is bounded.
+//!
+//! A connection must send a request's headers within the header timeout (counted from when
+//! the server starts waiting for them: on a kept-alive connection that is its idle time, so
+//! idle connections close too), its body within the body timeout, and at most
+//! `max_connections` are open at once; one over the limit is answered with a typed 503
+//! `capacity` (`max_connections`) and closed, never left to use up the process's descriptors.
+//! A failed accept (out of descriptors) is retried after a pause, never a busy loop or an exit.
+//! With TLS configured every connection is TLS (the handshake under the header timeout too).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::error::ApiError;
+
+/// Limits of the HTTP server, validated by the binary.
+#[derive(Clone)]
+pub struct HttpConfig {
+    /// The longest a connection may take to send a request's headers (and, between requests,
+    /// stay idle); also bounds a TLS handshake.
+    pub header_timeout: Duration,
+    /// The longest a request's body may take to arrive once its headers are in.
+    pub body_timeout: Duration,
+    /// Connections open at once; more are refused with a typed 503.
+    pub max_connections: usize,
+    /// Largest request body accepted (413 beyond).
+    pub max_body_bytes: usize,
+    /// TLS on every connection, when set.
+    pub tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
+}
+
+impl std::fmt::Debug for HttpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpConfig")
+            .field("header_timeout", &self.header_timeout)
+            .field("body_timeout", &self.body_timeout)
+            .field("max_connections", &self.max_connections)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("tls", &self.tls.is_some())
+            .finish()
+    }
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            max_connections: default_max_connections(),
+            max_body_bytes: 4 << 20,
+            tls: None,
+        }
+    }
+}
+
+/// Connections the process can hold beside what else it needs descriptors for (shard links,
+/// the ledger, files): the soft descriptor limit less 64, at least 8, at most 4096.
+pub fn default_max_connections() -> usize {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+        lim.rlim_cur as usize
+    } else {
+        1024
+    };
+    soft.saturating_sub(64).clamp(8, 4096)
+}
+
+/// Serves `router` on `listener` until `shutdown` completes; connections then get up to five
+/// seconds to finish.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    config: HttpConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(config.header_timeout)
+        .keep_alive(true);
+    let http = Arc::new(http);
+    let slots = Arc::new(Semaphore::new(config.max_connections));
+    let tls = config.tls.clone().map(tokio_rustls::TlsAcceptor::from);
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let (tcp, _peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of descriptors, or a connection reset before it was accepted: pause,
+                    // so that closing connections free some, and go on.
+                    tracing::warn!(error = %e, "accepting an HTTP connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        // Tokens stream as small SSE writes: never let Nagle hold one back waiting for an ACK.
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY on an HTTP connection");
+        }
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            tokio::spawn(refuse(tcp, config.max_connections));
+            continue;
+        };
+        let (http, router, tls, header_timeout) = (
+            Arc::clone(&http),
+            router.clone(),
+            tls.clone(),
+            config.header_timeout,
+        );
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let service = TowerToHyperService::new(router);
+            match tls {
+                None => {
+                    let conn = http.serve_connection(TokioIo::new(tcp), service);
+                    if let Err(e) = watcher.watch(conn).await {
+                        tracing::debug!(error = %e, "HTTP connection ended");
+                    }
+                }
+                Some(acceptor) => {
+                    let Ok(Ok(stream)) =
+                        tokio::time::timeout(header_timeout, acceptor.accept(tcp)).await
+                    else {
+                        tracing::debug!("TLS handshake failed or timed out");
+                        return;
+                    };
+                    let conn = http.serve_connection(TokioIo::new(stream), service);
+                    if let Err(e) = watcher.watch(conn).await {
+                        tracing::debug!(error = %e, "HTTPS connection ended");
+                    }
+                }
+            }
+            drop(slot);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(Duration::from_secs(5), graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("HTTP connections still open 5 s after shutdown began; stopping anyway");
+    }
+    Ok(())
+}
+
+/// Answers a connection over the limit with a typed 503 and closes it. The request is read
+/// (briefly) after the answer so that closing does not reset the connection under the answer.
+async fn refuse<S: AsyncRead + AsyncWrite + Unpin>(mut conn: S, limit: usize) {
+    let err = ApiError::capacity(
+        "max_connections",
+        format!(
+            "the API holds {limit} connections, its limit (`--max-connections`); retry shortly"
+        ),
+    );
+    let body = err.body().to_string();
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let answer = async {
+        conn.write_all(head.as_bytes()).await?;
+        conn.write_all(body.as_bytes()).await?;
+        conn.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        while conn.read(&mut sink).await? > 0 {}
+        Ok::<_, std::io::Error>(())
+    };
+    let _ = tokio::time::timeout(Duration::from_millis(500), answer).await;
+}
+
+/// Reads a request body within the limits: 413 past `max_body_bytes`, 408 when it does not
+/// arrive within `body_timeout`.
+pub async fn read_body(
+    body: axum::body::Body,
+    config: &HttpConfig,
+) -> Result<axum::body::Bytes, ApiError> {
+    match tokio::time::timeout(
+        config.body_timeout,
+        axum::body::to_bytes(body, config.max_body_bytes),
+    )
+    .await
+    {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) => {
+            let too_large = std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            Err(if too_large {
+                ApiError::body_too_large(config.max_body_bytes)
+            } else {
+                ApiError::invalid("body", format!("reading the request body failed: {e}"))
+            })
+        }
+        Err(_) => Err(ApiError::body_timeout(config.body_timeout)),
+    }
+}
