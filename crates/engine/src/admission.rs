@@ -18,17 +18,26 @@ pub struct ShardBudget {
     pub kv_budget_bytes: u64,
     pub kv_block_bytes: u64,
     pub block_positions: u32,
+    /// The part of a block that sliding-window layers hold (0 when none is windowed), and
+    /// the most blocks one session keeps that part for.
+    pub kv_window_block_bytes: u64,
+    pub kv_window_blocks_max: u64,
     /// Sessions the shard holds at once.
     pub max_sessions: u32,
 }
 
 impl ShardBudget {
-    fn kv_blocks_total(&self) -> u64 {
-        self.kv_budget_bytes / self.kv_block_bytes.max(1)
-    }
-
-    fn blocks_for(&self, n_positions: usize) -> u64 {
-        (n_positions as u64).div_ceil(self.block_positions.max(1) as u64)
+    /// KV bytes a session of `n_positions` positions can hold at most on this shard: every
+    /// block's global part, and the windowed part only of the blocks a window spans.
+    pub fn kv_bytes_for(&self, n_positions: usize) -> u64 {
+        let blocks = (n_positions as u64).div_ceil(self.block_positions.max(1) as u64);
+        let window = self.kv_window_block_bytes.min(self.kv_block_bytes);
+        let windowed = if window == 0 {
+            0
+        } else {
+            blocks.min(self.kv_window_blocks_max)
+        };
+        blocks * (self.kv_block_bytes - window) + windowed * window
     }
 }
 
@@ -85,17 +94,18 @@ pub struct Refusal {
 
 #[derive(Debug, Clone)]
 struct Reservation {
-    blocks: Vec<u64>,
+    /// KV bytes on each shard.
+    bytes: Vec<u64>,
     priority: Priority,
     key: String,
 }
 
-/// The admission ledger: reserved KV blocks and sessions per shard, places per class and key.
+/// The admission ledger: reserved KV bytes and sessions per shard, places per class and key.
 #[derive(Debug, Clone)]
 pub struct Admission {
     shards: Vec<ShardBudget>,
     config: AdmissionConfig,
-    reserved_blocks: Vec<u64>,
+    reserved_bytes: Vec<u64>,
     sessions: BTreeMap<SessionId, Reservation>,
     per_key: HashMap<(String, Priority), usize>,
 }
@@ -107,7 +117,7 @@ fn mib(bytes: u64) -> String {
 impl Admission {
     pub fn new(shards: Vec<ShardBudget>, config: AdmissionConfig) -> Admission {
         Admission {
-            reserved_blocks: vec![0; shards.len()],
+            reserved_bytes: vec![0; shards.len()],
             shards,
             config,
             sessions: BTreeMap::new(),
@@ -125,11 +135,7 @@ impl Admission {
 
     /// KV bytes reserved on each shard.
     pub fn reserved_kv_bytes(&self) -> Vec<u64> {
-        self.shards
-            .iter()
-            .zip(&self.reserved_blocks)
-            .map(|(s, &b)| b * s.kv_block_bytes)
-            .collect()
+        self.reserved_bytes.clone()
     }
 
     /// Admitted sessions (queued or active).
@@ -140,13 +146,13 @@ impl Admission {
     /// Checks `demand` against every limit; `n_queued` is how many sessions of its class wait
     /// for a place now. The first limit hit is named; limits that can never be met come first.
     pub fn check(&self, demand: &Demand, n_queued: usize) -> Result<Vec<u64>, Refusal> {
-        let blocks: Vec<u64> = self
+        let bytes: Vec<u64> = self
             .shards
             .iter()
-            .map(|s| s.blocks_for(demand.n_positions))
+            .map(|s| s.kv_bytes_for(demand.n_positions))
             .collect();
-        for (s, &need) in self.shards.iter().zip(&blocks) {
-            if need > s.kv_blocks_total() {
+        for (s, &need) in self.shards.iter().zip(&bytes) {
+            if need > s.kv_budget_bytes {
                 return Err(Refusal {
                     kind: RefusalKind::TooLarge,
                     limit: format!("kv_budget on shard {}", s.address),
@@ -154,8 +160,8 @@ impl Admission {
                         "kv_budget on shard {}: {} positions need {}, more than the whole budget of {}",
                         s.address,
                         demand.n_positions,
-                        mib(need * s.kv_block_bytes),
-                        mib(s.kv_blocks_total() * s.kv_block_bytes)
+                        mib(need),
+                        mib(s.kv_budget_bytes)
                     ),
                     retry_after_secs: None,
                 });
@@ -206,7 +212,7 @@ impl Admission {
         for (s, (&need, &reserved)) in self
             .shards
             .iter()
-            .zip(blocks.iter().zip(&self.reserved_blocks))
+            .zip(bytes.iter().zip(&self.reserved_bytes))
         {
             if n_sessions >= s.max_sessions as u64 {
                 return Err(capacity(
@@ -217,21 +223,21 @@ impl Admission {
                     ),
                 ));
             }
-            let free = s.kv_blocks_total() - reserved;
+            let free = s.kv_budget_bytes.saturating_sub(reserved);
             if need > free {
                 return Err(capacity(
                     format!("kv_budget on shard {}", s.address),
                     format!(
                         "kv_budget on shard {}: need {}, free {} of {}",
                         s.address,
-                        mib(need * s.kv_block_bytes),
-                        mib(free * s.kv_block_bytes),
-                        mib(s.kv_blocks_total() * s.kv_block_bytes)
+                        mib(need),
+                        mib(free),
+                        mib(s.kv_budget_bytes)
                     ),
                 ));
             }
         }
-        Ok(blocks)
+        Ok(bytes)
     }
 
     /// Checks and, when it fits, reserves the demand for `session`.
@@ -241,8 +247,8 @@ impl Admission {
         demand: &Demand,
         n_queued: usize,
     ) -> Result<(), Refusal> {
-        let blocks = self.check(demand, n_queued)?;
-        for (r, b) in self.reserved_blocks.iter_mut().zip(&blocks) {
+        let bytes = self.check(demand, n_queued)?;
+        for (r, b) in self.reserved_bytes.iter_mut().zip(&bytes) {
             *r += b;
         }
         *self
@@ -252,7 +258,7 @@ impl Admission {
         self.sessions.insert(
             session,
             Reservation {
-                blocks,
+                bytes,
                 priority: demand.priority,
                 key: demand.key.to_string(),
             },
@@ -266,7 +272,7 @@ impl Admission {
         let Some(r) = self.sessions.remove(&session) else {
             return;
         };
-        for (total, b) in self.reserved_blocks.iter_mut().zip(&r.blocks) {
+        for (total, b) in self.reserved_bytes.iter_mut().zip(&r.bytes) {
             *total -= b;
         }
         let k = (r.key, r.priority);
@@ -291,6 +297,8 @@ mod tests {
             kv_budget_bytes: blocks * BLOCK,
             kv_block_bytes: BLOCK,
             block_positions: 16,
+            kv_window_block_bytes: 0,
+            kv_window_blocks_max: 0,
             max_sessions: 100,
         }
     }
@@ -331,6 +339,30 @@ mod tests {
         assert_eq!(r.kind, RefusalKind::TooLarge);
         assert_eq!(r.retry_after_secs, None);
         assert!(a.check(&demand(64, ""), 0).is_ok());
+    }
+
+    #[test]
+    fn a_windowed_shard_reserves_its_window_not_the_whole_context() {
+        // Blocks of 1 MiB, 3/4 of which windowed layers hold for at most 4 blocks.
+        let windowed = ShardBudget {
+            kv_window_block_bytes: 3 * BLOCK / 4,
+            kv_window_blocks_max: 4,
+            ..shard("127.0.0.1:7001", 16)
+        };
+        assert_eq!(windowed.kv_bytes_for(16 * 3), 3 * BLOCK);
+        // 40 blocks: every global part, and 4 windowed parts.
+        assert_eq!(windowed.kv_bytes_for(16 * 40), 40 * BLOCK / 4 + 3 * BLOCK);
+        let mut a = Admission::new(vec![windowed], AdmissionConfig::default());
+        // Twice the budget's positions fit once windows are counted as they are held...
+        a.admit(SessionId(1), &demand(16 * 32, ""), 0).unwrap();
+        assert_eq!(a.reserved_kv_bytes(), vec![8 * BLOCK + 3 * BLOCK]);
+        // ...and the rest of the budget is still reserved exactly.
+        let r = a.check(&demand(16 * 30, ""), 0).unwrap_err();
+        assert_eq!(
+            r.message,
+            "kv_budget on shard 127.0.0.1:7001: need 10.5 MiB, free 5.0 MiB of 16.0 MiB"
+        );
+        a.admit(SessionId(2), &demand(16 * 8, ""), 0).unwrap();
     }
 
     #[test]

@@ -1,115 +1,223 @@
-//! Llama-family hyperparameters read from GGUF metadata.
+//! A model's hyperparameters, whatever its family: the shape of its layers and how each layer's
+//! block is assembled from the shared building blocks ([`BlockSpec`], [`LayerSpec`]). Each
+//! family's file in [`crate::arch`] reads its own metadata keys into this.
 
 use gguf::Header;
 
+use crate::arch::Family;
 use crate::Error;
 
-/// The shape of a llama-architecture model (SmolLM2, TinyLlama, Llama 2/3, Mistral all use it).
+/// The gated feed-forward network's activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnAct {
+    /// `silu(gate) * up` (llama, qwen).
+    Silu,
+    /// `gelu(gate) * up`, GELU in its tanh form, as ggml tabulates it (gemma).
+    GeluTanh,
+}
+
+/// Which dimensions RoPE rotates together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(2i, 2i + 1)` (llama's "normal" RoPE).
+    Normal,
+    /// The two halves: `(i, i + rope_dim / 2)` (GPT-NeoX's; qwen, gemma).
+    Neox,
+}
+
+/// How every layer's block is built: which optional parts it has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSpec {
+    /// Q, K and V projections add a bias (`attn_q.bias`, ...).
+    pub qkv_bias: bool,
+    /// Q and K are RMS-normed per head before RoPE (`attn_q_norm`, `attn_k_norm`).
+    pub qk_norm: bool,
+    /// The attention output is RMS-normed before it joins the residual stream
+    /// (`post_attention_norm`).
+    pub post_attn_norm: bool,
+    /// The FFN output is RMS-normed before it joins the residual stream (`post_ffw_norm`).
+    pub post_ffn_norm: bool,
+    pub ffn_act: FfnAct,
+    pub rope: RopeStyle,
+}
+
+/// What differs from one layer to the next.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerSpec {
+    pub rope_base: f32,
+    /// Linear RoPE scaling: positions are multiplied by this (1.0 = none).
+    pub rope_freq_scale: f32,
+    /// Sliding-window attention: a position attends to this many positions, itself included
+    /// (`None`: every position before it).
+    pub window: Option<usize>,
+}
+
+/// The shape of a model and how its layers are built.
 #[derive(Debug, Clone, PartialEq)]
-pub struct LlamaConfig {
+pub struct ModelConfig {
+    pub family: Family,
     pub n_layers: usize,
     pub n_embd: usize,
     pub n_ff: usize,
     pub n_head: usize,
     pub n_head_kv: usize,
+    /// Width of one attention head (not always `n_embd / n_head`: gemma's is 256).
     pub head_dim: usize,
     pub n_vocab: usize,
     pub n_ctx_train: usize,
+    /// The RoPE base of full-attention layers (what a cache recipe names).
     pub rope_base: f32,
     /// Number of leading dimensions of each head that RoPE rotates.
     pub rope_dim: usize,
-    /// Linear RoPE scaling: positions are multiplied by this (1.0 = none).
+    /// The RoPE scaling of full-attention layers.
     pub rope_freq_scale: f32,
     pub rms_eps: f32,
+    /// The token embedding is multiplied by this before the first layer (gemma: sqrt(n_embd)).
+    pub embd_scale: Option<f32>,
+    /// Attention scores are `q . k` times this (1/sqrt(head_dim) unless a family says other).
+    pub attn_scale: f32,
+    pub block: BlockSpec,
+    /// One per layer.
+    pub layers: Vec<LayerSpec>,
 }
 
-impl LlamaConfig {
+impl ModelConfig {
+    /// Reads the config of whatever family `general.architecture` names.
     pub fn from_header(h: &Header) -> Result<Self, Error> {
         let arch = h.str("general.architecture")?;
-        if arch != "llama" {
-            return Err(Error::UnsupportedArchitecture {
-                arch: arch.to_string(),
-            });
-        }
-        let key = |k: &str| format!("{arch}.{k}");
-        let u = |k: &str| -> Result<usize, Error> { Ok(h.u64(&key(k))? as usize) };
-        let n_embd = u("embedding_length")?;
-        let n_head = u("attention.head_count")?;
-        let n_head_kv = h
-            .opt(&key("attention.head_count_kv"), |h, k| h.u64(k))?
-            .map_or(n_head, |v| v as usize);
-        let n_vocab = match h.opt(&key("vocab_size"), |h, k| h.u64(k))? {
-            Some(v) => v as usize,
-            None => h.array("tokenizer.ggml.tokens")?.len(),
-        };
+        let family = Family::named(arch)?;
+        let c = family.config(&Keys { h, arch })?;
+        c.check()?;
+        Ok(c)
+    }
+
+    /// Width of one position's K (or V) for one layer.
+    pub fn kv_dim(&self) -> usize {
+        self.n_head_kv * self.head_dim
+    }
+
+    /// Width of the attention's query and output (all heads).
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+
+    /// Whether any layer attends through a sliding window.
+    pub fn has_window(&self) -> bool {
+        self.layers.iter().any(|l| l.window.is_some())
+    }
+
+    fn check(&self) -> Result<(), Error> {
         let bad = |field: &'static str, value: usize, why: &'static str| Error::BadConfig {
             field,
             value: value.to_string(),
             why,
         };
-        if n_head == 0 || n_embd % n_head != 0 {
+        if self.n_layers == 0 {
+            return Err(bad("block_count", 0, "a model has at least one layer"));
+        }
+        if self.n_head == 0 || self.head_dim == 0 {
             return Err(bad(
                 "attention.head_count",
-                n_head,
-                "must divide embedding_length",
+                self.n_head,
+                "must be at least 1",
             ));
         }
-        if n_head_kv == 0 || n_head % n_head_kv != 0 {
+        if self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
             return Err(bad(
                 "attention.head_count_kv",
-                n_head_kv,
+                self.n_head_kv,
                 "must divide head_count",
             ));
         }
-        let head_dim = n_embd / n_head;
-        let rope_dim = h
-            .opt(&key("rope.dimension_count"), |h, k| h.u64(k))?
-            .map_or(head_dim, |v| v as usize);
-        if rope_dim > head_dim || rope_dim % 2 != 0 {
+        if self.rope_dim > self.head_dim || !self.rope_dim.is_multiple_of(2) {
             return Err(bad(
                 "rope.dimension_count",
-                rope_dim,
+                self.rope_dim,
                 "must be even and at most the head size",
             ));
         }
-        let scale = h
-            .opt(&key("rope.scaling.factor"), |h, k| h.f64(k))?
-            .or(h.opt(&key("rope.scale_linear"), |h, k| h.f64(k))?)
-            .unwrap_or(1.0);
-        let scaling_type = h.opt(&key("rope.scaling.type"), |h, k| {
-            h.str(k).map(str::to_string)
-        })?;
-        if let Some(t) = scaling_type.filter(|t| t != "linear" && t != "none") {
+        if self.n_vocab == 0 || self.n_embd == 0 || self.n_ff == 0 {
+            return Err(bad(
+                "embedding_length",
+                self.n_embd,
+                "embedding, feed-forward and vocabulary sizes must be at least 1",
+            ));
+        }
+        if let Some(w) = self
+            .layers
+            .iter()
+            .find_map(|l| l.window.filter(|&w| w == 0))
+        {
+            return Err(bad("attention.sliding_window", w, "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// A family's metadata keys (`{arch}.{key}`), read with typed errors naming the key.
+pub(crate) struct Keys<'a> {
+    pub h: &'a Header,
+    pub arch: &'a str,
+}
+
+impl Keys<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+
+    pub fn usize(&self, k: &str) -> Result<usize, Error> {
+        Ok(self.h.u64(&self.key(k))? as usize)
+    }
+
+    pub fn opt_usize(&self, k: &str) -> Result<Option<usize>, Error> {
+        Ok(self
+            .h
+            .opt(&self.key(k), |h, k| h.u64(k))?
+            .map(|v| v as usize))
+    }
+
+    pub fn f32(&self, k: &str) -> Result<f32, Error> {
+        Ok(self.h.f64(&self.key(k))? as f32)
+    }
+
+    pub fn opt_f32(&self, k: &str) -> Result<Option<f32>, Error> {
+        Ok(self.h.opt(&self.key(k), |h, k| h.f64(k))?.map(|v| v as f32))
+    }
+
+    pub fn opt_str(&self, k: &str) -> Result<Option<String>, Error> {
+        self.h
+            .opt(&self.key(k), |h, k| h.str(k).map(str::to_string))
+            .map_err(Error::from)
+    }
+
+    /// The vocabulary size: `{arch}.vocab_size`, else the tokenizer's token count.
+    pub fn n_vocab(&self) -> Result<usize, Error> {
+        match self.opt_usize("vocab_size")? {
+            Some(v) => Ok(v),
+            None => Ok(self.h.array("tokenizer.ggml.tokens")?.len()),
+        }
+    }
+
+    /// Linear RoPE scaling as a factor on positions (1.0 = none); another scaling type is an
+    /// error naming it.
+    pub fn rope_freq_scale(&self) -> Result<f32, Error> {
+        if let Some(t) = self
+            .opt_str("rope.scaling.type")?
+            .filter(|t| t != "linear" && t != "none")
+        {
             return Err(Error::BadConfig {
                 field: "rope.scaling.type",
                 value: t,
                 why: "only linear rope scaling is supported",
             });
         }
-        Ok(LlamaConfig {
-            n_layers: u("block_count")?,
-            n_embd,
-            n_ff: u("feed_forward_length")?,
-            n_head,
-            n_head_kv,
-            head_dim,
-            n_vocab,
-            n_ctx_train: u("context_length")?,
-            rope_base: h
-                .opt(&key("rope.freq_base"), |h, k| h.f64(k))?
-                .unwrap_or(10000.0) as f32,
-            rope_dim,
-            rope_freq_scale: if scale > 0.0 {
-                (1.0 / scale) as f32
-            } else {
-                1.0
-            },
-            rms_eps: h.f64(&key("attention.layer_norm_rms_epsilon"))? as f32,
+        let factor = match self.opt_f32("rope.scaling.factor")? {
+            Some(f) => Some(f),
+            None => self.opt_f32("rope.scale_linear")?,
+        };
+        Ok(match factor {
+            Some(f) if f > 0.0 => 1.0 / f,
+            _ => 1.0,
         })
-    }
-
-    /// Width of one position's K (or V) for one layer.
-    pub fn kv_dim(&self) -> usize {
-        self.n_head_kv * self.head_dim
     }
 }

@@ -5,7 +5,7 @@
 pub enum Error {
     #[error(transparent)]
     Gguf(#[from] gguf::Error),
-    #[error("unsupported architecture `{arch}` (supported: llama)")]
+    #[error("unsupported architecture `{arch}` (supported: llama, qwen2, qwen3, gemma3)")]
     UnsupportedArchitecture { arch: String },
     #[error("bad model config: {field} is {value} ({why})")]
     BadConfig {

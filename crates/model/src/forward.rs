@@ -5,7 +5,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use std::sync::Mutex;
 
-use crate::config::LlamaConfig;
+use crate::config::{LayerSpec, ModelConfig, RopeStyle};
 use crate::kernels::{exp, Isa, Kernels};
 use crate::kv::{KvCache, KvPool};
 use crate::matmul::{matmul, matmul_prepared, ActScratch, Product, RowQuantizer};
@@ -76,8 +76,12 @@ fn grow(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
 
 /// The weights of one layer range, ready to run.
 pub struct Model {
-    config: LlamaConfig,
+    config: ModelConfig,
     range: LayerRange,
+    /// The distinct RoPE settings of the range's layers (base, scale), and which each layer of
+    /// the range uses: one table of angles per setting per step.
+    ropes: Vec<(f32, f32)>,
+    layer_rope: Vec<usize>,
     weights: Weights,
     kernels: Kernels,
     pool: ThreadPool,
@@ -106,11 +110,14 @@ struct Workspace {
     o: Vec<f32>,
     g: Vec<f32>,
     u: Vec<f32>,
+    /// A normed attention or FFN output, for the families that norm them before the residual.
+    p: Vec<f32>,
     /// Rows that want logits, before the output norm.
     sel: Vec<f32>,
     ends: Vec<usize>,
     acts: ActScratch,
-    rope: RopeTable,
+    /// One table of angles per distinct RoPE setting of the range's layers.
+    rope: Vec<RopeTable>,
     /// Attention scratch (rounded query, scores) per pool thread, sized by the caller before
     /// each attention job so that no worker allocates.
     attn_scratch: Vec<Vec<f32>>,
@@ -127,11 +134,22 @@ impl Model {
         range: Option<LayerRange>,
         opts: ModelOptions,
     ) -> Result<Model, Error> {
-        let config = LlamaConfig::from_header(file.header())?;
+        let config = ModelConfig::from_header(file.header())?;
         let range = match range {
             Some(r) => LayerRange::new(r.start, r.end, config.n_layers)?,
             None => LayerRange::new(0, config.n_layers, config.n_layers)?,
         };
+        let mut ropes: Vec<(f32, f32)> = Vec::new();
+        let layer_rope = config.layers[range.start..range.end]
+            .iter()
+            .map(|l: &LayerSpec| {
+                let key = (l.rope_base, l.rope_freq_scale);
+                ropes.iter().position(|r| *r == key).unwrap_or_else(|| {
+                    ropes.push(key);
+                    ropes.len() - 1
+                })
+            })
+            .collect();
         let isa = opts.isa.unwrap_or_else(Isa::detect);
         let kernels = Kernels::new(isa).ok_or(Error::BadConfig {
             field: "isa",
@@ -142,6 +160,8 @@ impl Model {
         Ok(Model {
             config,
             range,
+            ropes,
+            layer_rope,
             weights,
             kernels,
             pool: ThreadPool::new(opts.n_threads),
@@ -159,7 +179,7 @@ impl Model {
         })
     }
 
-    pub fn config(&self) -> &LlamaConfig {
+    pub fn config(&self) -> &ModelConfig {
         &self.config
     }
 
@@ -195,20 +215,15 @@ impl Model {
     }
 
     /// Bytes of per-step activations (scratch) a step of `n_rows` rows, `n_outputs` of which
-    /// produce logits, needs on this range: the f32 buffers of one layer (hidden, norm, q,
-    /// attention, output, k, v, gate, up), the quantized copies of the matrix inputs, and the
-    /// logits. Reused across layers, so independent of the range's length.
+    /// produce logits, needs on this range: the f32 buffers of one layer (hidden, norm,
+    /// post-norm, output, q, attention, k, v, gate, up), the quantized copies of the matrix
+    /// inputs, and the logits. Reused across layers, so independent of the range's length.
     pub fn scratch_bytes(&self, n_rows: usize, n_outputs: usize) -> usize {
         let c = &self.config;
-        let (d, kv, ff) = (c.n_embd, c.kv_dim(), c.n_ff);
-        let per_row = 4 * (5 * d + 2 * kv + 2 * ff) + 2 * (3 * d + ff);
+        let (d, q, kv, ff) = (c.n_embd, c.q_dim(), c.kv_dim(), c.n_ff);
+        let per_row = 4 * (4 * d + 2 * q + 2 * kv + 2 * ff) + 2 * (2 * d + q + ff);
         let logits = if self.is_last() { 4 * c.n_vocab } else { 0 };
         n_rows * per_row + n_outputs * logits
-    }
-
-    /// Bytes of KV cache one position of one session costs on this range.
-    pub fn kv_bytes_per_position(&self) -> usize {
-        crate::kv::position_bytes(self.range, self.config.kv_dim())
     }
 
     /// A new, empty cache for one session on this range, from a pool of its own without a
@@ -217,9 +232,14 @@ impl Model {
         self.new_pool(usize::MAX).new_cache(n_ctx)
     }
 
-    /// A pool of KV blocks for this range holding at most `budget_bytes`.
+    /// A pool of KV blocks for this range holding at most `budget_bytes`; sliding-window
+    /// layers keep their K and V only for the window.
     pub fn new_pool(&self, budget_bytes: usize) -> KvPool {
-        KvPool::new(self.range, self.config.kv_dim(), budget_bytes)
+        let windows: Vec<Option<usize>> = self.config.layers[self.range.start..self.range.end]
+            .iter()
+            .map(|l| l.window)
+            .collect();
+        KvPool::with_windows(self.range, self.config.kv_dim(), &windows, budget_bytes)
     }
 
     /// Runs `batch` through this range, appending each row's K and V to its session's cache.
@@ -282,6 +302,9 @@ impl Model {
                 ws.x.resize(n * d, 0.0);
                 for (row, out) in rows.iter().zip(ws.x.chunks_exact_mut(d)) {
                     embd.dequantize_row(row.token as usize, out);
+                    if let Some(scale) = c.embd_scale {
+                        out.iter_mut().for_each(|v| *v *= scale);
+                    }
                 }
             }
         }
@@ -415,8 +438,11 @@ impl Model {
         caches: &mut [&mut KvCache],
     ) {
         let c = &self.config;
-        let (n, d, kv) = (rows.len(), c.n_embd, c.kv_dim());
-        ws.rope.fill(c, rows);
+        let (n, d, qd, kv) = (rows.len(), c.n_embd, c.q_dim(), c.kv_dim());
+        ws.rope.resize_with(self.ropes.len(), RopeTable::default);
+        for (table, &(base, scale)) in ws.rope.iter_mut().zip(&self.ropes) {
+            table.fill(c.rope_dim, base, scale, rows);
+        }
         let Workspace {
             x,
             h,
@@ -425,22 +451,29 @@ impl Model {
             v,
             attn,
             o,
+            p,
             g,
             u,
             acts,
+            rope,
+            attn_scratch,
             ..
         } = ws;
         let (h, q, k, v) = (
             grow(h, n * d),
-            grow(q, n * d),
+            grow(q, n * qd),
             grow(k, n * kv),
             grow(v, n * kv),
         );
-        let (attn, o) = (grow(attn, n * d), grow(o, n * d));
+        let (attn, o, p) = (grow(attn, n * qd), grow(o, n * d), grow(p, n * d));
         let (g, u) = (grow(g, n * c.n_ff), grow(u, n * c.n_ff));
+        // Which buffer holds the FFN output that joins the residual stream next: the down
+        // projection's, or its norm.
+        let mut ffn_out_normed = false;
         for (li, lw) in self.weights.layers.iter().enumerate() {
+            let layer = c.layers[self.range.start + li];
             // The previous layer's FFN output joins the residual stream here.
-            let residual = (li > 0).then_some(&o[..]);
+            let residual = (li > 0).then_some(if ffn_out_normed { &p[..] } else { &o[..] });
             let rows_q = acts.prepare(&[&lw.wq, &lw.wk, &lw.wv], n);
             self.add_norm(pool, x, residual, &lw.attn_norm, h, &rows_q);
             matmul_prepared(
@@ -454,12 +487,18 @@ impl Model {
                 acts,
             );
             {
-                let (rope, q, k) = (&ws.rope, SharedMut::new(q), SharedMut::new(k));
+                let table = &rope[self.layer_rope[li]];
+                let (qs, ks, vs) = (SharedMut::new(q), SharedMut::new(k), SharedMut::new(v));
                 pool.run_rows(n, &|i| {
                     // SAFETY: each row's slices belong to this task alone.
-                    let (qi, ki) = unsafe { (q.slice(i * d, d), k.slice(i * kv, kv)) };
-                    rope.apply_row(i, qi, c.head_dim);
-                    rope.apply_row(i, ki, c.head_dim);
+                    let (qi, ki, vi) = unsafe {
+                        (
+                            qs.slice(i * qd, qd),
+                            ks.slice(i * kv, kv),
+                            vs.slice(i * kv, kv),
+                        )
+                    };
+                    self.shape_qkv(lw, table, i, qi, ki, vi);
                 });
             }
             for (i, row) in rows.iter().enumerate() {
@@ -471,7 +510,7 @@ impl Model {
                         .convert_from_f32_slice(&src[i * kv..(i + 1) * kv]);
                 }
             }
-            self.attention(pool, li, rows, caches, q, attn, &mut ws.attn_scratch);
+            self.attention(pool, li, layer.window, rows, caches, q, attn, attn_scratch);
             matmul(
                 &self.kernels,
                 pool,
@@ -479,8 +518,15 @@ impl Model {
                 &mut [Product { w: &lw.wo, out: o }],
                 acts,
             );
+            let attn_out: &[f32] = match &lw.post_attn_norm {
+                Some(w) => {
+                    self.norm_rows(pool, o, w, p);
+                    p
+                }
+                None => o,
+            };
             let rows_q = acts.prepare(&[&lw.w_gate, &lw.w_up], n);
-            self.add_norm(pool, x, Some(o), &lw.ffn_norm, h, &rows_q);
+            self.add_norm(pool, x, Some(attn_out), &lw.ffn_norm, h, &rows_q);
             matmul_prepared(
                 &self.kernels,
                 pool,
@@ -497,14 +543,15 @@ impl Model {
                 acts,
             );
             {
-                // SiLU and the down projection's activation row, in one pass per row.
+                // The activation and the down projection's activation row, in one pass per row.
                 let rows_q = acts.prepare(&[&lw.w_down], n);
                 let (gs, u, f) = (SharedMut::new(g), &*u, c.n_ff);
                 pool.run_rows(n, &|i| {
                     // SAFETY: each row's slice (and quantized row) belongs to this task alone.
                     unsafe {
                         let gi = gs.slice(i * f, f);
-                        self.kernels.silu_mul(gi, &u[i * f..(i + 1) * f]);
+                        self.kernels
+                            .act_mul(c.block.ffn_act, gi, &u[i * f..(i + 1) * f]);
                         rows_q.quantize(&self.kernels, i, gi);
                     }
                 });
@@ -518,10 +565,64 @@ impl Model {
                 }],
                 acts,
             );
+            ffn_out_normed = match &lw.post_ffn_norm {
+                Some(w) => {
+                    self.norm_rows(pool, o, w, p);
+                    true
+                }
+                None => false,
+            };
         }
         if !self.weights.layers.is_empty() {
-            x.iter_mut().zip(o.iter()).for_each(|(a, b)| *a += b);
+            let last: &[f32] = if ffn_out_normed { p } else { o };
+            x.iter_mut().zip(last).for_each(|(a, b)| *a += b);
         }
+    }
+
+    /// One row's Q, K and V as attention takes them: biases added, each head RMS-normed, and
+    /// RoPE applied to Q and K, as the family's block says.
+    fn shape_qkv(
+        &self,
+        lw: &crate::weights::LayerWeights,
+        table: &RopeTable,
+        i: usize,
+        q: &mut [f32],
+        k: &mut [f32],
+        v: &mut [f32],
+    ) {
+        let c = &self.config;
+        for (x, b) in [(&mut *q, &lw.bq), (&mut *k, &lw.bk), (&mut *v, &lw.bv)] {
+            if let Some(b) = b {
+                x.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+            }
+        }
+        for (x, w) in [(&mut *q, &lw.q_norm), (&mut *k, &lw.k_norm)] {
+            if let Some(w) = w {
+                for head in x.chunks_exact_mut(c.head_dim) {
+                    norm_in_place(head, w, c.rms_eps);
+                }
+            }
+        }
+        table.apply_row(i, q, c.head_dim, c.block.rope);
+        table.apply_row(i, k, c.head_dim, c.block.rope);
+    }
+
+    /// `out = rms_norm(x) * weight`, row by row, in parallel.
+    fn norm_rows(&self, pool: &ThreadPool, x: &[f32], weight: &[f32], out: &mut [f32]) {
+        let d = weight.len();
+        let n = x.len() / d;
+        let os = SharedMut::new(out);
+        pool.run(n.div_ceil(4), &|task| {
+            let run = 4 * task..(4 * task + 4).min(n);
+            // SAFETY: each run's rows belong to this task alone.
+            let o = unsafe { os.slice(run.start * d, run.len() * d) };
+            rms_norm(
+                &x[run.start * d..run.end * d],
+                weight,
+                self.config.rms_eps,
+                o,
+            );
+        });
     }
 
     /// `x += residual` (when given), then `h = rms_norm(x) * weight`, quantized for the next
@@ -643,11 +744,13 @@ impl Model {
         Ok(())
     }
 
-    /// Causal attention of every row over its own session's cache.
+    /// Causal attention of every row over its own session's cache: every position before it,
+    /// or only the last `window` (itself included) on a sliding-window layer.
     fn attention(
         &self,
         pool: &ThreadPool,
         li: usize,
+        window: Option<usize>,
         rows: &[Row],
         caches: &[&mut KvCache],
         q: &[f32],
@@ -655,9 +758,9 @@ impl Model {
         scratch: &mut Vec<Vec<f32>>,
     ) {
         let c = &self.config;
-        let hd = c.head_dim;
+        let (hd, qd) = (c.head_dim, c.q_dim());
         let group = c.n_head / c.n_head_kv;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = c.attn_scale;
         let out_ptr = SharedMut::new(out);
         // A task takes every query head sharing one KV head, so each K and V row is decoded once
         // for all of them; with few rows, one task per query head keeps every thread busy. The
@@ -685,22 +788,24 @@ impl Model {
             let row = rows[i];
             let cache: &KvCache = caches[row.seq];
             let kvh = first / group;
-            let n_pos = row.pos + 1;
+            // The positions this row attends to: `from..=row.pos`.
+            let from = window.map_or(0, |w| (row.pos + 1).saturating_sub(w));
+            let n_pos = row.pos + 1 - from;
             // SAFETY: a thread runs one task at a time; only it uses its entry.
             let scratch = unsafe { &mut scratch.slice(thread, 1)[0] };
             let need = per_task * (hd + n_pos + 1);
             let (qs, rest) = scratch[..need].split_at_mut(per_task * hd);
             let (scores, inv) = rest.split_at_mut(per_task * n_pos);
-            let q_row = &q[i * c.n_embd + first * hd..][..per_task * hd];
+            let q_row = &q[i * qd + first * hd..][..per_task * hd];
             // SAFETY: each task writes its own heads' head_dim slices of `out`.
-            let o = unsafe { out_ptr.slice(i * c.n_embd + first * hd, per_task * hd) };
+            let o = unsafe { out_ptr.slice(i * qd + first * hd, per_task * hd) };
             if self.kernels.fused_attention(
                 hd,
                 q_row,
                 n_pos,
                 scale,
-                |t| &cache.row(li, 0, t)[kvh * hd..][..hd],
-                |t| &cache.row(li, 1, t)[kvh * hd..][..hd],
+                |t| &cache.row(li, 0, from + t)[kvh * hd..][..hd],
+                |t| &cache.row(li, 1, from + t)[kvh * hd..][..hd],
                 scores,
                 o,
             ) {
@@ -712,7 +817,7 @@ impl Model {
             }
             // K and V are read from the session's blocks in place, one head row at a time.
             for t in 0..n_pos {
-                let k = &cache.row(li, 0, t)[kvh * hd..][..hd];
+                let k = &cache.row(li, 0, from + t)[kvh * hd..][..hd];
                 for (h, qh) in qs.chunks_exact(hd).enumerate() {
                     scores[h * n_pos + t] = self.kernels.dot_f16(qh, k) * scale;
                 }
@@ -722,7 +827,7 @@ impl Model {
             }
             o.fill(0.0);
             for t in 0..n_pos {
-                let v = &cache.row(li, 1, t)[kvh * hd..][..hd];
+                let v = &cache.row(li, 1, from + t)[kvh * hd..][..hd];
                 for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
                     let p = f16::from_f32(scores[h * n_pos + t] * inv[h]).to_f32();
                     self.kernels.axpy_f16(p, v, oh);
@@ -768,8 +873,18 @@ fn scale_row(x: &[f32], weight: &[f32], eps: f32, sum: f64, out: &mut [f32]) {
     }
 }
 
-/// cos/sin of every rotated pair for each row's position (llama's "normal" RoPE, adjacent
-/// pairs, angles built by repeated multiplication as in ggml).
+/// RMS norm of one row in place, times `weight` (the same arithmetic as [`rms_norm`]).
+fn norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let sum: f64 = x.iter().map(|&v| (v * v) as f64).sum();
+    let mean = (sum / weight.len() as f64) as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    for (v, &w) in x.iter_mut().zip(weight) {
+        *v = (*v * scale) * w;
+    }
+}
+
+/// cos/sin of every rotated pair for each row's position (angles built by repeated
+/// multiplication as in ggml), for one RoPE base and scale.
 #[derive(Default)]
 struct RopeTable {
     rope_dim: usize,
@@ -778,30 +893,35 @@ struct RopeTable {
 
 impl RopeTable {
     /// The angles of every row's position, into the table's reused storage.
-    fn fill(&mut self, c: &LlamaConfig, rows: &[Row]) {
-        let pairs = c.rope_dim / 2;
-        let theta_scale = c.rope_base.powf(-2.0 / c.rope_dim as f32);
-        self.rope_dim = c.rope_dim;
+    fn fill(&mut self, rope_dim: usize, base: f32, freq_scale: f32, rows: &[Row]) {
+        let pairs = rope_dim / 2;
+        let theta_scale = base.powf(-2.0 / rope_dim as f32);
+        self.rope_dim = rope_dim;
         self.cos_sin.clear();
         for row in rows {
             let mut theta = row.pos as f32;
             for _ in 0..pairs {
-                let t = c.rope_freq_scale * theta;
+                let t = freq_scale * theta;
                 self.cos_sin.push((t.cos(), t.sin()));
                 theta *= theta_scale;
             }
         }
     }
 
-    /// Rotates every head of row `i` (`x` holds that row's heads).
-    fn apply_row(&self, i: usize, x: &mut [f32], head_dim: usize) {
+    /// Rotates every head of row `i` (`x` holds that row's heads): adjacent pairs, or a head's
+    /// two halves (NeoX).
+    fn apply_row(&self, i: usize, x: &mut [f32], head_dim: usize, style: RopeStyle) {
         let pairs = self.rope_dim / 2;
         let cs = &self.cos_sin[i * pairs..(i + 1) * pairs];
         for head in x.chunks_exact_mut(head_dim) {
             for (p, &(cos, sin)) in cs.iter().enumerate() {
-                let (x0, x1) = (head[2 * p], head[2 * p + 1]);
-                head[2 * p] = x0 * cos - x1 * sin;
-                head[2 * p + 1] = x0 * sin + x1 * cos;
+                let (a, b) = match style {
+                    RopeStyle::Normal => (2 * p, 2 * p + 1),
+                    RopeStyle::Neox => (p, p + pairs),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * cos - x1 * sin;
+                head[b] = x0 * sin + x1 * cos;
             }
         }
     }

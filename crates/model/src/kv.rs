@@ -16,6 +16,16 @@
 //! drops idle blocks, least recently released first, when it needs their room. So a block is
 //! held by one cache, shared by several, or idle, and the pool's count of held blocks never
 //! exceeds the budget.
+//!
+//! Sliding-window layers (Gemma 3's local layers attend to the last `window` positions only):
+//! a block keeps the K and V of the range's global layers in one part and of its windowed
+//! layers in another, and a cache drops the windowed part of its blocks that fall behind the
+//! window (plus [`BLOCK_POSITIONS`] of slack, so rolling back an early step never needs it).
+//! The budget is in bytes, so a long session on such a range costs its global layers' KV for
+//! every position and its windowed layers' only for the window. A truncation back past the
+//! kept window forgets the whole session (its positions can no longer be continued), which its
+//! owner sees as a cache miss. Such pools do not share prefixes: a prefix's windowed part
+//! would have to stay for every session that might continue it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,18 +37,56 @@ use crate::weights::LayerRange;
 /// Positions per block.
 pub const BLOCK_POSITIONS: usize = 16;
 
-/// Bytes one position of K and V (f16) costs for every layer of `range`.
-pub(crate) fn position_bytes(range: LayerRange, kv_dim: usize) -> usize {
-    2 * range.len() * kv_dim * std::mem::size_of::<f16>()
+/// Bytes one position of K and V (f16) costs for `layers` layers.
+pub(crate) fn position_bytes(layers: usize, kv_dim: usize) -> usize {
+    2 * layers * kv_dim * std::mem::size_of::<f16>()
 }
 
-/// The pool could not supply the blocks asked for.
+/// The pool could not supply the bytes asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("KV pool exhausted: need {need} blocks, {free} free of {capacity}")]
+#[error("KV pool exhausted: need {need} bytes, {free} free of {capacity}")]
 pub struct KvExhausted {
     pub need: usize,
     pub free: usize,
     pub capacity: usize,
+}
+
+/// Where each layer of a range keeps its K and V in a block: in the part every position keeps
+/// (global layers) or in the part only the window keeps (sliding-window layers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Layout {
+    /// Per local layer: (windowed, index among the layers of its part).
+    slots: Vec<(bool, usize)>,
+    n_global: usize,
+    n_local: usize,
+    /// Positions before a cache's end whose windowed part is kept (window - 1 plus slack); 0
+    /// when no layer is windowed.
+    keep: usize,
+}
+
+impl Layout {
+    fn new(windows: &[Option<usize>]) -> Layout {
+        let (mut n_global, mut n_local) = (0, 0);
+        let slots = windows
+            .iter()
+            .map(|w| match w {
+                Some(_) => (true, post_inc(&mut n_local)),
+                None => (false, post_inc(&mut n_global)),
+            })
+            .collect();
+        let window = windows.iter().flatten().copied().max();
+        Layout {
+            slots,
+            n_global,
+            n_local,
+            keep: window.map_or(0, |w| w.saturating_sub(1) + BLOCK_POSITIONS),
+        }
+    }
+}
+
+fn post_inc(n: &mut usize) -> usize {
+    *n += 1;
+    *n - 1
 }
 
 /// Registry ids are below this; prefix roots ([`KvPool::prefix_root`]) at or above it.
@@ -48,7 +96,10 @@ struct Block {
     id: u32,
     /// The registry id when the block is registered (shared, read-only); 0 when private.
     uid: u64,
+    /// K and V of the global layers.
     data: Arc<[f16]>,
+    /// K and V of the windowed layers, while the block is inside its cache's kept window.
+    local: Option<Box<[f16]>>,
 }
 
 /// A full block's key: the registry id of the block before it (or the root), and its tokens.
@@ -63,11 +114,18 @@ struct Registered {
 }
 
 struct PoolState {
+    /// The budget in bytes (whole blocks).
     capacity: usize,
+    /// Bytes of a block's global part and of its windowed part.
+    global_bytes: usize,
+    local_bytes: usize,
     /// Blocks that exist: held by caches or kept idle by the registry.
     alive: usize,
+    /// Windowed parts that exist.
+    alive_local: usize,
     /// Storage of dropped blocks, reused before allocating (no allocation once warm).
     spare: Vec<Arc<[f16]>>,
+    spare_local: Vec<Box<[f16]>>,
     /// Ids of dropped blocks, reused before minting new ones.
     spare_ids: Vec<u32>,
     next_id: u32,
@@ -85,6 +143,21 @@ impl PoolState {
     /// Blocks held by caches (idle registered blocks are free room).
     fn held(&self) -> usize {
         self.alive - self.idle.len()
+    }
+
+    /// Bytes held by caches. Registered blocks have no windowed part (windowed pools share
+    /// nothing), so idle blocks cost only their global part.
+    fn held_bytes(&self) -> usize {
+        self.held() * self.global_bytes + self.alive_local * self.local_bytes
+    }
+
+    fn free_bytes(&self) -> usize {
+        self.capacity - self.held_bytes()
+    }
+
+    fn drop_local(&mut self, part: Box<[f16]>) {
+        self.spare_local.push(part);
+        self.alive_local -= 1;
     }
 
     /// Drops the least recently released idle block.
@@ -105,7 +178,10 @@ impl PoolState {
 
     /// A block a cache lets go of: private storage is dropped, a registered block stays (idle
     /// once no cache holds it).
-    fn release(&mut self, b: Block) {
+    fn release(&mut self, mut b: Block) {
+        if let Some(part) = b.local.take() {
+            self.drop_local(part);
+        }
         if b.uid == 0 {
             debug_assert_eq!(Arc::strong_count(&b.data), 1);
             self.spare.push(b.data);
@@ -135,6 +211,7 @@ impl PoolState {
             id: r.id,
             uid,
             data: r.data.clone(),
+            local: None,
         }
     }
 }
@@ -145,18 +222,38 @@ pub struct KvPool {
     state: Arc<Mutex<PoolState>>,
     range: LayerRange,
     kv_dim: usize,
+    layout: Arc<Layout>,
 }
 
 impl KvPool {
     /// A pool holding at most `budget_bytes` of blocks (whole blocks only); `usize::MAX` for
     /// a pool without a practical budget.
     pub fn new(range: LayerRange, kv_dim: usize, budget_bytes: usize) -> KvPool {
-        let block = BLOCK_POSITIONS * position_bytes(range, kv_dim);
+        KvPool::with_windows(range, kv_dim, &vec![None; range.len()], budget_bytes)
+    }
+
+    /// A pool for a range whose layer `i` (counted from the range's start) attends to the last
+    /// `windows[i]` positions only, or to all of them (`None`).
+    pub fn with_windows(
+        range: LayerRange,
+        kv_dim: usize,
+        windows: &[Option<usize>],
+        budget_bytes: usize,
+    ) -> KvPool {
+        assert_eq!(windows.len(), range.len(), "one window per layer");
+        let layout = Layout::new(windows);
+        let global_bytes = BLOCK_POSITIONS * position_bytes(layout.n_global, kv_dim);
+        let local_bytes = BLOCK_POSITIONS * position_bytes(layout.n_local, kv_dim);
+        let block = (global_bytes + local_bytes).max(1);
         KvPool {
             state: Arc::new(Mutex::new(PoolState {
-                capacity: budget_bytes / block.max(1),
+                capacity: budget_bytes / block * block,
+                global_bytes,
+                local_bytes,
                 alive: 0,
+                alive_local: 0,
                 spare: Vec::new(),
+                spare_local: Vec::new(),
                 spare_ids: Vec::new(),
                 next_id: 0,
                 keys: HashMap::new(),
@@ -168,6 +265,7 @@ impl KvPool {
             })),
             range,
             kv_dim,
+            layout: Arc::new(layout),
         }
     }
 
@@ -181,13 +279,36 @@ impl KvPool {
         self.range
     }
 
-    /// f16 values in one block.
-    fn block_len(&self) -> usize {
-        BLOCK_POSITIONS * 2 * self.range.len() * self.kv_dim
+    /// f16 values in one block's global part and in its windowed part.
+    fn part_lens(&self) -> (usize, usize) {
+        let per_layer = BLOCK_POSITIONS * 2 * self.kv_dim;
+        (
+            per_layer * self.layout.n_global,
+            per_layer * self.layout.n_local,
+        )
     }
 
+    /// Bytes of a whole block (both parts).
     pub fn block_bytes(&self) -> usize {
-        BLOCK_POSITIONS * position_bytes(self.range, self.kv_dim)
+        BLOCK_POSITIONS * position_bytes(self.range.len(), self.kv_dim)
+    }
+
+    /// Bytes of a block's windowed part (0 when no layer of the range is windowed).
+    pub fn window_block_bytes(&self) -> usize {
+        BLOCK_POSITIONS * position_bytes(self.layout.n_local, self.kv_dim)
+    }
+
+    /// Whether some layer of the range is windowed.
+    pub fn is_windowed(&self) -> bool {
+        self.layout.n_local > 0
+    }
+
+    /// Positions before a cache's end whose windowed part it keeps: the longest window less
+    /// one, plus [`BLOCK_POSITIONS`] of slack (0 when nothing is windowed). A session whose
+    /// steps append at most `t` positions so holds the windowed part of at most
+    /// `(keep + t).div_ceil(BLOCK_POSITIONS) + 1` blocks.
+    pub fn window_keep_positions(&self) -> usize {
+        self.layout.keep
     }
 
     /// Blocks needed to hold `positions` positions.
@@ -195,8 +316,9 @@ impl KvPool {
         positions.div_ceil(BLOCK_POSITIONS)
     }
 
+    /// Whole blocks the budget holds.
     pub fn capacity_blocks(&self) -> usize {
-        self.lock().capacity
+        self.lock().capacity / self.block_bytes().max(1)
     }
 
     /// Blocks held by caches (a block several caches share counts once).
@@ -214,18 +336,24 @@ impl KvPool {
         self.lock().attached_total
     }
 
-    pub fn free_blocks(&self) -> usize {
-        let s = self.lock();
-        s.capacity - s.held()
+    /// Blocks held whose windowed part is kept (0 when nothing is windowed).
+    pub fn window_blocks_in_use(&self) -> usize {
+        self.lock().alive_local
     }
 
+    /// Whole blocks the free bytes hold.
+    pub fn free_blocks(&self) -> usize {
+        self.lock().free_bytes() / self.block_bytes().max(1)
+    }
+
+    /// Bytes held by caches (a block several caches share counts once).
     pub fn bytes_in_use(&self) -> usize {
-        self.blocks_in_use() * self.block_bytes()
+        self.lock().held_bytes()
     }
 
     /// The budget in bytes (whole blocks).
     pub fn budget_bytes(&self) -> usize {
-        self.capacity_blocks().saturating_mul(self.block_bytes())
+        self.lock().capacity
     }
 
     /// A new, empty cache for one session, holding at most `n_ctx` positions.
@@ -235,6 +363,7 @@ impl KvPool {
             n_ctx,
             len: 0,
             blocks: Vec::new(),
+            first_local: 0,
         }
     }
 
@@ -260,7 +389,7 @@ impl KvPool {
             Some(b) if cache.len == cache.blocks.len() * BLOCK_POSITIONS => b.uid,
             Some(_) => 0,
         };
-        if parent == 0 || max_blocks == 0 {
+        if parent == 0 || max_blocks == 0 || self.is_windowed() {
             return 0;
         }
         let mut s = self.lock();
@@ -281,6 +410,9 @@ impl KvPool {
     /// positions' tokens. A block whose key is already registered (the same prefix computed by
     /// another session) is swapped for the registered one, and its own storage dropped.
     pub fn register(&self, cache: &mut KvCache, tokens: &[u32], root: u64) {
+        if self.is_windowed() {
+            return;
+        }
         let full = (cache.len / BLOCK_POSITIONS).min(tokens.len() / BLOCK_POSITIONS);
         let mut s = self.lock();
         for b in 0..full {
@@ -330,30 +462,40 @@ impl KvPool {
 
     fn take(&self, n: usize, into: &mut Vec<Block>) -> Result<(), KvExhausted> {
         let mut s = self.lock();
-        let free = s.capacity - s.held();
-        if n > free {
+        let (need, free) = (n * self.block_bytes(), s.free_bytes());
+        if need > free {
             return Err(KvExhausted {
-                need: n,
+                need,
                 free,
                 capacity: s.capacity,
             });
         }
-        while s.capacity - s.alive < n {
+        // Idle blocks are free room: drop as many as the new blocks need.
+        while s.capacity - s.alive * s.global_bytes - s.alive_local * s.local_bytes < need {
             s.drop_idle();
         }
         s.alive += n;
+        let (global_len, local_len) = self.part_lens();
+        let windowed = self.is_windowed();
+        s.alive_local += if windowed { n } else { 0 };
         for _ in 0..n {
             let id = s.spare_ids.pop().unwrap_or_else(|| {
                 s.next_id += 1;
                 s.next_id - 1
             });
             let data = s.spare.pop();
+            let local = windowed.then(|| {
+                s.spare_local
+                    .pop()
+                    .unwrap_or_else(|| vec![f16::ZERO; local_len].into())
+            });
             into.push(Block {
                 id,
                 uid: 0,
                 // A reused block's old contents are never read: positions are written before
                 // a cache's length covers them.
-                data: data.unwrap_or_else(|| vec![f16::ZERO; self.block_len()].into()),
+                data: data.unwrap_or_else(|| vec![f16::ZERO; global_len].into()),
+                local,
             });
         }
         Ok(())
@@ -376,6 +518,8 @@ pub struct KvCache {
     n_ctx: usize,
     len: usize,
     blocks: Vec<Block>,
+    /// Blocks before this one have dropped their windowed part.
+    first_local: usize,
 }
 
 impl Drop for KvCache {
@@ -416,9 +560,20 @@ impl KvCache {
         self.blocks.iter().filter(|b| b.uid != 0).count()
     }
 
+    /// Blocks whose windowed part this cache keeps.
+    pub fn n_window_blocks(&self) -> usize {
+        self.blocks.iter().filter(|b| b.local.is_some()).count()
+    }
+
+    /// Bytes of one block's part a block always keeps.
+    fn global_block_bytes(&self) -> usize {
+        self.pool.block_bytes() - self.pool.window_block_bytes()
+    }
+
     /// Bytes of the blocks held.
     pub fn n_bytes(&self) -> usize {
-        self.blocks.len() * self.pool.block_bytes()
+        self.blocks.len() * self.global_block_bytes()
+            + self.n_window_blocks() * self.pool.window_block_bytes()
     }
 
     /// Bytes dropping this cache would make free: its private blocks and the registered ones no
@@ -426,7 +581,8 @@ impl KvCache {
     pub fn releasable_bytes(&self) -> usize {
         // Only the registry and this cache hold a registered block that no other cache does.
         let alone = |b: &Block| b.uid == 0 || Arc::strong_count(&b.data) <= 2;
-        self.blocks.iter().filter(|b| alone(b)).count() * self.pool.block_bytes()
+        self.blocks.iter().filter(|b| alone(b)).count() * self.global_block_bytes()
+            + self.n_window_blocks() * self.pool.window_block_bytes()
     }
 
     /// Whether growing to `len` writes into a registered block (after a truncation into it),
@@ -465,45 +621,93 @@ impl KvCache {
         Ok(())
     }
 
-    /// Forgets every position from `len` on; whole blocks past it go back to the pool.
+    /// Forgets every position from `len` on; whole blocks past it go back to the pool. When
+    /// the windowed layers' K and V that position `len` would attend to were dropped already,
+    /// every position is forgotten (the cache can only start over), so callers compare
+    /// [`KvCache::len`] with what they asked for.
     pub fn truncate(&mut self, len: usize) {
         if len < self.len {
-            self.len = len;
+            // Position `len` attends back to `len + 1 - window` on a windowed layer.
+            let window = (self.pool.layout.keep + 1).saturating_sub(BLOCK_POSITIONS);
+            let lost = self.pool.is_windowed()
+                && (len + 1).saturating_sub(window) < self.first_local * BLOCK_POSITIONS;
+            self.len = if lost { 0 } else { len };
         }
         let keep = KvPool::blocks_for(self.len);
         if keep < self.blocks.len() {
             self.pool.give_back(self.blocks.drain(keep..));
         }
+        if self.len == 0 {
+            self.first_local = 0;
+        }
     }
 
-    /// Marks positions `0..len` as written; the room must have been reserved.
+    /// Marks positions `0..len` as written (the room must have been reserved), then drops the
+    /// windowed part of the blocks that are behind the kept window.
     pub(crate) fn set_len(&mut self, len: usize) {
         assert!(
             KvPool::blocks_for(len) <= self.blocks.len(),
             "positions reserved before they are written"
         );
         self.len = len;
+        if !self.pool.is_windowed() {
+            return;
+        }
+        let first = len.saturating_sub(self.pool.layout.keep) / BLOCK_POSITIONS;
+        if first > self.first_local {
+            let mut s = self.pool.lock();
+            for b in &mut self.blocks[self.first_local..first] {
+                if let Some(part) = b.local.take() {
+                    s.drop_local(part);
+                }
+            }
+            self.first_local = first;
+        }
     }
 
-    fn offset(&self, layer: usize, which: usize, pos: usize) -> (usize, usize) {
+    /// The part holding `layer`'s K (`which` = 0) or V (1) at `pos`, and the offset there.
+    #[inline]
+    fn offset(&self, layer: usize, which: usize, pos: usize) -> (bool, usize, usize) {
         let kv = self.pool.kv_dim;
+        let (windowed, index) = self.pool.layout.slots[layer];
         let (b, p) = (pos / BLOCK_POSITIONS, pos % BLOCK_POSITIONS);
-        (b, ((layer * 2 + which) * BLOCK_POSITIONS + p) * kv)
+        (
+            windowed,
+            b,
+            ((index * 2 + which) * BLOCK_POSITIONS + p) * kv,
+        )
     }
 
     /// Key (`which` = 0) or value (1) of local layer `layer` at position `pos`.
     #[inline]
     pub(crate) fn row(&self, layer: usize, which: usize, pos: usize) -> &[f16] {
-        let (b, at) = self.offset(layer, which, pos);
-        &self.blocks[b].data[at..at + self.pool.kv_dim]
+        let (windowed, b, at) = self.offset(layer, which, pos);
+        let block = &self.blocks[b];
+        let data: &[f16] = if windowed {
+            block
+                .local
+                .as_deref()
+                .expect("windowed layers read only inside the kept window")
+        } else {
+            &block.data
+        };
+        &data[at..at + self.pool.kv_dim]
     }
 
     #[inline]
     pub(crate) fn row_mut(&mut self, layer: usize, which: usize, pos: usize) -> &mut [f16] {
-        let (b, at) = self.offset(layer, which, pos);
+        let (windowed, b, at) = self.offset(layer, which, pos);
         let kv = self.pool.kv_dim;
-        let data = Arc::get_mut(&mut self.blocks[b].data)
-            .expect("registered blocks are never written (reserve copies them first)");
+        let block = &mut self.blocks[b];
+        let data: &mut [f16] = if windowed {
+            block
+                .local
+                .as_deref_mut()
+                .expect("positions are written inside the kept window")
+        } else {
+            Arc::get_mut(&mut block.data)
+                .expect("registered blocks are never written (reserve copies them first)")
+        };
         &mut data[at..at + kv]
     }
 }
@@ -542,7 +746,7 @@ mod tests {
         #[test]
         fn block_pool_accounting(ops in proptest::collection::vec(op(), 1..80), blocks in 1..12usize) {
             let kv_dim = 8;
-            let block_bytes = BLOCK_POSITIONS * position_bytes(range(), kv_dim);
+            let block_bytes = BLOCK_POSITIONS * position_bytes(range().len(), kv_dim);
             let pool = KvPool::new(range(), kv_dim, blocks * block_bytes + block_bytes / 2);
             prop_assert_eq!(pool.capacity_blocks(), blocks);
             let mut caches: Vec<KvCache> = Vec::new();
@@ -586,6 +790,89 @@ mod tests {
             caches.clear();
             prop_assert_eq!(pool.blocks_in_use(), 0);
             prop_assert_eq!(pool.free_blocks(), blocks);
+        }
+    }
+
+    proptest! {
+        /// A pool with sliding-window layers (layer 1 of 0..3 global, the others windowed):
+        /// under any appends, rewinds and releases, every position a windowed layer may still
+        /// read holds what was written there, a session keeps the windowed part of a bounded
+        /// number of blocks, the pool counts exactly the bytes caches hold and never more than
+        /// its budget, a refused append changes nothing, and a rewind behind the window
+        /// forgets the session.
+        #[test]
+        fn windowed_pool_accounting(ops in proptest::collection::vec(op(), 1..80), blocks in 2..40usize, window in 1..40usize) {
+            let (kv_dim, range) = (4, LayerRange { start: 0, end: 3 });
+            let windows = [Some(window), None, Some(window)];
+            let block_bytes = BLOCK_POSITIONS * position_bytes(3, kv_dim);
+            let pool = KvPool::with_windows(range, kv_dim, &windows, blocks * block_bytes);
+            let keep = pool.window_keep_positions();
+            prop_assert_eq!(keep, window - 1 + BLOCK_POSITIONS);
+            prop_assert_eq!(pool.window_block_bytes() * 3, block_bytes * 2);
+            let mut caches: Vec<(KvCache, u32)> = Vec::new();
+            let mut salt = 0;
+            let value = |salt: u32, pos: usize, layer: usize| f16::from_f32(((salt as usize * 7 + pos * 3 + layer) % 2000) as f32);
+            for op in ops {
+                match op {
+                    Op::Open => {
+                        salt += 1;
+                        caches.push((pool.new_cache(1 << 20), salt));
+                    }
+                    Op::Grow(i, n) if !caches.is_empty() => {
+                        let k = i % caches.len();
+                        let (c, salt) = &mut caches[k];
+                        let (from, to) = (c.len(), c.len() + n);
+                        let before = (c.block_ids(), pool.bytes_in_use());
+                        match c.reserve(to) {
+                            Ok(()) => {
+                                for pos in from..to {
+                                    for layer in 0..3 {
+                                        for which in 0..2 {
+                                            c.row_mut(layer, which, pos).fill(value(*salt, pos, layer));
+                                        }
+                                    }
+                                }
+                                c.set_len(to);
+                                prop_assert!(c.n_window_blocks() <= (keep + n).div_ceil(BLOCK_POSITIONS) + 1);
+                            }
+                            Err(e) => {
+                                prop_assert!(e.need > e.free);
+                                prop_assert_eq!((c.block_ids(), pool.bytes_in_use()), before);
+                            }
+                        }
+                    }
+                    Op::Truncate(i, n) if !caches.is_empty() => {
+                        let k = i % caches.len();
+                        let c = &mut caches[k].0;
+                        let len = c.len();
+                        c.truncate(n);
+                        prop_assert!(c.len() == n.min(len) || c.is_empty());
+                        prop_assert_eq!(c.n_blocks(), KvPool::blocks_for(c.len()));
+                    }
+                    Op::Close(i) if !caches.is_empty() => {
+                        caches.swap_remove(i % caches.len());
+                    }
+                    _ => {}
+                }
+                let mut bytes = 0;
+                for (c, salt) in &caches {
+                    bytes += c.n_bytes();
+                    let len = c.len();
+                    for pos in 0..len {
+                        prop_assert!(c.row(1, 0, pos).iter().all(|v| *v == value(*salt, pos, 1)));
+                    }
+                    // What the next position may attend to on a windowed layer.
+                    for pos in (len + 1).saturating_sub(window)..len {
+                        for layer in [0, 2] {
+                            prop_assert!(c.row(layer, 1, pos).iter().all(|v| *v == value(*salt, pos, layer)));
+                        }
+                    }
+                }
+                prop_assert_eq!(pool.bytes_in_use(), bytes);
+                prop_assert!(pool.bytes_in_use() <= pool.budget_bytes());
+            }
+            caches.clear();
+            prop_assert_eq!((pool.bytes_in_use(), pool.window_blocks_in_use()), (0, 0));
         }
     }
 
@@ -637,7 +924,7 @@ mod tests {
         #[test]
         fn shared_prefix_blocks(ops in proptest::collection::vec(share_op(), 1..80), blocks in 2..16usize) {
             let kv_dim = 4;
-            let block_bytes = BLOCK_POSITIONS * position_bytes(range(), kv_dim);
+            let block_bytes = BLOCK_POSITIONS * position_bytes(range().len(), kv_dim);
             let pool = KvPool::new(range(), kv_dim, blocks * block_bytes);
             let root = KvPool::prefix_root(0);
             let mut caches: Vec<(KvCache, Vec<u32>)> = Vec::new();

@@ -2,7 +2,7 @@
 
 use gguf::GgufFile;
 
-use crate::config::LlamaConfig;
+use crate::config::ModelConfig;
 use crate::matmul::QMatrix;
 use crate::Error;
 
@@ -40,16 +40,83 @@ impl std::fmt::Display for LayerRange {
     }
 }
 
+/// One layer's tensors; the optional ones exist exactly when the family's block has them
+/// ([`crate::config::BlockSpec`]).
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
     pub wq: QMatrix,
     pub wk: QMatrix,
     pub wv: QMatrix,
+    /// Q, K and V biases (`qkv_bias`).
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    /// Per-head Q and K norm weights, `head_dim` each (`qk_norm`).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
     pub wo: QMatrix,
+    /// Norm of the attention output before the residual add (`post_attn_norm`).
+    pub post_attn_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
     pub w_gate: QMatrix,
     pub w_up: QMatrix,
     pub w_down: QMatrix,
+    /// Norm of the FFN output before the residual add (`post_ffn_norm`).
+    pub post_ffn_norm: Option<Vec<f32>>,
+}
+
+impl LayerWeights {
+    fn load(f: &GgufFile, c: &ModelConfig, i: usize, pack: bool) -> Result<Self, Error> {
+        let (d, q, kv, b) = (c.n_embd, c.q_dim(), c.kv_dim(), &c.block);
+        let w = |s: &str| format!("blk.{i}.{s}.weight");
+        let bias = |s: &str| format!("blk.{i}.{s}.bias");
+        let opt = |on: bool, name: String, n: usize| on.then(|| vector(f, &name, n)).transpose();
+        Ok(LayerWeights {
+            attn_norm: vector(f, &w("attn_norm"), d)?,
+            wq: matrix(f, &w("attn_q"), d, q, pack)?,
+            wk: matrix(f, &w("attn_k"), d, kv, pack)?,
+            wv: matrix(f, &w("attn_v"), d, kv, pack)?,
+            bq: opt(b.qkv_bias, bias("attn_q"), q)?,
+            bk: opt(b.qkv_bias, bias("attn_k"), kv)?,
+            bv: opt(b.qkv_bias, bias("attn_v"), kv)?,
+            q_norm: opt(b.qk_norm, w("attn_q_norm"), c.head_dim)?,
+            k_norm: opt(b.qk_norm, w("attn_k_norm"), c.head_dim)?,
+            wo: matrix(f, &w("attn_output"), q, d, pack)?,
+            post_attn_norm: opt(b.post_attn_norm, w("post_attention_norm"), d)?,
+            ffn_norm: vector(f, &w("ffn_norm"), d)?,
+            w_gate: matrix(f, &w("ffn_gate"), d, c.n_ff, pack)?,
+            w_up: matrix(f, &w("ffn_up"), d, c.n_ff, pack)?,
+            w_down: matrix(f, &w("ffn_down"), c.n_ff, d, pack)?,
+            post_ffn_norm: opt(b.post_ffn_norm, w("post_ffw_norm"), d)?,
+        })
+    }
+
+    /// Bytes this layer holds.
+    fn n_bytes(&self) -> usize {
+        let m = |q: &QMatrix| q.data.len();
+        let v = |x: &Vec<f32>| x.len() * 4;
+        let o = |x: &Option<Vec<f32>>| x.as_ref().map_or(0, v);
+        [
+            &self.wq,
+            &self.wk,
+            &self.wv,
+            &self.wo,
+            &self.w_gate,
+            &self.w_up,
+            &self.w_down,
+        ]
+        .into_iter()
+        .map(m)
+        .sum::<usize>()
+            + v(&self.attn_norm)
+            + v(&self.ffn_norm)
+            + [&self.bq, &self.bk, &self.bv, &self.q_norm, &self.k_norm]
+                .into_iter()
+                .map(o)
+                .sum::<usize>()
+            + o(&self.post_attn_norm)
+            + o(&self.post_ffn_norm)
+    }
 }
 
 /// The weights a range needs: its layers, plus the embedding when it starts at layer 0 and the
@@ -105,26 +172,12 @@ impl Weights {
     /// Loads `range`; matrices with a packed form are repacked when `pack` is set.
     pub fn load(
         f: &GgufFile,
-        c: &LlamaConfig,
+        c: &ModelConfig,
         range: LayerRange,
         pack: bool,
     ) -> Result<Self, Error> {
-        let kv = c.kv_dim();
         let layers = (range.start..range.end)
-            .map(|i| {
-                let n = |s: &str| format!("blk.{i}.{s}.weight");
-                Ok(LayerWeights {
-                    attn_norm: vector(f, &n("attn_norm"), c.n_embd)?,
-                    wq: matrix(f, &n("attn_q"), c.n_embd, c.n_embd, pack)?,
-                    wk: matrix(f, &n("attn_k"), c.n_embd, kv, pack)?,
-                    wv: matrix(f, &n("attn_v"), c.n_embd, kv, pack)?,
-                    wo: matrix(f, &n("attn_output"), c.n_embd, c.n_embd, pack)?,
-                    ffn_norm: vector(f, &n("ffn_norm"), c.n_embd)?,
-                    w_gate: matrix(f, &n("ffn_gate"), c.n_embd, c.n_ff, pack)?,
-                    w_up: matrix(f, &n("ffn_up"), c.n_embd, c.n_ff, pack)?,
-                    w_down: matrix(f, &n("ffn_down"), c.n_ff, c.n_embd, pack)?,
-                })
-            })
+            .map(|i| LayerWeights::load(f, c, i, pack))
             .collect::<Result<Vec<_>, Error>>()?;
         let first = range.start == 0;
         let last = range.end == c.n_layers;
@@ -158,21 +211,7 @@ impl Weights {
             _ => 0,
         };
         let v = |x: &Vec<f32>| x.len() * 4;
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                v(&l.attn_norm)
-                    + v(&l.ffn_norm)
-                    + m(&l.wq)
-                    + m(&l.wk)
-                    + m(&l.wv)
-                    + m(&l.wo)
-                    + m(&l.w_gate)
-                    + m(&l.w_up)
-                    + m(&l.w_down)
-            })
-            .sum();
+        let layers: usize = self.layers.iter().map(LayerWeights::n_bytes).sum();
         layers + self.embd.as_ref().map_or(0, m) + self.output.as_ref().map_or(0, m) - shared_head
             + self.output_norm.as_ref().map_or(0, v)
     }

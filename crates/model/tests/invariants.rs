@@ -25,6 +25,25 @@ fn specs() -> Vec<TinySpec> {
             ..TinySpec::default()
         });
     }
+    // Every other family, in the weight types its real files use: qwen2 with Q/K/V biases,
+    // qwen3 with QK norms and heads wider than n_embd / n_head, gemma3 with sliding windows
+    // shorter than the prompts (five local layers, then a global one).
+    for (arch, head_dim, n_layers, weight_type, embd_type, tied_head) in [
+        ("qwen2", None, 4, GgmlType::Q5_0, GgmlType::Q8_0, false),
+        ("qwen3", Some(128), 4, GgmlType::Q4K, GgmlType::Q6K, true),
+        ("gemma3", Some(128), 6, GgmlType::Q4K, GgmlType::Q8_0, true),
+    ] {
+        v.push(TinySpec {
+            arch,
+            head_dim,
+            n_layers,
+            weight_type,
+            embd_type,
+            tied_head,
+            window: 5,
+            ..TinySpec::default()
+        });
+    }
     v
 }
 
@@ -94,7 +113,8 @@ fn split_ranges_give_bitwise_the_unsplit_logits() {
             let got = split_logits(&a, &b, &rows, &mut [&mut ca], &mut [&mut cb]);
             assert!(
                 got == reference,
-                "{:?}: split at {k} differs",
+                "{} {:?}: split at {k} differs",
+                spec.arch,
                 spec.weight_type
             );
         }
@@ -489,6 +509,13 @@ fn a_session_started_on_a_shared_prefix_gives_bitwise_its_own_logits() {
         feed(&m, &mut first, 0, &ids[..25]);
         feed(&m, &mut first, 25, &ids[25..]);
         pool.register(&mut first, &ids, root);
+        if pool.is_windowed() {
+            // Sliding-window pools share no prefixes (see `kv.rs`).
+            assert_eq!(first.n_shared_blocks(), 0);
+            let mut second = pool.new_cache(64);
+            assert_eq!(pool.attach(&mut second, &ids, root, 2), 0);
+            continue;
+        }
         assert_eq!(first.n_shared_blocks(), 2);
         // A second starts on those blocks and computes only the rest.
         let mut second = pool.new_cache(64);
@@ -517,4 +544,67 @@ fn a_session_started_on_a_shared_prefix_gives_bitwise_its_own_logits() {
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// A sliding-window layer keeps K and V only inside its window: along a session far longer
+/// than the window, the pool holds the windowed part of a bounded number of blocks (the pool's
+/// counts), costs less than keeping everything, and the logits are bitwise those of a cache
+/// that keeps every position of every layer. A rewind inside the kept slack continues exactly;
+/// one behind it forgets the session.
+#[test]
+fn a_sliding_window_layer_keeps_kv_only_inside_its_window() {
+    let spec = specs()
+        .into_iter()
+        .find(|s| s.arch == "gemma3")
+        .expect("a gemma3 spec");
+    let m = load(&spec, None, 2);
+    let (n_vocab, kv_dim) = (m.config().n_vocab, m.config().kv_dim());
+    let ids = prompt(9, 230);
+    let chunk = 7;
+    let everything = model::KvPool::new(m.range(), kv_dim, usize::MAX);
+    let pool = m.new_pool(usize::MAX);
+    assert!(pool.is_windowed());
+    let keep = pool.window_keep_positions();
+    assert_eq!(keep, spec.window - 1 + model::BLOCK_POSITIONS);
+    let most = (keep + chunk).div_ceil(model::BLOCK_POSITIONS) + 1;
+    let (mut full, mut windowed) = (everything.new_cache(256), pool.new_cache(256));
+    let global_part = pool.block_bytes() - pool.window_block_bytes();
+    for (ci, part) in ids.chunks(chunk).enumerate() {
+        let start = ci * chunk;
+        let want = feed(&m, &mut full, start, part);
+        let got = feed(&m, &mut windowed, start, part);
+        assert_eq!(bits(&got), bits(&want), "chunk at {start}");
+        let blocks = windowed.n_blocks();
+        assert!(
+            windowed.n_window_blocks() <= most,
+            "{} windowed blocks at length {}",
+            windowed.n_window_blocks(),
+            windowed.len()
+        );
+        assert_eq!(pool.window_blocks_in_use(), windowed.n_window_blocks());
+        assert_eq!(
+            pool.bytes_in_use(),
+            blocks * global_part + windowed.n_window_blocks() * pool.window_block_bytes()
+        );
+        assert_eq!(pool.bytes_in_use(), windowed.n_bytes());
+    }
+    // Five of the six layers are windowed: past the window, the session costs little more
+    // than its one global layer.
+    assert_eq!(pool.window_block_bytes() * 6, pool.block_bytes() * 5);
+    assert!(pool.bytes_in_use() * 3 < everything.bytes_in_use());
+    // Rewinding by a few positions stays inside the kept slack: the same logits again.
+    let len = windowed.len();
+    windowed.truncate(len - 3);
+    full.truncate(len - 3);
+    assert_eq!(windowed.len(), len - 3);
+    let want = feed(&m, &mut full, len - 3, &ids[len - 3..]);
+    let got = feed(&m, &mut windowed, len - 3, &ids[len - 3..]);
+    assert_eq!(bits(&got), bits(&want));
+    assert_eq!(bits(&got[..n_vocab]), bits(&want[..n_vocab]));
+    // Rewinding behind it cannot be continued: everything is forgotten and given back.
+    windowed.truncate(len - keep - 40);
+    assert_eq!(windowed.len(), 0);
+    assert_eq!(pool.bytes_in_use(), 0);
+    let again = feed(&m, &mut windowed, 0, &ids[..20]);
+    assert_eq!(bits(&again), bits(&run_alone(&m, &ids[..20], 20)));
 }

@@ -250,7 +250,7 @@ impl ShardCore {
             protocol_version: proto::PROTOCOL_VERSION,
             model_digest: digest.clone(),
             model_name,
-            architecture: "llama".into(),
+            architecture: c.family.name().into(),
             layer_start: range.start as u32,
             layer_end: range.end as u32,
             n_layers: c.n_layers as u32,
@@ -269,7 +269,7 @@ impl ShardCore {
             }),
             budgets: Some(Budgets {
                 weight_bytes: model.weight_bytes() as u64,
-                kv_bytes: config.kv_budget_bytes as u64,
+                kv_bytes: kv_pool.budget_bytes() as u64,
                 max_sessions: config.max_sessions as u32,
                 // Every row of a step may produce logits (a decode step), so this is the most a
                 // step of that many tokens can need.
@@ -279,6 +279,8 @@ impl ShardCore {
                 scratch_bytes_per_token: scratch_per_token as u64,
                 inflight_bytes: config.inflight_budget_bytes as u64,
                 weights_budget_bytes: config.weights_budget_bytes as u64,
+                kv_window_block_bytes: kv_pool.window_block_bytes() as u64,
+                kv_window_keep_positions: kv_pool.window_keep_positions() as u64,
             }),
             listen: config.label.clone(),
             pinned: config.pinned,

@@ -241,9 +241,19 @@ impl Worker {
             )),
             Some(s) => {
                 // A fragment that starts inside the cache rewinds it (replay after a retry);
-                // whole blocks past the new end go back to the pool.
+                // whole blocks past the new end go back to the pool. Rewinding behind what a
+                // sliding-window layer kept forgets the session.
                 s.kv.truncate(base);
-                s.tokens.truncate(base);
+                s.tokens.truncate(s.kv.len());
+                if s.kv.len() < base {
+                    return Err(refusal(
+                        id,
+                        "cache_miss",
+                        format!(
+                            "session {id} rewinds to position {base} on shard {label}, behind the sliding window it kept"
+                        ),
+                    ));
+                }
                 Ok(false)
             }
             None if base != 0 => Err(refusal(
@@ -502,7 +512,7 @@ impl Worker {
             if let Some(s) = self.sessions.get_mut(&SessionKey { stream, id }) {
                 if s.kv.len() > len {
                     s.kv.truncate(len);
-                    s.tokens.truncate(len);
+                    s.tokens.truncate(s.kv.len());
                 }
             }
         }

@@ -13,8 +13,8 @@ use crate::RunArgs;
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Path of the GGUF model (one-process bench).
-    #[arg(long, env = "STRATA_MODEL", required_unless_present = "url")]
+    /// Path of the GGUF model, or a known model name (one-process bench).
+    #[arg(long, env = "STRATA_MODEL", required_unless_present = "url", value_parser = crate::models::model_path)]
     model: Option<std::path::PathBuf>,
     /// Bench a running tracker instead (e.g. http://127.0.0.1:8080).
     #[arg(long, conflicts_with = "model")]

@@ -15,8 +15,8 @@ use crate::model_cmd::parse_range;
 
 #[derive(Args)]
 pub struct ShardArgs {
-    /// Path of the GGUF model.
-    #[arg(long, env = "STRATA_MODEL")]
+    /// Path of the GGUF model, or a known model name (fetched and cached: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m).
+    #[arg(long, env = "STRATA_MODEL", value_parser = crate::models::model_path)]
     model: PathBuf,
     /// Layer range `A..B` this shard serves.
     #[arg(long)]

@@ -6,6 +6,7 @@ mod bench_cluster;
 mod cluster_cmd;
 mod local;
 mod model_cmd;
+mod models;
 mod serve_cmd;
 
 use std::io::Write;
@@ -55,8 +56,8 @@ enum Command {
 /// Options shared by every command that runs the model.
 #[derive(Args, Clone)]
 pub(crate) struct RunArgs {
-    /// Path of the GGUF model.
-    #[arg(long, env = "STRATA_MODEL")]
+    /// Path of the GGUF model, or a known model name (fetched and cached: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m).
+    #[arg(long, env = "STRATA_MODEL", value_parser = crate::models::model_path)]
     pub(crate) model: PathBuf,
     /// Kernel threads (default: all cores).
     #[arg(long, env = "STRATA_THREADS")]
@@ -159,8 +160,8 @@ struct LogitsArgs {
 
 #[derive(Args)]
 struct TokenizeArgs {
-    /// Path of the GGUF model whose tokenizer to use.
-    #[arg(long, env = "STRATA_MODEL")]
+    /// Path of the GGUF model whose tokenizer to use, or a known model name.
+    #[arg(long, env = "STRATA_MODEL", value_parser = crate::models::model_path)]
     model: PathBuf,
     /// Parse special-token text (such as <|im_end|>) into special tokens.
     #[arg(long)]

@@ -48,7 +48,7 @@ pub fn run(cmd: ModelCommand) -> Result<()> {
     let file = gguf::GgufFile::open(&path)?;
     // Measured after the header is parsed, so the growth below is the weights alone.
     let (_, rss_before) = proto::rss_bytes();
-    let config = model::LlamaConfig::from_header(file.header())?;
+    let config = model::ModelConfig::from_header(file.header())?;
     let range = match &a.layers {
         Some(s) => {
             let (start, end) = parse_range(s)?;

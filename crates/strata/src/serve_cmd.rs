@@ -22,8 +22,8 @@ use crate::cluster_cmd::{
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Path of the GGUF model.
-    #[arg(long, env = "STRATA_MODEL")]
+    /// Path of the GGUF model, or a known model name (fetched and cached: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m).
+    #[arg(long, env = "STRATA_MODEL", value_parser = crate::models::model_path)]
     model: PathBuf,
     /// Number of shard processes; 1 runs the shard inside this process (in-memory transport).
     #[arg(long, default_value_t = 2)]
@@ -80,7 +80,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let config = tracker_config(&a.route, &a.api)?;
     let file =
         gguf::GgufFile::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
-    let n_layers = model::LlamaConfig::from_header(file.header())?.n_layers;
+    let n_layers = model::ModelConfig::from_header(file.header())?.n_layers;
     drop(file);
     if a.shards > n_layers {
         bail!(

@@ -1,5 +1,5 @@
-//! Dev-only helpers: tiny random-weight llama models written as real GGUF files, and the way
-//! tests find the real model and llama.cpp's reference outputs.
+//! Dev-only helpers: tiny random-weight models of every family strata runs, written as real
+//! GGUF files, and the way tests find the real models and llama.cpp's reference outputs.
 //!
 //! Tiny models exercise the same loader, kernels and forward pass as the real one, in every
 //! weight type the kernels support, so the unit suite needs no download.
@@ -27,6 +27,13 @@ pub struct TinySpec {
     /// Whether the output head reuses the token embedding (as SmolLM2 does).
     pub tied_head: bool,
     pub seed: u64,
+    /// The family: `llama`, `qwen2` (Q/K/V biases), `qwen3` (QK norms), `gemma3` (QK norms,
+    /// norms after attention and FFN, sliding windows on five of every six layers).
+    pub arch: &'static str,
+    /// Head size when it is not `n_embd / n_head` (written as `attention.key_length`).
+    pub head_dim: Option<usize>,
+    /// gemma3's sliding window.
+    pub window: usize,
 }
 
 impl Default for TinySpec {
@@ -41,6 +48,9 @@ impl Default for TinySpec {
             embd_type: GgmlType::Q8_0,
             tied_head: true,
             seed: 1,
+            arch: "llama",
+            head_dim: None,
+            window: 8,
         }
     }
 }
@@ -92,25 +102,34 @@ impl Rng {
     }
 }
 
-/// Writes a tiny llama model as GGUF bytes.
+/// Writes a tiny model of `spec.arch` as GGUF bytes.
 pub fn tiny_model_bytes(spec: &TinySpec) -> Vec<u8> {
     let vocab = tiny_vocab();
     let n_vocab = vocab.len();
     let mut rng = Rng(spec.seed);
     let mut w = Writer::new(3);
     let u32v = |v: usize| Value::U32(v as u32);
-    w.metadata("general.architecture", Value::String("llama".into()))
+    let a = spec.arch;
+    let k = |key: &str| format!("{a}.{key}");
+    w.metadata("general.architecture", Value::String(a.into()))
         .metadata("general.name", Value::String("strata-tiny".into()))
-        .metadata("llama.block_count", u32v(spec.n_layers))
-        .metadata("llama.context_length", u32v(512))
-        .metadata("llama.embedding_length", u32v(spec.n_embd))
-        .metadata("llama.feed_forward_length", u32v(spec.n_ff))
-        .metadata("llama.attention.head_count", u32v(spec.n_head))
-        .metadata("llama.attention.head_count_kv", u32v(spec.n_head_kv))
-        .metadata("llama.rope.freq_base", Value::F32(10000.0))
-        .metadata("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
-        .metadata("llama.vocab_size", u32v(n_vocab))
-        .metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
+        .metadata(&k("block_count"), u32v(spec.n_layers))
+        .metadata(&k("context_length"), u32v(512))
+        .metadata(&k("embedding_length"), u32v(spec.n_embd))
+        .metadata(&k("feed_forward_length"), u32v(spec.n_ff))
+        .metadata(&k("attention.head_count"), u32v(spec.n_head))
+        .metadata(&k("attention.head_count_kv"), u32v(spec.n_head_kv))
+        .metadata(&k("rope.freq_base"), Value::F32(10000.0))
+        .metadata(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5))
+        .metadata(&k("vocab_size"), u32v(n_vocab));
+    if let Some(hd) = spec.head_dim {
+        w.metadata(&k("attention.key_length"), u32v(hd))
+            .metadata(&k("attention.value_length"), u32v(hd));
+    }
+    if a == "gemma3" {
+        w.metadata(&k("attention.sliding_window"), u32v(spec.window));
+    }
+    w.metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
         .metadata("tokenizer.ggml.pre", Value::String("smollm".into()))
         .metadata("tokenizer.ggml.tokens", Value::strings(&vocab))
         .metadata(
@@ -148,12 +167,24 @@ pub fn tiny_model_bytes(spec: &TinySpec) -> Vec<u8> {
             quant::quantize(GgmlType::F32, &data).unwrap(),
         );
     };
-    let (d, kv, ff, ty) = (
+    let hd = spec.head_dim.unwrap_or(spec.n_embd / spec.n_head);
+    let (d, q, kv, ff, ty) = (
         spec.n_embd,
-        spec.n_embd / spec.n_head * spec.n_head_kv,
+        hd * spec.n_head,
+        hd * spec.n_head_kv,
         spec.n_ff,
         spec.weight_type,
     );
+    let vector = |w: &mut Writer, name: &str, n: usize, rng: &mut Rng| {
+        let data = rng.fill(n, 0.3);
+        w.tensor(
+            name,
+            &[n as u64],
+            GgmlType::F32,
+            quant::quantize(GgmlType::F32, &data).unwrap(),
+        );
+    };
+    let (bias, qk_norm, post_norms) = (a == "qwen2", a == "qwen3" || a == "gemma3", a == "gemma3");
     let embd = rng.fill(d * n_vocab, 1.0);
     w.tensor(
         "token_embd.weight",
@@ -163,15 +194,31 @@ pub fn tiny_model_bytes(spec: &TinySpec) -> Vec<u8> {
     );
     for i in 0..spec.n_layers {
         let n = |s: &str| format!("blk.{i}.{s}.weight");
+        let b = |s: &str| format!("blk.{i}.{s}.bias");
         norm(&mut w, &n("attn_norm"), d, &mut rng);
-        matrix(&mut w, &n("attn_q"), d, d, ty, &mut rng);
+        matrix(&mut w, &n("attn_q"), d, q, ty, &mut rng);
         matrix(&mut w, &n("attn_k"), d, kv, ty, &mut rng);
         matrix(&mut w, &n("attn_v"), d, kv, ty, &mut rng);
-        matrix(&mut w, &n("attn_output"), d, d, ty, &mut rng);
+        if bias {
+            vector(&mut w, &b("attn_q"), q, &mut rng);
+            vector(&mut w, &b("attn_k"), kv, &mut rng);
+            vector(&mut w, &b("attn_v"), kv, &mut rng);
+        }
+        if qk_norm {
+            norm(&mut w, &n("attn_q_norm"), hd, &mut rng);
+            norm(&mut w, &n("attn_k_norm"), hd, &mut rng);
+        }
+        matrix(&mut w, &n("attn_output"), q, d, ty, &mut rng);
+        if post_norms {
+            norm(&mut w, &n("post_attention_norm"), d, &mut rng);
+        }
         norm(&mut w, &n("ffn_norm"), d, &mut rng);
         matrix(&mut w, &n("ffn_gate"), d, ff, ty, &mut rng);
         matrix(&mut w, &n("ffn_up"), d, ff, ty, &mut rng);
         matrix(&mut w, &n("ffn_down"), ff, d, ty, &mut rng);
+        if post_norms {
+            norm(&mut w, &n("post_ffw_norm"), d, &mut rng);
+        }
     }
     norm(&mut w, "output_norm.weight", d, &mut rng);
     if !spec.tied_head {
@@ -211,22 +258,42 @@ pub fn repo_root() -> PathBuf {
 /// cached and checksummed, so this is fast after the first time). Panics with the reason when
 /// the model cannot be had: the real-model suite must not silently skip.
 pub fn real_model() -> PathBuf {
-    if let Some(p) = std::env::var_os("STRATA_MODEL") {
-        return PathBuf::from(p);
+    match std::env::var_os("STRATA_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => named_model("smollm2-135m"),
     }
+}
+
+/// A known model by name (`scripts/fetch-model.sh --list`), fetched, checksummed and cached
+/// by that script the first time. Panics with the reason when it cannot be had.
+pub fn named_model(name: &str) -> PathBuf {
     let script = repo_root().join("scripts/fetch-model.sh");
     let out = std::process::Command::new("bash")
         .arg(&script)
+        .arg(name)
         .output()
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
     assert!(
         out.status.success(),
-        "{} failed: {}",
+        "{} {name} failed: {}",
         script.display(),
         String::from_utf8_lossy(&out.stderr)
     );
     PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
 }
+
+/// The real models with llama.cpp reference files: (fetch name, reference file).
+pub const REAL_MODELS: [(&str, &str); 3] = [
+    (
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.json",
+    ),
+    (
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.json",
+    ),
+    ("gemma3-270m", "gemma-3-270m-q4_k_m.json"),
+];
 
 /// llama.cpp's reference outputs: `reference/` in the repository (llama.cpp's output for the
 /// real models, kept as data so a lone clone passes its tests), or `STRATA_REFERENCE_DIR`.

@@ -302,11 +302,18 @@ async fn start_route(
             .iter()
             .map(|i| {
                 let b = i.budgets.unwrap_or_default();
+                let block_positions = i.recipe.as_ref().map_or(16, |r| r.block_size).max(1);
+                // A session's step appends at most a prefill chunk (or one decode position).
+                let step = config.scheduler.max_prefill_chunk.max(1) as u64;
                 engine::ShardBudget {
                     address: i.listen.clone(),
                     kv_budget_bytes: b.kv_bytes,
                     kv_block_bytes: b.kv_block_bytes,
-                    block_positions: i.recipe.as_ref().map_or(16, |r| r.block_size),
+                    block_positions,
+                    kv_window_block_bytes: b.kv_window_block_bytes,
+                    kv_window_blocks_max: (b.kv_window_keep_positions + step)
+                        .div_ceil(block_positions as u64)
+                        + 1,
                     max_sessions: b.max_sessions,
                 }
             })

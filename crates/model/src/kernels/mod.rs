@@ -7,6 +7,7 @@
 pub mod act;
 pub mod attn;
 pub mod exp;
+pub mod gelu;
 pub mod packed;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
@@ -82,11 +83,15 @@ pub struct Kernels {
     q4_0: DotFn,
     q4_1: DotFn,
     q8_0: DotFn,
+    q5_0: DotFn,
+    q5_1: DotFn,
     q4k: DotFn,
     q6k: DotFn,
     q4_0_x4: Dot4Fn,
     q4_1_x4: Dot4Fn,
     q8_0_x4: Dot4Fn,
+    q5_0_x4: Dot4Fn,
+    q5_1_x4: Dot4Fn,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -107,11 +112,15 @@ impl Kernels {
                 q4_0: scalar::dot_q4_0_q8_0,
                 q4_1: scalar::dot_q4_1_q8_1,
                 q8_0: scalar::dot_q8_0_q8_0,
+                q5_0: scalar::dot_q5_0_q8_0,
+                q5_1: scalar::dot_q5_1_q8_1,
                 q4k: scalar::dot_q4k_q8k,
                 q6k: scalar::dot_q6k_q8k,
                 q4_0_x4: |n, w, a| rows_of(scalar::dot_q4_0_q8_0, n, w, a),
                 q4_1_x4: |n, w, a| rows_of(scalar::dot_q4_1_q8_1, n, w, a),
                 q8_0_x4: |n, w, a| rows_of(scalar::dot_q8_0_q8_0, n, w, a),
+                q5_0_x4: |n, w, a| rows_of(scalar::dot_q5_0_q8_0, n, w, a),
+                q5_1_x4: |n, w, a| rows_of(scalar::dot_q5_1_q8_1, n, w, a),
             },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => Kernels {
@@ -123,6 +132,10 @@ impl Kernels {
                 q4_0_x4: |n, w, a| unsafe { x86::avx2::dot_q4_0_q8_0::<4>(n, w, a) },
                 q4_1_x4: |n, w, a| unsafe { x86::avx2::dot_q4_1_q8_1::<4>(n, w, a) },
                 q8_0_x4: |n, w, a| unsafe { x86::avx2::dot_q8_0_q8_0::<4>(n, w, a) },
+                q5_0: |n, w, a| unsafe { x86::avx2::dot_q5_0_q8_0::<1>(n, w, [a])[0] },
+                q5_1: |n, w, a| unsafe { x86::avx2::dot_q5_1_q8_1::<1>(n, w, [a])[0] },
+                q5_0_x4: |n, w, a| unsafe { x86::avx2::dot_q5_0_q8_0::<4>(n, w, a) },
+                q5_1_x4: |n, w, a| unsafe { x86::avx2::dot_q5_1_q8_1::<4>(n, w, a) },
                 q4k: |n, w, a| unsafe { x86::avx2::dot_q4k_q8k(n, w, a) },
                 q6k: |n, w, a| unsafe { x86::avx2::dot_q6k_q8k(n, w, a) },
             },
@@ -135,6 +148,10 @@ impl Kernels {
                 q4_0_x4: |n, w, a| unsafe { x86::vnni::dot_q4_0_q8_0::<4>(n, w, a) },
                 q4_1_x4: |n, w, a| unsafe { x86::vnni::dot_q4_1_q8_1::<4>(n, w, a) },
                 q8_0_x4: |n, w, a| unsafe { x86::vnni::dot_q8_0_q8_0::<4>(n, w, a) },
+                q5_0: |n, w, a| unsafe { x86::vnni::dot_q5_0_q8_0::<1>(n, w, [a])[0] },
+                q5_1: |n, w, a| unsafe { x86::vnni::dot_q5_1_q8_1::<1>(n, w, [a])[0] },
+                q5_0_x4: |n, w, a| unsafe { x86::vnni::dot_q5_0_q8_0::<4>(n, w, a) },
+                q5_1_x4: |n, w, a| unsafe { x86::vnni::dot_q5_1_q8_1::<4>(n, w, a) },
                 q4k: |n, w, a| unsafe { x86::vnni::dot_q4k_q8k(n, w, a) },
                 q6k: |n, w, a| unsafe { x86::vnni::dot_q6k_q8k(n, w, a) },
             },
@@ -162,7 +179,9 @@ impl Kernels {
             GgmlType::Q8_0 => (self.q8_0)(n, w, a),
             GgmlType::Q4K => (self.q4k)(n, w, a),
             GgmlType::Q6K => (self.q6k)(n, w, a),
-            GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q5K => {
+            GgmlType::Q5_0 => (self.q5_0)(n, w, a),
+            GgmlType::Q5_1 => (self.q5_1)(n, w, a),
+            GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q5K => {
                 dot_dequant_quantized(ty, n, w, a, scratch)
             }
             _ => scalar::dot_dequant_f32(ty, n, w, a, scratch),
@@ -186,6 +205,8 @@ impl Kernels {
             GgmlType::Q4_0 => (self.q4_0_x4)(n, w, a),
             GgmlType::Q4_1 => (self.q4_1_x4)(n, w, a),
             GgmlType::Q8_0 => (self.q8_0_x4)(n, w, a),
+            GgmlType::Q5_0 => (self.q5_0_x4)(n, w, a),
+            GgmlType::Q5_1 => (self.q5_1_x4)(n, w, a),
             _ => a.map(|a| self.dot(ty, n, w, a, scratch)),
         }
     }
@@ -265,6 +286,14 @@ impl Kernels {
             return unsafe { exp::avx512::silu_mul(g, u) };
         }
         exp::silu_mul(g, u)
+    }
+
+    /// `g[i] = act(g[i]) * u[i]` for the FFN's activation.
+    pub fn act_mul(&self, act: crate::config::FfnAct, g: &mut [f32], u: &[f32]) {
+        match act {
+            crate::config::FfnAct::Silu => self.silu_mul(g, u),
+            crate::config::FfnAct::GeluTanh => gelu::gelu_mul(g, u),
+        }
     }
 }
 
@@ -469,6 +498,8 @@ mod tests {
             GgmlType::Q4_1,
             GgmlType::Q8_0,
             GgmlType::Q4K,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
         ] {
             let n = if ty == GgmlType::Q4K { 512 } else { 576 };
             let w = gguf::quant::quantize(ty, &data(n, 9)).unwrap();

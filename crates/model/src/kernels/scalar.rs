@@ -33,6 +33,36 @@ pub fn dot_q4_1_q8_1(n: usize, w: &[u8], a: &[u8]) -> f32 {
     sum
 }
 
+/// The 5-bit value `j` (0..32) of a Q5 block: a nibble of `qs` and a bit of `qh`.
+fn q5(qs: &[u8], qh: u32, j: usize) -> i32 {
+    let nib = if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 };
+    (nib as i32) | ((((qh >> j) & 1) as i32) << 4)
+}
+
+pub fn dot_q5_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0f32;
+    for (wb, ab) in w.chunks_exact(22).zip(a.chunks_exact(34)).take(n / 32) {
+        let qh = u32::from_le_bytes([wb[2], wb[3], wb[4], wb[5]]);
+        let isum: i32 = (0..32)
+            .map(|j| (q5(&wb[6..], qh, j) - 16) * ab[2 + j] as i8 as i32)
+            .sum();
+        sum += f16_at(wb, 0) * f16_at(ab, 0) * isum as f32;
+    }
+    sum
+}
+
+pub fn dot_q5_1_q8_1(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0f32;
+    for (wb, ab) in w.chunks_exact(24).zip(a.chunks_exact(36)).take(n / 32) {
+        let qh = u32::from_le_bytes([wb[4], wb[5], wb[6], wb[7]]);
+        let isum: i32 = (0..32)
+            .map(|j| q5(&wb[8..], qh, j) * ab[4 + j] as i8 as i32)
+            .sum();
+        sum += f16_at(wb, 0) * f16_at(ab, 0) * isum as f32 + f16_at(wb, 2) * f16_at(ab, 2);
+    }
+    sum
+}
+
 pub fn dot_q8_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
     let mut sum = 0f32;
     for (wb, ab) in w.chunks_exact(34).zip(a.chunks_exact(34)).take(n / 32) {

@@ -117,6 +117,95 @@ macro_rules! int_kernels {
                 out
             }
 
+            /// 32 bytes, 0xFF where bit `i` of `bits` is set (byte `i`), else 0.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn bit_bytes(bits: u32) -> __m256i {
+                let spread = _mm256_shuffle_epi8(
+                    _mm256_set1_epi32(bits as i32),
+                    _mm256_set_epi64x(
+                        0x0303030303030303,
+                        0x0202020202020202,
+                        0x0101010101010101,
+                        0,
+                    ),
+                );
+                let probe = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+                _mm256_cmpeq_epi8(probe, _mm256_set1_epi64x(-1))
+            }
+
+            /// # Safety
+            /// As for [`dot_q4_1_q8_1`] (`w` holds Q5_0 blocks).
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q5_0_q8_0<const R: usize>(
+                n: usize,
+                w: &[u8],
+                a: [&[u8]; R],
+            ) -> [f32; R] {
+                let nb = n / 32;
+                assert!(w.len() >= nb * 22 && a.iter().all(|a| a.len() >= nb * 34));
+                let mut acc = [_mm256_setzero_ps(); R];
+                for i in 0..nb {
+                    let wb = &w[i * 22..];
+                    let qh = u32::from_le_bytes([wb[2], wb[3], wb[4], wb[5]]);
+                    // value - 16 as i8: the nibble where the high bit is set, else nibble | 0xF0.
+                    let high = _mm256_andnot_si256(bit_bytes(qh), _mm256_set1_epi8(0xF0u8 as i8));
+                    // SAFETY: bounds asserted above.
+                    let x = _mm256_or_si256(unsafe { nibbles(wb.as_ptr().add(6)) }, high);
+                    let ax = _mm256_sign_epi8(x, x);
+                    let wd = f16(wb, 0);
+                    for r in 0..R {
+                        let ab = &a[r][i * 34..];
+                        // SAFETY: bounds asserted above.
+                        let q8 =
+                            unsafe { _mm256_loadu_si256(ab.as_ptr().add(2) as *const __m256i) };
+                        let sums = _mm256_cvtepi32_ps(dot_u8i8(ax, _mm256_sign_epi8(q8, x)));
+                        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * f16(ab, 0)), sums, acc[r]);
+                    }
+                }
+                let mut out = [0f32; R];
+                for r in 0..R {
+                    out[r] = hsum(acc[r]);
+                }
+                out
+            }
+
+            /// # Safety
+            /// As for [`dot_q4_1_q8_1`] (`w` holds Q5_1 blocks).
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q5_1_q8_1<const R: usize>(
+                n: usize,
+                w: &[u8],
+                a: [&[u8]; R],
+            ) -> [f32; R] {
+                let nb = n / 32;
+                assert!(w.len() >= nb * 24 && a.iter().all(|a| a.len() >= nb * 36));
+                let mut acc = [_mm256_setzero_ps(); R];
+                let mut mins = [0f32; R];
+                for i in 0..nb {
+                    let wb = &w[i * 24..];
+                    let qh = u32::from_le_bytes([wb[4], wb[5], wb[6], wb[7]]);
+                    let high = _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(0x10));
+                    // SAFETY: bounds asserted above.
+                    let q5 = _mm256_or_si256(unsafe { nibbles(wb.as_ptr().add(8)) }, high);
+                    let (wd, wm) = (f16(wb, 0), f16(wb, 2));
+                    for r in 0..R {
+                        let ab = &a[r][i * 36..];
+                        // SAFETY: bounds asserted above.
+                        let q8 =
+                            unsafe { _mm256_loadu_si256(ab.as_ptr().add(4) as *const __m256i) };
+                        let sums = _mm256_cvtepi32_ps(dot_u8i8(q5, q8));
+                        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * f16(ab, 0)), sums, acc[r]);
+                        mins[r] += wm * f16(ab, 2);
+                    }
+                }
+                let mut out = [0f32; R];
+                for r in 0..R {
+                    out[r] = hsum(acc[r]) + mins[r];
+                }
+                out
+            }
+
             /// # Safety
             /// As for [`dot_q4_1_q8_1`].
             #[target_feature(enable = $features)]

@@ -1,0 +1,206 @@
+//! Parity with llama.cpp on the real Qwen2.5-Coder (qwen2) and Gemma 3 (gemma3) files, against
+//! the reference files in `reference/` (llama-server, 2 threads).
+//!
+//! The reference's `generated_ids` were drawn by llama-server's sampler (its tools ask for
+//! `samplers: []`, which leaves only the seeded draw), so they are not always its argmax; the
+//! `top5_logprobs_per_step` are the raw distribution at every position of that sequence. So
+//! every check runs teacher-forced along the reference ids (one batch: by batch invariance, the
+//! same logits as a decode step by step): llama.cpp's greedy choice at step k is its top-1 there,
+//! and ours must be the same up to the first step whose reference margin is below 0.15; at every
+//! step with margin >= 0.5 our argmax is llama.cpp's; and the top-5 log-probabilities, each
+//! minus the best one's, are close to llama.cpp's: for Qwen2.5 within 0.35 at 90% of steps or
+//! more and within 1.0 at all of them. The figures are printed (`--nocapture`).
+//!
+//! Gemma 3 270M in Q4_K_M is far more sensitive to rounding than Qwen: llama.cpp itself (the
+//! same release, on an AVX2 host) gives top-5 within 0.35 of this reference file at only 89 of
+//! 128 steps (69.5%, mean difference 0.313, largest 0.868), and its own flash-attention and
+//! plain-attention paths on one host differ as much (72.7%, mean 0.292, largest 0.90). So for
+//! Gemma the bound is that spread: within 0.35 at 55% of steps, a mean difference of at most
+//! 0.35, and every step within 1.25; the argmax checks are the same as for Qwen.
+
+use gguf::GgufFile;
+use model::{Batch, Model, ModelOptions, Output, Row};
+use serde_json::Value;
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Log-softmax of one row, in f64.
+fn log_softmax(l: &[f32]) -> Vec<f64> {
+    let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = l.iter().map(|&x| (x as f64 - max).exp()).sum();
+    let lse = max + sum.ln();
+    l.iter().map(|&x| x as f64 - lse).collect()
+}
+
+/// Logits of the positions that predict each generated token: prompt and generated ids in one
+/// batch.
+fn teacher_forced(m: &Model, prompt: &[u32], generated: &[u32]) -> Vec<Vec<f32>> {
+    let all: Vec<u32> = prompt.iter().chain(generated).copied().collect();
+    let first = prompt.len() - 1;
+    let rows: Vec<Row> = all
+        .iter()
+        .enumerate()
+        .map(|(pos, &token)| Row {
+            seq: 0,
+            pos,
+            token,
+            want_logits: pos >= first && pos < first + generated.len(),
+        })
+        .collect();
+    let mut cache = m.new_cache(all.len() + 1);
+    let out = m
+        .forward(
+            Batch {
+                rows: &rows,
+                hidden: None,
+            },
+            &mut [&mut cache],
+        )
+        .unwrap();
+    let Output::Logits(l) = out else {
+        panic!("the whole model returns logits")
+    };
+    l.chunks_exact(m.config().n_vocab)
+        .map(<[f32]>::to_vec)
+        .collect()
+}
+
+/// What one model's entries gave.
+#[derive(Default)]
+struct Tally {
+    steps: usize,
+    within_035: usize,
+    diffs: Vec<f64>,
+    failures: Vec<String>,
+}
+
+fn check_model(name: &str, reference: &str, largest: f64, tally: &mut Tally) {
+    let f = GgufFile::open(testkit::named_model(name)).unwrap();
+    let m = Model::load(&f, None, ModelOptions::default()).unwrap();
+    let r: Value = serde_json::from_str(&testkit::reference_text(reference)).unwrap();
+    for g in r["greedy"].as_array().unwrap() {
+        let entry = g["name"].as_str().unwrap();
+        let (prompt, generated) = (ids(&g["prompt_ids"]), ids(&g["generated_ids"]));
+        let steps = teacher_forced(&m, &prompt, &generated);
+        let tops = g["top5_logprobs_per_step"].as_array().unwrap();
+        let margins: Vec<f64> = g["top1_top2_margin_per_step"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        let mut greedy_open = true;
+        for (k, (l, top)) in steps.iter().zip(tops).enumerate() {
+            let lp = log_softmax(l);
+            let ours = model::sampling::first_max(l) as u32;
+            let theirs: Vec<(u32, f64)> = top
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| {
+                    (
+                        t["id"].as_u64().unwrap() as u32,
+                        t["logprob"].as_f64().unwrap(),
+                    )
+                })
+                .collect();
+            let (best, best_lp) = theirs[0];
+            greedy_open &= margins[k] >= 0.15;
+            if (greedy_open || margins[k] >= 0.5) && ours != best {
+                tally.failures.push(format!(
+                    "{name} {entry} step {k}: our argmax {ours}, llama.cpp's {best} (margin {})",
+                    margins[k]
+                ));
+            }
+            let diff = theirs
+                .iter()
+                .map(|&(id, p)| ((lp[id as usize] - lp[best as usize]) - (p - best_lp)).abs())
+                .fold(0.0, f64::max);
+            if std::env::var_os("STRATA_PARITY_TRACE").is_some() {
+                eprintln!(
+                    "{name} {entry} step {k} (pos {}): diff {diff:.3} margin {:.3}",
+                    prompt.len() - 1 + k,
+                    margins[k]
+                );
+            }
+            tally.steps += 1;
+            tally.within_035 += usize::from(diff <= 0.35);
+            tally.diffs.push(diff);
+            if diff > largest {
+                tally
+                    .failures
+                    .push(format!("{name} {entry} step {k}: top-5 off by {diff:.3}"));
+            }
+        }
+    }
+}
+
+/// How close one model's top-5 must be.
+struct Bound {
+    /// Percentage of steps within 0.35.
+    within_035_percent: usize,
+    mean: f64,
+    largest: f64,
+}
+
+const QWEN: Bound = Bound {
+    within_035_percent: 90,
+    mean: 0.25,
+    largest: 1.0,
+};
+
+const GEMMA: Bound = Bound {
+    within_035_percent: 55,
+    mean: 0.35,
+    largest: 1.25,
+};
+
+fn parity(name: &str, reference: &str, bound: Bound) {
+    let mut t = Tally::default();
+    check_model(name, reference, bound.largest, &mut t);
+    let mean = t.diffs.iter().sum::<f64>() / t.diffs.len() as f64;
+    let max = t.diffs.iter().copied().fold(0.0, f64::max);
+    eprintln!(
+        "{name}: top-5 within 0.35 at {}/{} steps ({:.1}%), mean difference {mean:.4}, largest {max:.4}",
+        t.within_035,
+        t.steps,
+        100.0 * t.within_035 as f64 / t.steps as f64
+    );
+    assert!(t.failures.is_empty(), "{}", t.failures.join("\n"));
+    assert!(
+        t.within_035 * 100 >= t.steps * bound.within_035_percent,
+        "{name}: only {}/{} steps within 0.35",
+        t.within_035,
+        t.steps
+    );
+    assert!(mean <= bound.mean, "{name}: mean difference {mean:.4}");
+}
+
+#[test]
+fn qwen2_5_coder_0_5b_matches_llama_cpp() {
+    parity(
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.json",
+        QWEN,
+    );
+}
+
+#[test]
+fn gemma3_270m_matches_llama_cpp() {
+    parity("gemma3-270m", "gemma-3-270m-q4_k_m.json", GEMMA);
+}
+
+#[test]
+fn qwen2_5_coder_1_5b_matches_llama_cpp() {
+    parity(
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.json",
+        QWEN,
+    );
+}

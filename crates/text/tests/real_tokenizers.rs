@@ -1,0 +1,74 @@
+//! The tokenizers and chat templates of the real Qwen2.5-Coder and Gemma 3 files agree with
+//! llama.cpp: every reference string's ids in both special modes, every greedy entry's prompt
+//! ids, and every chat entry's templated prompt, character for character.
+
+use serde_json::Value;
+use text::{ChatMessage, ChatTemplate, Tokenizer};
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn real_tokenizers_and_templates_match_llama_cpp() {
+    let mut failures = Vec::new();
+    for (name, reference) in testkit::REAL_MODELS {
+        let f = gguf::GgufFile::open(testkit::named_model(name)).unwrap();
+        let tok = Tokenizer::from_header(f.header()).unwrap();
+        let template = ChatTemplate::from_header(f.header(), &tok).unwrap();
+        let r: Value = serde_json::from_str(&testkit::reference_text(reference)).unwrap();
+        for e in r["tokenizer"].as_array().unwrap() {
+            let text = e["text"].as_str().unwrap();
+            for (parse, key) in [(false, "ids"), (true, "ids_parse_special")] {
+                let got = tok.encode(text, false, parse);
+                if got != ids(&e[key]) {
+                    failures.push(format!(
+                        "{name} tokenizer {} (parse_special={parse}): got {got:?}, want {:?}",
+                        e["name"], e[key]
+                    ));
+                }
+            }
+        }
+        for g in r["greedy"].as_array().unwrap() {
+            let prompt = g["prompt"].as_str().unwrap();
+            let want = ids(&g["prompt_ids"]);
+            if let Some(messages) = g.get("messages") {
+                let messages: Vec<ChatMessage> = serde_json::from_value(messages.clone()).unwrap();
+                let t = template
+                    .as_ref()
+                    .expect("a chat entry's model has a template");
+                let rendered = t.render(&messages, true).unwrap();
+                if rendered != prompt {
+                    failures.push(format!(
+                        "{name} {}: template gave {rendered:?}, want {prompt:?}",
+                        g["name"]
+                    ));
+                }
+                let got = tok.encode_chat(t, &messages).unwrap();
+                if got != want {
+                    failures.push(format!(
+                        "{name} {}: chat ids {got:?}, want {want:?}",
+                        g["name"]
+                    ));
+                }
+            }
+            let got = tok.encode(prompt, true, true);
+            if got != want {
+                failures.push(format!(
+                    "{name} {}: prompt ids {got:?}, want {want:?}",
+                    g["name"]
+                ));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
