@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # strata against llama.cpp on the same model, threads and machine, in the same run.
 #
-# Usage: LLAMA_CPP_DIR=/path/to/llama.cpp/build bench/compare-llamacpp.sh [threads] [repetitions]
-# (STREAM_REQUESTS, default 10: single-stream requests per server and round)
+# Usage: LLAMA_CPP_DIR=/path/to/llama.cpp/build [MODEL=name-or-path] bench/compare-llamacpp.sh [threads] [repetitions]
+# (MODEL: a GGUF path or a name `scripts/fetch-model.sh --list` knows, default smollm2-135m;
+# STREAM_REQUESTS, default 10: single-stream requests per server and round)
 #
 # LLAMA_CPP_DIR is a llama.cpp build (its bin/ holds llama-bench and llama-server); this script
 # neither builds nor downloads it. Each round runs llama.cpp then strata back to back; the
@@ -17,6 +18,10 @@
 #     the shards: the three servers run together (an idle one sleeps) and take single requests
 #     in turn, so each request of a route is compared with the one-process request just before
 #     it and a phase of the machine that slows one of them does not skew the ratio;
+#   - a 2-shard route against llama.cpp split over two local `ggml-rpc-server` processes
+#     (llama-bench --rpc, every layer offloaded to them): pp512 and tg64 against the route's
+#     prefill rate and single-stream decode for a 512-token prompt (`strata bench --url`);
+#     skipped when the build has no ggml-rpc-server;
 #   - peak resident memory of a server with a 4096-token context after one request.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +31,9 @@ reps=${2:-3}
 lbench="$LLAMA_CPP_DIR/bin/llama-bench"
 lserver="$LLAMA_CPP_DIR/bin/llama-server"
 [ -x "$lbench" ] && [ -x "$lserver" ] || { echo "no llama-bench / llama-server in $LLAMA_CPP_DIR/bin" >&2; exit 1; }
-model=$(scripts/fetch-model.sh)
+MODEL=${MODEL:-smollm2-135m}
+if [ -f "$MODEL" ]; then model=$MODEL; else model=$(scripts/fetch-model.sh "$MODEL"); fi
+lrpc="$LLAMA_CPP_DIR/bin/ggml-rpc-server"
 cargo build --release --quiet -p strata
 strata=target/release/strata
 out=$(mktemp -d)
@@ -76,6 +83,18 @@ for r in $(seq 1 "$reps"); do
     done
   done
   kill "${pids[@]}"; wait "${pids[@]}" 2>/dev/null || true
+
+  if [ -x "$lrpc" ]; then
+    "$lrpc" -H 127.0.0.1 -p 18198 -t "$threads" >/dev/null 2>&1 & r1=$!
+    "$lrpc" -H 127.0.0.1 -p 18199 -t "$threads" >/dev/null 2>&1 & r2=$!
+    sleep 1
+    "$lbench" -m "$model" -t "$threads" --rpc 127.0.0.1:18198,127.0.0.1:18199 -ngl 99 -p 512 -n 64 -r 3 -o json > "$out/llama-rpc-$r.json" 2>/dev/null
+    kill $r1 $r2; wait $r1 $r2 2>/dev/null || true
+    "$strata" serve --model "$model" --shards 2 --threads "$threads" --listen 127.0.0.1:18192 >/dev/null 2>&1 &
+    pid=$!; wait_http 18192
+    "$strata" bench --url http://127.0.0.1:18192 --prompt-tokens 512 --gen-tokens 64 --concurrency 1 --requests 3 --json > "$out/strata-route-$r.json"
+    kill $pid; wait $pid 2>/dev/null || true
+  fi
 done
 
 # Peak RSS with a 4096-token context, after one 512-token prompt and 64 new tokens.
@@ -89,7 +108,7 @@ pid=$!; wait_http 18193; ask 18193; echo "$(peak_rss_mib $pid)" > "$out/llama-rs
 "$strata" serve --model "$model" --shards 1 --threads "$threads" --ctx 4096 --listen 127.0.0.1:18194 >/dev/null 2>&1 &
 pid=$!; wait_http 18194; ask 18194; echo "$(peak_rss_mib $pid)" > "$out/strata-rss"; kill $pid; wait $pid 2>/dev/null || true
 
-python3 - "$out" "$reps" "$conc" "$stream_requests" <<'PY'
+python3 - "$out" "$reps" "$conc" "$stream_requests" "$model" <<'PY'
 import json, statistics, sys
 out, reps, conc, n_stream = sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")], int(sys.argv[4])
 load = lambda name, r: json.load(open(f"{out}/{name}-{r}.json"))
@@ -115,6 +134,16 @@ for c in conc:
     l = med(agg("llama-server", r, c) for r in rounds)
     s = med(agg("strata-serve", r, c) for r in rounds)
     rows.append((f"aggregate decode t/s, {c} concurrent (llama-server 8 slots vs strata serve)", l, s))
+import os
+if os.path.exists(f"{out}/llama-rpc-1.json"):
+    route = lambda r, key: load("strata-route", r)["runs"][0][key]
+    for name, key in [("pp512", "prefill_tps_p50"), ("tg64", "decode_tps_per_stream_p50")]:
+        l = med(next(t["avg_ts"] for t in load("llama-rpc", r) if f"{'pp' if t['n_gen'] == 0 else 'tg'}{t['n_prompt'] or t['n_gen']}" == name) for r in rounds)
+        s = med(route(r, key) for r in rounds)
+        rows.append((f"{name}, two local ggml-rpc-servers vs a 2-shard route (512-token prompt)", l, s))
+else:
+    print("(no ggml-rpc-server in LLAMA_CPP_DIR: the RPC rows are skipped)")
+print(f"model: {os.path.basename(sys.argv[5])}")
 print(f"| test | llama.cpp | strata | strata / llama.cpp |")
 print(f"| --- | ---: | ---: | ---: |")
 for name, l, s in rows:

@@ -70,14 +70,15 @@ impl GgufFile {
         &self.bytes()[start..start + info.n_bytes as usize]
     }
 
-    /// Copies a tensor's bytes out of the file and drops the copied pages from this process's
-    /// resident set, so a loader's memory is its copies, not the mapping as well.
-    pub fn copy_tensor(&self, info: &TensorInfo) -> Vec<u8> {
-        let out = self.data(info).to_vec();
+    /// Drops the whole pages of bytes `range` of a tensor's data (a loader has copied them)
+    /// from this process's resident set, so a loader's memory is its copies, not the mapping
+    /// as well. Nothing happens for a file read into memory.
+    pub fn release(&self, info: &TensorInfo, range: std::ops::Range<usize>) {
         if let Backing::Mmap(m) = &self.backing {
             let page = 4096u64;
-            let start = (self.header.data_offset + info.offset).div_ceil(page) * page;
-            let end = (self.header.data_offset + info.offset + info.n_bytes) / page * page;
+            let base = self.header.data_offset + info.offset;
+            let start = (base + range.start as u64).div_ceil(page) * page;
+            let end = (base + range.end.min(info.n_bytes as usize) as u64) / page * page;
             if end > start {
                 // SAFETY: a read-only shared file mapping; DONTNEED only drops clean pages, which
                 // are read back from the file if touched again.
@@ -90,7 +91,6 @@ impl GgufFile {
                 };
             }
         }
-        out
     }
 
     /// Looks a tensor up by name.

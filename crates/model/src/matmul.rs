@@ -41,28 +41,64 @@ impl QMatrix {
     /// A matrix from ggml rows; repacked into panels when `pack` is set and the type has a
     /// packed form.
     pub fn new(ty: GgmlType, n_rows: usize, n_cols: usize, data: Vec<u8>, pack: bool) -> Self {
-        let layout = PackKind::of(ty)
-            .filter(|_| pack)
-            .map(|k| Layout::new(k, n_cols));
-        let data: Arc<[u8]> = match layout {
-            None => data.into(),
-            Some(l) => {
-                let rows: Vec<&[u8]> = data.chunks_exact(ty.row_bytes(n_cols)).collect();
-                let mut out = vec![0u8; n_rows.div_ceil(PANEL) * l.panel_bytes()];
-                for (group, o) in rows
-                    .chunks(PANEL)
-                    .zip(out.chunks_exact_mut(l.panel_bytes()))
-                {
-                    packed::pack_panel(&l, group, o);
-                }
-                out.into()
-            }
-        };
+        if PackKind::of(ty).is_some() && pack {
+            return QMatrix::packed_from(ty, n_rows, n_cols, &data, |_| {});
+        }
         QMatrix {
             ty,
             n_rows,
             n_cols,
-            packed: layout,
+            packed: None,
+            data: data.into(),
+        }
+    }
+
+    /// A matrix in ggml's layout, copied from `src` in one allocation.
+    pub fn copied_from(ty: GgmlType, n_rows: usize, n_cols: usize, src: &[u8]) -> Self {
+        QMatrix {
+            ty,
+            n_rows,
+            n_cols,
+            packed: None,
+            data: Arc::from(src),
+        }
+    }
+
+    /// A packed matrix from the ggml rows `src` (a type with a packed form), written in place
+    /// into its one allocation, calling `consumed(n)` each time the first `n` bytes of `src`
+    /// have been read for the last time, so a loader can drop them as it goes: packing costs
+    /// one copy of the matrix, not two.
+    pub fn packed_from(
+        ty: GgmlType,
+        n_rows: usize,
+        n_cols: usize,
+        src: &[u8],
+        mut consumed: impl FnMut(usize),
+    ) -> Self {
+        let l = Layout::new(PackKind::of(ty).expect("a type with a packed form"), n_cols);
+        let row_bytes = ty.row_bytes(n_cols);
+        // Collected from an iterator of known length: allocated once, in place (a Vec turned
+        // into an Arc would be copied, briefly holding the matrix twice).
+        let mut data: Arc<[u8]> =
+            std::iter::repeat_n(0u8, n_rows.div_ceil(PANEL) * l.panel_bytes()).collect();
+        let out = Arc::get_mut(&mut data).expect("just made");
+        // Panels in groups of about 4 MB of source, each then handed back.
+        let group = (4 << 20) / (PANEL * row_bytes).max(1) + 1;
+        for (g, outs) in out.chunks_mut(group * l.panel_bytes()).enumerate() {
+            for (p, o) in outs.chunks_exact_mut(l.panel_bytes()).enumerate() {
+                let r0 = (g * group + p) * PANEL;
+                let rows: Vec<&[u8]> = (r0..(r0 + PANEL).min(n_rows))
+                    .map(|r| &src[r * row_bytes..(r + 1) * row_bytes])
+                    .collect();
+                packed::pack_panel(&l, &rows, o);
+            }
+            consumed((((g + 1) * group * PANEL).min(n_rows)) * row_bytes);
+        }
+        QMatrix {
+            ty,
+            n_rows,
+            n_cols,
+            packed: Some(l),
             data,
         }
     }

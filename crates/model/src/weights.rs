@@ -3,6 +3,7 @@
 use gguf::GgufFile;
 
 use crate::config::ModelConfig;
+use crate::kernels::packed::PackKind;
 use crate::matmul::QMatrix;
 use crate::Error;
 
@@ -145,13 +146,23 @@ fn matrix(
             expected,
         });
     }
-    Ok(QMatrix::new(
-        info.ty,
-        n_rows,
-        n_cols,
-        f.copy_tensor(info),
-        pack,
-    ))
+    if pack && PackKind::of(info.ty).is_some() {
+        // Packed straight from the mapping, whose pages are dropped as they are consumed.
+        let src = f.data(info);
+        return Ok(QMatrix::packed_from(info.ty, n_rows, n_cols, src, |n| {
+            f.release(info, 0..n)
+        }));
+    }
+    // Copied or packed straight from the mapping, whose pages are dropped once consumed.
+    let src = f.data(info);
+    if pack && PackKind::of(info.ty).is_some() {
+        return Ok(QMatrix::packed_from(info.ty, n_rows, n_cols, src, |n| {
+            f.release(info, 0..n)
+        }));
+    }
+    let m = QMatrix::copied_from(info.ty, n_rows, n_cols, src);
+    f.release(info, 0..src.len());
+    Ok(m)
 }
 
 fn vector(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, Error> {

@@ -82,7 +82,9 @@ fn round_half_away(y: f32) -> i32 {
     }
 }
 
-fn q8k_block(x: &[f32], out: &mut [u8]) {
+/// A Q8_K block's scale and values (ggml's `quantize_row_q8_K`: the signed maximum maps to
+/// -127); all zero for a block of zeros.
+pub(crate) fn q8k_values(x: &[f32]) -> (f32, [i8; QK_K]) {
     let mut amax = 0f32;
     let mut max = 0f32;
     for &v in x {
@@ -91,16 +93,20 @@ fn q8k_block(x: &[f32], out: &mut [u8]) {
             max = v;
         }
     }
+    let mut q = [0i8; QK_K];
     if amax == 0.0 {
-        out.fill(0);
-        return;
+        return (0.0, q);
     }
     let iscale = -127.0 / max;
-    let mut q = [0i8; QK_K];
     for (o, &v) in q.iter_mut().zip(x) {
         *o = round_half_away(iscale * v).min(127) as i8;
     }
-    out[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
+    (1.0 / iscale, q)
+}
+
+fn q8k_block(x: &[f32], out: &mut [u8]) {
+    let (d, q) = q8k_values(x);
+    out[0..4].copy_from_slice(&d.to_le_bytes());
     for (o, v) in out[4..260].iter_mut().zip(q) {
         *o = v as u8;
     }

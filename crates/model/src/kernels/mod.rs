@@ -309,7 +309,7 @@ impl Kernels {
     /// Quantizes one activation row for a packed matrix ([`packed::quantize_act_row`]'s bytes).
     pub fn quantize_packed_act(&self, layout: &packed::Layout, x: &[f32], out: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
-        if self.isa == Isa::Avx512Vnni {
+        if self.isa == Isa::Avx512Vnni && !layout.kind.is_k() {
             // SAFETY: the isa was checked when these kernels were made.
             return unsafe { packed::vnni::quantize_act_row(layout, x, out) };
         }
@@ -336,9 +336,10 @@ impl Kernels {
     ) {
         #[cfg(target_arch = "x86_64")]
         if self.isa == Isa::Avx512Vnni {
-            use packed::vnni::{kind_id, panels as run, Q40, Q41, Q8};
+            use packed::vnni::{kind_id, panels, panels_k};
+            use packed::vnni::{Q40, Q41, Q4K, Q50, Q51, Q5K, Q6K, Q8};
             macro_rules! by_rows {
-                ($k:expr) => {{
+                ($run:ident, $k:expr) => {{
                     const K: u8 = $k;
                     let mut j = 0;
                     while j < a.len() {
@@ -350,18 +351,18 @@ impl Kernels {
                             let o = out.add(j * stride);
                             if left >= 8 {
                                 let rows = std::array::from_fn(|i| a[j + i]);
-                                run::<K, 8>(layout, w, n_rows, rows, o, stride);
+                                $run::<K, 8>(layout, w, n_rows, rows, o, stride);
                                 j += 8;
                             } else if left >= 4 {
                                 let rows = std::array::from_fn(|i| a[j + i]);
-                                run::<K, 4>(layout, w, n_rows, rows, o, stride);
+                                $run::<K, 4>(layout, w, n_rows, rows, o, stride);
                                 j += 4;
                             } else if left >= 2 {
                                 let rows = std::array::from_fn(|i| a[j + i]);
-                                run::<K, 2>(layout, w, n_rows, rows, o, stride);
+                                $run::<K, 2>(layout, w, n_rows, rows, o, stride);
                                 j += 2;
                             } else {
-                                run::<K, 1>(layout, w, n_rows, [a[j]], o, stride);
+                                $run::<K, 1>(layout, w, n_rows, [a[j]], o, stride);
                                 j += 1;
                             }
                         }
@@ -369,9 +370,14 @@ impl Kernels {
                 }};
             }
             match kind_id(layout.kind) {
-                Q40 => by_rows!(Q40),
-                Q41 => by_rows!(Q41),
-                _ => by_rows!(Q8),
+                Q40 => by_rows!(panels, Q40),
+                Q41 => by_rows!(panels, Q41),
+                Q50 => by_rows!(panels, Q50),
+                Q51 => by_rows!(panels, Q51),
+                Q8 => by_rows!(panels, Q8),
+                Q4K => by_rows!(panels_k, Q4K),
+                Q5K => by_rows!(panels_k, Q5K),
+                _ => by_rows!(panels_k, Q6K),
             }
             return;
         }
