@@ -20,7 +20,8 @@
 #     it and a phase of the machine that slows one of them does not skew the ratio;
 #   - a 2-shard route against llama.cpp split over two local `ggml-rpc-server` processes
 #     (llama-bench --rpc, every layer offloaded to them): pp512 and tg64 against the route's
-#     prefill rate and single-stream decode for a 512-token prompt (`strata bench --url`);
+#     prefill rate and single-stream decode for a 512-token prompt (`strata bench --url`, the
+#     prefix cache off: every request computes its whole prompt, as llama-bench does);
 #     skipped when the build has no ggml-rpc-server;
 #   - peak resident memory of a server with a 4096-token context after one request.
 set -euo pipefail
@@ -90,7 +91,7 @@ for r in $(seq 1 "$reps"); do
     sleep 1
     "$lbench" -m "$model" -t "$threads" --rpc 127.0.0.1:18198,127.0.0.1:18199 -ngl 99 -p 512 -n 64 -r 3 -o json > "$out/llama-rpc-$r.json" 2>/dev/null
     kill $r1 $r2; wait $r1 $r2 2>/dev/null || true
-    "$strata" serve --model "$model" --shards 2 --threads "$threads" --listen 127.0.0.1:18192 >/dev/null 2>&1 &
+    "$strata" serve --model "$model" --shards 2 --threads "$threads" --no-prefix-cache --listen 127.0.0.1:18192 >/dev/null 2>&1 &
     pid=$!; wait_http 18192
     "$strata" bench --url http://127.0.0.1:18192 --prompt-tokens 512 --gen-tokens 64 --concurrency 1 --requests 3 --json > "$out/strata-route-$r.json"
     kill $pid; wait $pid 2>/dev/null || true
