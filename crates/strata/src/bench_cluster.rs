@@ -65,6 +65,29 @@ impl UrlBench<'_> {
         Ok(parse_metrics(&self.get("/metrics")?.body))
     }
 
+    /// A scrape whose shard series have caught up: the tracker polls each shard's counters
+    /// (every health period, 500 ms by default), so a scrape right after a request can miss
+    /// that request's last steps, which would then count in the next run. Scrapes 600 ms
+    /// apart until the shard series agree (at most about 5 s).
+    fn settled_scrape(&self) -> Result<Scrape> {
+        let shard_series = |s: &Scrape| -> Vec<(String, f64)> {
+            s.iter()
+                .filter(|(k, _)| k.starts_with("strata_shard_"))
+                .map(|(k, v)| (k.clone(), *v))
+                .collect()
+        };
+        let mut last = self.scrape()?;
+        for _ in 0..8 {
+            std::thread::sleep(Duration::from_millis(600));
+            let now = self.scrape()?;
+            if shard_series(&now) == shard_series(&last) {
+                return Ok(now);
+            }
+            last = now;
+        }
+        Ok(last)
+    }
+
     fn one_request(&self, prompt: &str) -> Result<Sample> {
         let body = json!({"prompt": prompt, "max_tokens": self.gen_tokens, "temperature": 0, "stream": true, "ignore_eos": true});
         let headers = self.headers();
@@ -252,7 +275,7 @@ fn row(prompt_tokens: usize, c: usize, samples: &[Sample], wall: Duration) -> Va
 
 pub fn run(b: UrlBench<'_>) -> Result<()> {
     let mut rows = Vec::new();
-    let before = b.scrape()?;
+    let before = b.settled_scrape()?;
     for &n in b.prompt_tokens {
         // About `n` tokens of ordinary text.
         let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(n.div_ceil(10).max(1));
@@ -275,7 +298,7 @@ pub fn run(b: UrlBench<'_>) -> Result<()> {
             rows.push(r);
         }
     }
-    let after = b.scrape()?;
+    let after = b.settled_scrape()?;
     let run = delta(&before, &after);
     let health = b.get("/health")?.json();
     report(&b, &rows, &run, &after, &health);
