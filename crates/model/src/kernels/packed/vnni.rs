@@ -1,0 +1,504 @@
+//! The panel kernels: one panel (16 weight rows) times `RA` activation rows. Each 64-byte
+//! chunk of weights is unpacked once for all activation rows; every output element goes
+//! through the same instruction sequence whatever `RA` is, so grouping never changes a
+//! result.
+
+use std::arch::x86_64::*;
+
+use gguf::quant::{QK, QK_K};
+
+use super::{Layout, PackKind, PANEL, SUBS};
+
+pub const Q40: u8 = 0;
+pub const Q41: u8 = 1;
+pub const Q8: u8 = 2;
+pub const Q50: u8 = 3;
+pub const Q51: u8 = 4;
+pub const Q4K: u8 = 5;
+pub const Q5K: u8 = 6;
+pub const Q6K: u8 = 7;
+
+pub fn kind_id(k: PackKind) -> u8 {
+    match k {
+        PackKind::Q4_0 => Q40,
+        PackKind::Q4_1 => Q41,
+        PackKind::Q8_0 => Q8,
+        PackKind::Q5_0 => Q50,
+        PackKind::Q5_1 => Q51,
+        PackKind::Q4K => Q4K,
+        PackKind::Q5K => Q5K,
+        PackKind::Q6K => Q6K,
+    }
+}
+
+/// Four activation values (bytes `at..at + 4` of a row) in every lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn bcast4(a: *const u8, at: usize) -> __m512i {
+    // SAFETY: the caller keeps `at + 4` within the row.
+    _mm512_set1_epi32(unsafe { (a.add(at) as *const i32).read_unaligned() })
+}
+
+/// [`super::quantize_act_row`], 16 values per instruction and bitwise equal to it: the
+/// same maximum, scale and reciprocal; rounding half away from zero as truncation plus a
+/// step where the (exact) remainder reaches one half.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/VL/VNNI, AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+pub unsafe fn quantize_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
+    assert!(
+        !layout.kind.is_k(),
+        "K-quant activations are quantized by the reference"
+    );
+    assert_eq!(x.len(), layout.n_cols);
+    assert!(out.len() >= layout.a_row_bytes());
+    let offset = layout.kind.offset();
+    let (half, minus_half, one) = (
+        _mm512_set1_ps(0.5),
+        _mm512_set1_ps(-0.5),
+        _mm512_set1_epi32(1),
+    );
+    // Sixteen blocks at a time: their maxima first, then their scales and reciprocals in
+    // one vector division each (the same IEEE operations as one block at a time), then
+    // the quants, then the per-block sums and corrections in vectors again.
+    for g0 in (0..layout.n_blocks).step_by(16) {
+        let n = (layout.n_blocks - g0).min(16);
+        let mask = ((1u32 << n) - 1) as __mmask16;
+        let mut amax = [0f32; 16];
+        for (i, m) in amax.iter_mut().enumerate().take(n) {
+            // SAFETY: block `g0 + i` of `x` is in bounds by the assertions above.
+            let (x0, x1) = unsafe {
+                let p = x.as_ptr().add(QK * (g0 + i));
+                (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)))
+            };
+            *m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        }
+        // SAFETY: sixteen floats.
+        let d = _mm512_div_ps(
+            unsafe { _mm512_loadu_ps(amax.as_ptr()) },
+            _mm512_set1_ps(127.0),
+        );
+        // `d != 0.0`, true for NaN as in Rust.
+        let nonzero = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(d, _mm512_setzero_ps());
+        let id = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.0), d);
+        let mut ids = [0f32; 16];
+        // SAFETY: sixteen floats.
+        unsafe { _mm512_storeu_ps(ids.as_mut_ptr(), id) };
+        let mut sums = [0i32; 16];
+        for (i, sum) in sums.iter_mut().enumerate().take(n) {
+            let b = g0 + i;
+            // SAFETY: block `b` of `x` (32 floats) and of `out` (32 bytes) is in bounds by
+            // the assertions above.
+            let (x0, x1) = unsafe {
+                (
+                    _mm512_loadu_ps(x.as_ptr().add(QK * b)),
+                    _mm512_loadu_ps(x.as_ptr().add(QK * b + 16)),
+                )
+            };
+            let id = _mm512_set1_ps(ids[i]);
+            let round = |v: __m512| {
+                let y = _mm512_mul_ps(v, id);
+                let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+                let frac = _mm512_sub_ps(y, t);
+                let q = _mm512_cvttps_epi32(t);
+                let q =
+                    _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half), q, one);
+                _mm512_mask_sub_epi32(
+                    q,
+                    _mm512_cmp_ps_mask::<_CMP_LE_OQ>(frac, minus_half),
+                    q,
+                    one,
+                )
+            };
+            let (q0, q1) = (round(x0), round(x1));
+            // SAFETY: as above.
+            unsafe {
+                _mm_storeu_si128(
+                    out.as_mut_ptr().add(QK * b) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(q0),
+                );
+                _mm_storeu_si128(
+                    out.as_mut_ptr().add(QK * b + 16) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(q1),
+                );
+            }
+            *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+        let f16_round =
+            |v: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
+        // SAFETY (stores): blocks `g0..g0 + n` of the scale, correction and sum arrays are
+        // in bounds by the assertions above; the mask keeps to them.
+        unsafe {
+            let base = out.as_mut_ptr();
+            let at = |off: usize| base.add(off + 4 * g0);
+            _mm512_mask_storeu_ps(at(layout.a_d()) as *mut f32, mask, f16_round(d));
+            let sums = _mm512_loadu_si512(sums.as_ptr() as *const __m512i);
+            if offset != 0 {
+                let corr = _mm512_mullo_epi32(sums, _mm512_set1_epi32(-offset));
+                _mm512_mask_storeu_epi32(at(layout.a_corr()) as *mut i32, mask, corr);
+            }
+            if layout.kind.has_mins() {
+                let s = f16_round(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), d));
+                _mm512_mask_storeu_ps(at(layout.a_sums()) as *mut f32, mask, s);
+            }
+        }
+    }
+}
+
+/// The values `8h + j` (`lo`) and `8h + 4 + j` (`hi`) of every lane of a sub-block, from
+/// its nibble chunk `h` and, for `HIGH` bits above the nibble, its planes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn chunk<const HIGH: usize>(
+    sub: *const u8,
+    h: usize,
+    planes: [__m512i; 2],
+) -> (__m512i, __m512i) {
+    let nibble = _mm512_set1_epi8(0x0F);
+    // SAFETY: the caller keeps the sub-block's 256 nibble bytes in bounds.
+    let c = unsafe { _mm512_loadu_si512(sub.add(64 * h) as *const __m512i) };
+    let lo = _mm512_and_si512(c, nibble);
+    let hi = _mm512_and_si512(_mm512_srli_epi32::<4>(c), nibble);
+    match HIGH {
+        // Bits 2h and 2h + 1 of each byte are the fifth bits of `lo` and `hi`.
+        1 => {
+            let p = _mm512_srl_epi32(planes[0], _mm_cvtsi32_si128(2 * h as i32));
+            let five = _mm512_set1_epi8(0x10);
+            (
+                _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi32::<4>(p), five)),
+                _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi32::<3>(p), five)),
+            )
+        }
+        // Plane h / 2, bits 4(h % 2) .. +2 for `lo` and the next two for `hi`.
+        2 => {
+            let p = _mm512_srl_epi32(planes[h / 2], _mm_cvtsi32_si128(4 * (h % 2) as i32));
+            let top = _mm512_set1_epi8(0x30);
+            (
+                _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi32::<4>(p), top)),
+                _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi32::<2>(p), top)),
+            )
+        }
+        _ => (lo, hi),
+    }
+}
+
+/// The bit planes of a sub-block (as many as the kind has; the rest zero).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn planes<const HIGH: usize>(sub: *const u8) -> [__m512i; 2] {
+    let base = PANEL * QK / 2;
+    // SAFETY: the caller keeps the sub-block (with its planes) in bounds.
+    unsafe {
+        match HIGH {
+            1 => [
+                _mm512_loadu_si512(sub.add(base) as *const __m512i),
+                _mm512_setzero_si512(),
+            ],
+            2 => [
+                _mm512_loadu_si512(sub.add(base) as *const __m512i),
+                _mm512_loadu_si512(sub.add(base + 64) as *const __m512i),
+            ],
+            _ => [_mm512_setzero_si512(); 2],
+        }
+    }
+}
+
+/// Weight rows `0..n_rows` of the consecutive panels `w` times `RA` activation rows, for
+/// the legacy kinds (blocks of 32): row `r` . `a[j]` is written to `out[j * stride + r]`,
+/// bitwise equal to [`super::panel_reference`]'s lane `r % 16` of panel `r / 16`. Looping
+/// over the panels here, not in the caller, pays the call's set-up once per run of panels.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/VL/VNNI, AVX2, FMA and F16C; `KIND` must be [`kind_id`] of
+/// the layout's kind; `out[j * stride + r]` must be valid for writes, and written by no
+/// one else meanwhile, for every `j < RA` and `r < n_rows`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+pub unsafe fn panels<const KIND: u8, const RA: usize>(
+    layout: &Layout,
+    w: &[u8],
+    n_rows: usize,
+    a: [&[u8]; RA],
+    out: *mut f32,
+    stride: usize,
+) {
+    debug_assert_eq!(kind_id(layout.kind), KIND);
+    assert!(!layout.kind.is_k());
+    let n_panels = n_rows.div_ceil(PANEL);
+    assert!(w.len() >= n_panels * layout.panel_bytes());
+    assert!(a.iter().all(|a| a.len() >= layout.a_row_bytes()));
+    let mins = KIND == Q41 || KIND == Q51;
+    let five = KIND == Q50 || KIND == Q51;
+    let bb = layout.block_bytes();
+    let (a_d, a_corr, a_sums) = (layout.a_d(), layout.a_corr(), layout.a_sums());
+    let ap = a.map(|a| a.as_ptr());
+    for p in 0..n_panels {
+        // SAFETY: panel `p` is in bounds by the assertion above.
+        let wp = unsafe { w.as_ptr().add(p * layout.panel_bytes()) };
+        let mut acc = [_mm512_setzero_ps(); RA];
+        let mut msum = [_mm512_setzero_ps(); RA];
+        for b in 0..layout.n_blocks {
+            // SAFETY (every read below): block `b` of the panel and of each activation row
+            // is in bounds by the length assertions above.
+            let blk = unsafe { wp.add(b * bb) };
+            // Two independent integer sums per row (exact, so splitting cannot change the
+            // result) keep the dependency chains short.
+            let mut even = [_mm512_setzero_si512(); RA];
+            let mut odd = [_mm512_setzero_si512(); RA];
+            if !mins {
+                for j in 0..RA {
+                    even[j] = unsafe { bcast4(ap[j], a_corr + 4 * b) };
+                }
+            }
+            if KIND == Q8 {
+                for g in 0..QK / 4 {
+                    let wv = unsafe { _mm512_loadu_si512(blk.add(64 * g) as *const __m512i) };
+                    for j in 0..RA {
+                        let x = unsafe { bcast4(ap[j], QK * b + 4 * g) };
+                        if g % 2 == 0 {
+                            even[j] = _mm512_dpbusd_epi32(even[j], wv, x);
+                        } else {
+                            odd[j] = _mm512_dpbusd_epi32(odd[j], wv, x);
+                        }
+                    }
+                }
+            } else {
+                let pl = if five {
+                    unsafe { planes::<1>(blk) }
+                } else {
+                    [_mm512_setzero_si512(); 2]
+                };
+                for h in 0..QK / 8 {
+                    let (lo, hi) = if five {
+                        unsafe { chunk::<1>(blk, h, pl) }
+                    } else {
+                        unsafe { chunk::<0>(blk, h, pl) }
+                    };
+                    for j in 0..RA {
+                        let (x0, x1) = unsafe {
+                            (
+                                bcast4(ap[j], QK * b + 8 * h),
+                                bcast4(ap[j], QK * b + 8 * h + 4),
+                            )
+                        };
+                        even[j] = _mm512_dpbusd_epi32(even[j], lo, x0);
+                        odd[j] = _mm512_dpbusd_epi32(odd[j], hi, x1);
+                    }
+                }
+            }
+            let d = _mm512_cvtph_ps(unsafe {
+                _mm256_loadu_si256(blk.add(layout.d_at()) as *const __m256i)
+            });
+            let m = if mins {
+                _mm512_cvtph_ps(unsafe {
+                    _mm256_loadu_si256(blk.add(layout.m_at()) as *const __m256i)
+                })
+            } else {
+                _mm512_setzero_ps()
+            };
+            for j in 0..RA {
+                let dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[j], odd[j]));
+                let ad = unsafe { (ap[j].add(a_d + 4 * b) as *const f32).read_unaligned() };
+                acc[j] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(ad)), acc[j]);
+                if mins {
+                    let s = unsafe { (ap[j].add(a_sums + 4 * b) as *const f32).read_unaligned() };
+                    msum[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(s), msum[j]);
+                }
+            }
+        }
+        for j in 0..RA {
+            // SAFETY: rows `16p..` of output row `j`, the caller's contract.
+            unsafe {
+                store_rows(
+                    out.add(j * stride),
+                    p,
+                    n_rows,
+                    _mm512_add_ps(acc[j], msum[j]),
+                )
+            };
+        }
+    }
+}
+
+/// How far ahead of the bytes being multiplied the kernels ask for weights: a single
+/// stream of weights (a decode step) is otherwise read faster than the hardware prefetcher
+/// brings it in.
+const PREFETCH: usize = 4096;
+
+/// Prefetches the cache lines of `len` bytes at [`PREFETCH`] bytes past `at` (a hint: an
+/// address past the matrix is harmless, and it is never dereferenced).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+fn prefetch_ahead(at: *const u8, len: usize) {
+    let mut off = 0;
+    while off < len {
+        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH + off) as *const i8);
+        off += 64;
+    }
+}
+
+/// Stores the rows of panel `p` that exist (the last panel of a matrix may hold fewer).
+///
+/// # Safety
+/// `out[16p .. min(16p + 16, n_rows)]` must be valid for writes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn store_rows(out: *mut f32, p: usize, n_rows: usize, v: __m512) {
+    let valid = (n_rows - p * PANEL).min(PANEL);
+    let mask = ((1u32 << valid) - 1) as __mmask16;
+    // SAFETY: the caller's contract.
+    unsafe { _mm512_mask_storeu_ps(out.add(p * PANEL), mask, v) };
+}
+
+/// [`panels`] for the K-quants (blocks of 256 in eight sub-blocks): each sub-block's exact
+/// integer sum is multiplied by its integer scale into one i32 per row and block (Q6_K:
+/// each half's, with its own scale and offset correction), the mins times the activation's
+/// sub-block sums into another (`vpdpwssd` over pairs of sub-blocks), and each is converted
+/// once per block.
+///
+/// # Safety
+/// As for [`panels`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
+    layout: &Layout,
+    w: &[u8],
+    n_rows: usize,
+    a: [&[u8]; RA],
+    out: *mut f32,
+    stride: usize,
+) {
+    debug_assert_eq!(kind_id(layout.kind), KIND);
+    assert!(layout.kind.is_k());
+    let n_panels = n_rows.div_ceil(PANEL);
+    assert!(w.len() >= n_panels * layout.panel_bytes());
+    assert!(a.iter().all(|a| a.len() >= layout.a_row_bytes()));
+    let (bb, sub_bytes) = (layout.block_bytes(), layout.kind.sub_bytes());
+    let (a_d, a_corr, a_sums) = (layout.a_d(), layout.a_corr(), layout.a_sums());
+    let (corr_bytes, sums_bytes) = (layout.corr_bytes(), layout.sums_bytes());
+    let (sc_at, mins_at, d_at, m_at) = (
+        layout.sc_at(),
+        layout.mins_at(),
+        layout.d_at(),
+        layout.m_at(),
+    );
+    let ap = a.map(|a| a.as_ptr());
+    for p in 0..n_panels {
+        // SAFETY: panel `p` is in bounds by the assertion above.
+        let wp = unsafe { w.as_ptr().add(p * layout.panel_bytes()) };
+        let mut acc = [_mm512_setzero_ps(); RA];
+        let mut mins = [_mm512_setzero_ps(); RA];
+        for b in 0..layout.n_blocks {
+            // SAFETY (every read below): block `b` of the panel and of each activation row
+            // is in bounds by the length assertions above.
+            let blk = unsafe { wp.add(b * bb) };
+            let mut total = [_mm512_setzero_si512(); RA];
+            for s in 0..SUBS {
+                let sub = unsafe { blk.add(s * sub_bytes) };
+                prefetch_ahead(sub, sub_bytes);
+                // Q6_K: the sums of values 0..16 and 16..32 (each has its scale), from
+                // their offset corrections; else two chains of one sum.
+                let mut g = [[_mm512_setzero_si512(); RA]; 2];
+                if KIND == Q6K {
+                    for j in 0..RA {
+                        let at = a_corr + corr_bytes * b + 8 * s;
+                        g[0][j] = unsafe { bcast4(ap[j], at) };
+                        g[1][j] = unsafe { bcast4(ap[j], at + 4) };
+                    }
+                }
+                let pl = match KIND {
+                    Q5K => unsafe { planes::<1>(sub) },
+                    Q6K => unsafe { planes::<2>(sub) },
+                    _ => [_mm512_setzero_si512(); 2],
+                };
+                for h in 0..QK / 8 {
+                    let (lo, hi) = match KIND {
+                        Q5K => unsafe { chunk::<1>(sub, h, pl) },
+                        Q6K => unsafe { chunk::<2>(sub, h, pl) },
+                        _ => unsafe { chunk::<0>(sub, h, pl) },
+                    };
+                    for j in 0..RA {
+                        let at = QK_K * b + QK * s + 8 * h;
+                        let (x0, x1) = unsafe { (bcast4(ap[j], at), bcast4(ap[j], at + 4)) };
+                        if KIND == Q6K {
+                            let i = h / 2;
+                            g[i][j] = _mm512_dpbusd_epi32(g[i][j], lo, x0);
+                            g[i][j] = _mm512_dpbusd_epi32(g[i][j], hi, x1);
+                        } else {
+                            g[0][j] = _mm512_dpbusd_epi32(g[0][j], lo, x0);
+                            g[1][j] = _mm512_dpbusd_epi32(g[1][j], hi, x1);
+                        }
+                    }
+                }
+                let sc = |i: usize| {
+                    let v =
+                        unsafe { _mm_loadu_si128(blk.add(sc_at + PANEL * i) as *const __m128i) };
+                    if KIND == Q6K {
+                        _mm512_cvtepi8_epi32(v)
+                    } else {
+                        _mm512_cvtepu8_epi32(v)
+                    }
+                };
+                if KIND == Q6K {
+                    let (s0, s1) = (sc(2 * s), sc(2 * s + 1));
+                    for j in 0..RA {
+                        let both = _mm512_add_epi32(
+                            _mm512_mullo_epi32(s0, g[0][j]),
+                            _mm512_mullo_epi32(s1, g[1][j]),
+                        );
+                        total[j] = _mm512_add_epi32(total[j], both);
+                    }
+                } else {
+                    let s0 = sc(s);
+                    for j in 0..RA {
+                        let sum = _mm512_add_epi32(g[0][j], g[1][j]);
+                        total[j] = _mm512_add_epi32(total[j], _mm512_mullo_epi32(s0, sum));
+                    }
+                }
+            }
+            prefetch_ahead(blk.wrapping_add(SUBS * sub_bytes), bb - SUBS * sub_bytes);
+            let d = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(blk.add(d_at) as *const __m256i) });
+            let ad = ap.map(|a| unsafe {
+                _mm512_set1_ps((a.add(a_d + 4 * b) as *const f32).read_unaligned())
+            });
+            for j in 0..RA {
+                let dd = _mm512_mul_ps(d, ad[j]);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[j]), dd, acc[j]);
+            }
+            if KIND != Q6K {
+                let mut msum = [_mm512_setzero_si512(); RA];
+                for k in 0..SUBS / 2 {
+                    // Lane `r`'s pair of mins as two i16 (AVX2 widening of each half: AVX-512
+                    // BW is not required).
+                    let mp = unsafe {
+                        let at = blk.add(mins_at + 32 * k);
+                        let lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(at as *const __m128i));
+                        let hi =
+                            _mm256_cvtepu8_epi16(_mm_loadu_si128(at.add(16) as *const __m128i));
+                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+                    };
+                    for j in 0..RA {
+                        let s = unsafe { bcast4(ap[j], a_sums + sums_bytes * b + 4 * k) };
+                        msum[j] = _mm512_dpwssd_epi32(msum[j], mp, s);
+                    }
+                }
+                let dmin =
+                    _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(blk.add(m_at) as *const __m256i) });
+                for j in 0..RA {
+                    let md = _mm512_mul_ps(dmin, ad[j]);
+                    mins[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(msum[j]), md, mins[j]);
+                }
+            }
+        }
+        for j in 0..RA {
+            // SAFETY: rows `16p..` of output row `j`, the caller's contract.
+            unsafe {
+                store_rows(
+                    out.add(j * stride),
+                    p,
+                    n_rows,
+                    _mm512_sub_ps(acc[j], mins[j]),
+                )
+            };
+        }
+    }
+}
