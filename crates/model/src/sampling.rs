@@ -1,10 +1,14 @@
-//! Token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeded.
+//! Token sampling: greedy, temperature, top-k, top-p, min-p, repetition, presence and
+//! frequency penalties, logit bias, a constraint's mask, seeded.
 //!
-//! The chain runs in llama.cpp's usual order: penalties, top-k, top-p, min-p, temperature,
-//! then a draw. The generator is a seeded xoshiro256**, so the same seed gives the same tokens.
+//! The chain runs in llama.cpp's usual order: mask and bias, penalties, top-k, top-p, min-p,
+//! temperature, then a draw. The generator is a seeded xoshiro256**, so the same seed gives the
+//! same tokens.
+
+use std::collections::HashMap;
 
 /// Sampling parameters of one session.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     /// 0 (or less) means greedy: plain argmax of the raw logits.
     pub temperature: f32,
@@ -18,6 +22,17 @@ pub struct SamplingParams {
     pub repeat_penalty: f32,
     /// How many recent tokens the penalty looks at.
     pub repeat_last_n: usize,
+    /// OpenAI's presence penalty: subtracted once from the logit of every token generated so
+    /// far (0.0 disables).
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty: subtracted from a token's logit once per time it was
+    /// generated (0.0 disables).
+    pub frequency_penalty: f32,
+    /// Added to the logits of these tokens before anything else (-100 bans a token).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// How many tokens of the history are the prompt: presence and frequency penalties count
+    /// the generated tokens only, as OpenAI and vLLM do.
+    pub n_prompt: usize,
     pub seed: u64,
 }
 
@@ -30,23 +45,40 @@ impl Default for SamplingParams {
             min_p: 0.0,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            n_prompt: 0,
             seed: 0,
         }
     }
 }
 
-/// A session's sampler: parameters plus its random state.
+/// A session's sampler: parameters plus the counts of generated tokens.
+///
+/// The draw for a token is a function of the seed and the token's position alone (no
+/// generator state carried from token to token), so a session replayed or moved to another
+/// route continues with exactly the draws it would have made.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
-    rng: Xoshiro,
+    /// The generated tokens counted in `counts` (the history past `n_prompt`), kept so that a
+    /// rewound history is uncounted token by token: the counts cost O(1) per step.
+    counted: Vec<u32>,
+    counts: HashMap<u32, u32>,
+}
+
+/// Whether bit `id` is set in a mask of 32-bit words (bits past its end are not).
+pub fn allowed(mask: &[u32], id: usize) -> bool {
+    mask.get(id / 32).is_some_and(|w| w & (1 << (id % 32)) != 0)
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
         Sampler {
             params,
-            rng: Xoshiro::seeded(params.seed),
+            counted: Vec::new(),
+            counts: HashMap::new(),
         }
     }
 
@@ -54,9 +86,79 @@ impl Sampler {
         &self.params
     }
 
-    /// Picks the next token from `logits`, given the tokens seen so far (prompt and output).
-    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        let p = self.params;
+    /// Forgets the history past its first `len` tokens (the session was rewound); the
+    /// tokens after it are counted again when they come back.
+    pub fn rewind(&mut self, len: usize) {
+        self.uncount(len.saturating_sub(self.params.n_prompt));
+    }
+
+    fn uncount(&mut self, keep: usize) {
+        if keep >= self.counted.len() {
+            return;
+        }
+        for t in self.counted.drain(keep..) {
+            if let Some(c) = self.counts.get_mut(&t) {
+                *c -= 1;
+                if *c == 0 {
+                    self.counts.remove(&t);
+                }
+            }
+        }
+    }
+
+    /// Brings the counts of generated tokens to `history` (whose first tokens are those
+    /// counted; a rewind says so with [`Sampler::rewind`]).
+    fn count(&mut self, history: &[u32]) {
+        let generated = history.get(self.params.n_prompt..).unwrap_or(&[]);
+        self.uncount(generated.len());
+        let keep = self.counted.len();
+        for &t in &generated[keep..] {
+            *self.counts.entry(t).or_insert(0) += 1;
+            self.counted.push(t);
+        }
+    }
+
+    /// The logits after the mask, the bias and the presence and frequency penalties; `None`
+    /// when none applies (the logits are used as they are).
+    fn adjusted(&mut self, logits: &[f32], mask: Option<&[u32]>) -> Option<Vec<f32>> {
+        let p = &self.params;
+        let penalties = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        if mask.is_none() && p.logit_bias.is_empty() && !penalties {
+            return None;
+        }
+        let mut l = logits.to_vec();
+        for &(t, b) in &p.logit_bias {
+            if let Some(x) = l.get_mut(t as usize) {
+                *x += b;
+            }
+        }
+        if penalties {
+            for (&t, &n) in &self.counts {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x -= p.presence_penalty + p.frequency_penalty * n as f32;
+                }
+            }
+        }
+        if let Some(mask) = mask {
+            for (i, x) in l.iter_mut().enumerate() {
+                if !allowed(mask, i) {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+        Some(l)
+    }
+
+    /// Picks the next token from `logits`, given the tokens seen so far (prompt and output);
+    /// `mask` (bit per token) limits the choice to the tokens a constraint allows, and must
+    /// allow at least one.
+    pub fn sample(&mut self, logits: &[f32], history: &[u32], mask: Option<&[u32]>) -> u32 {
+        if self.params.presence_penalty != 0.0 || self.params.frequency_penalty != 0.0 {
+            self.count(history);
+        }
+        let adjusted = self.adjusted(logits, mask);
+        let logits = adjusted.as_deref().unwrap_or(logits);
+        let p = &self.params;
         let penalized = p.repeat_penalty != 1.0 && p.repeat_last_n > 0;
         if p.temperature <= 0.0 && !penalized {
             // Greedy without penalties: the first maximum, with no copy of the logits.
@@ -111,7 +213,7 @@ impl Sampler {
             c.1 /= p.temperature;
         }
         let probs = softmax(&cand);
-        let r = self.rng.next_f64();
+        let r = draw(p.seed, history.len());
         let mut cum = 0.0;
         for (c, pr) in cand.iter().zip(&probs) {
             cum += pr;
@@ -230,6 +332,11 @@ pub fn log_probs(logits: &[f32], ids: &[u32]) -> Vec<f32> {
         .collect()
 }
 
+/// The uniform draw in [0, 1) for the token after `position` tokens of history.
+fn draw(seed: u64, position: usize) -> f64 {
+    Xoshiro::seeded(seed ^ (position as u64).wrapping_mul(0xD1B5_4A32_D192_ED03)).next_f64()
+}
+
 #[derive(Debug, Clone)]
 struct Xoshiro([u64; 4]);
 
@@ -317,7 +424,7 @@ mod tests {
         let l = logits();
         let best = top_k(&l, 1)[0].0;
         assert_eq!(
-            Sampler::new(SamplingParams::default()).sample(&l, &[]),
+            Sampler::new(SamplingParams::default()).sample(&l, &[], None),
             best
         );
     }
@@ -330,12 +437,102 @@ mod tests {
             seed: 42,
             ..Default::default()
         };
-        let draw = |p: SamplingParams| {
+        let run = |p: SamplingParams| {
             let mut s = Sampler::new(p);
-            (0..20).map(|_| s.sample(&l, &[])).collect::<Vec<_>>()
+            let mut history = Vec::new();
+            for _ in 0..20 {
+                let t = s.sample(&l, &history, None);
+                history.push(t);
+            }
+            history
         };
-        assert_eq!(draw(p), draw(p));
-        assert_ne!(draw(p), draw(SamplingParams { seed: 43, ..p }));
+        let a = run(p.clone());
+        assert_eq!(a, run(p.clone()));
+        assert_ne!(
+            a,
+            run(SamplingParams {
+                seed: 43,
+                ..p.clone()
+            })
+        );
+        // The draws depend on the position, not on what the sampler did before: a fresh
+        // sampler given the first 10 tokens continues with the same 10 (a replayed session).
+        let mut fresh = Sampler::new(p);
+        let mut history = a[..10].to_vec();
+        for _ in 10..20 {
+            let t = fresh.sample(&l, &history, None);
+            history.push(t);
+        }
+        assert_eq!(history, a);
+    }
+
+    #[test]
+    fn logit_bias_bans_and_forces_tokens_and_the_mask_limits_the_choice() {
+        let l = logits();
+        let best = top_k(&l, 1)[0].0;
+        let greedy =
+            |p: SamplingParams, mask: Option<&[u32]>| Sampler::new(p).sample(&l, &[], mask);
+        let banned = greedy(
+            SamplingParams {
+                logit_bias: vec![(best, -100.0)],
+                ..Default::default()
+            },
+            None,
+        );
+        assert_ne!(banned, best);
+        assert_eq!(banned, top_k(&l, 2)[1].0);
+        let forced = greedy(
+            SamplingParams {
+                logit_bias: vec![(0, 100.0)],
+                ..Default::default()
+            },
+            None,
+        );
+        assert_eq!(forced, 0);
+        // Only tokens 33 and 70 allowed (bits in 32-bit words), at any temperature.
+        let mut mask = vec![0u32; 4];
+        mask[1] |= 1 << 1;
+        mask[2] |= 1 << 6;
+        let mut hot = Sampler::new(SamplingParams {
+            temperature: 2.0,
+            seed: 3,
+            ..Default::default()
+        });
+        let mut history = Vec::new();
+        for _ in 0..50 {
+            let t = hot.sample(&l, &history, Some(&mask));
+            assert!(t == 33 || t == 70, "{t}");
+            history.push(t);
+        }
+        let g = greedy(SamplingParams::default(), Some(&mask));
+        assert_eq!(g, if l[33] >= l[70] { 33 } else { 70 });
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_count_generated_tokens_only_and_rewind() {
+        let mut l = vec![0.0f32; 10];
+        l[3] = 2.0;
+        l[5] = 1.5;
+        let presence = SamplingParams {
+            presence_penalty: 1.0,
+            n_prompt: 1,
+            ..Default::default()
+        };
+        // Token 3 in the prompt is not penalized; generated once, it is (2.0 - 1.0 < 1.5).
+        assert_eq!(Sampler::new(presence.clone()).sample(&l, &[3], None), 3);
+        let mut s = Sampler::new(presence);
+        assert_eq!(s.sample(&l, &[3, 3], None), 5);
+        // Rewound to the prompt, the count is gone again.
+        s.rewind(1);
+        assert_eq!(s.sample(&l, &[3], None), 3);
+        let frequency = SamplingParams {
+            frequency_penalty: 0.3,
+            ..Default::default()
+        };
+        // Once: 1.7 > 1.5; twice: 1.4 < 1.5.
+        let mut s = Sampler::new(frequency);
+        assert_eq!(s.sample(&l, &[3], None), 3);
+        assert_eq!(s.sample(&l, &[3, 3], None), 5);
     }
 
     #[test]
@@ -361,8 +558,9 @@ mod tests {
                 seed: 7,
                 ..p
             });
-            for _ in 0..20 {
-                assert_eq!(s.sample(&l, &[]), best);
+            let history = vec![0u32; 20];
+            for n in 0..20 {
+                assert_eq!(s.sample(&l, &history[..n], None), best);
             }
         }
     }
@@ -377,8 +575,10 @@ mod tests {
             seed: 1,
             ..Default::default()
         });
-        for _ in 0..200 {
-            assert!(allowed.contains(&s.sample(&l, &[])));
+        // Each position has its own draw.
+        let history = vec![0u32; 200];
+        for n in 0..200 {
+            assert!(allowed.contains(&s.sample(&l, &history[..n], None)));
         }
     }
 
@@ -391,8 +591,8 @@ mod tests {
             repeat_penalty: 2.0,
             ..Default::default()
         };
-        assert_eq!(Sampler::new(p).sample(&l, &[3]), 5);
-        assert_eq!(Sampler::new(p).sample(&l, &[]), 3);
+        assert_eq!(Sampler::new(p.clone()).sample(&l, &[3], None), 5);
+        assert_eq!(Sampler::new(p).sample(&l, &[], None), 3);
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use constrain::{Constraint, LazyVocabulary};
 use model::sampling::{log_probs, top_k, Sampler, SamplingParams};
 use model::{Batch, KvCache, KvPool, Model, Row, BLOCK_POSITIONS};
 use proto::v1::{Fragment, SessionError, SessionOutput, TopLogprob};
@@ -28,8 +29,27 @@ struct Session {
     kv: KvCache,
     tokens: Vec<u32>,
     sampler: Option<Sampler>,
+    /// How many of `tokens` are the prompt: the constraint sees the tokens after them.
+    n_prompt: usize,
+    /// The grammar the generated tokens are held to (last shard only).
+    constraint: Option<Constraint>,
     n_top: u32,
     last_used: Instant,
+}
+
+impl Session {
+    /// Cuts the session back to `len` positions (whole blocks past the end go back to the
+    /// pool); the sampler's counts and the constraint follow.
+    fn rewind(&mut self, len: usize) {
+        self.kv.truncate(len);
+        self.tokens.truncate(self.kv.len());
+        if let Some(s) = &mut self.sampler {
+            s.rewind(self.tokens.len());
+        }
+        if let Some(c) = &mut self.constraint {
+            c.rewind(self.tokens.len().saturating_sub(self.n_prompt));
+        }
+    }
 }
 
 /// The state owned by the compute thread.
@@ -43,6 +63,9 @@ pub(crate) struct Worker {
     /// The last range's logits, reused step after step (16 rows are 3 MiB: a fresh buffer
     /// each step would be zeroed and faulted in again).
     logits: Vec<f32>,
+    /// The vocabulary grammars are compiled against (the last shard's, built in the
+    /// background at start); `None` when the file has no usable tokenizer.
+    grammars: Option<Arc<LazyVocabulary>>,
 }
 
 fn refusal(session_id: u64, reason: &str, message: String) -> SessionError {
@@ -50,22 +73,6 @@ fn refusal(session_id: u64, reason: &str, message: String) -> SessionError {
         session_id,
         reason: reason.into(),
         message,
-    }
-}
-
-fn sampling_params(s: &proto::v1::Sampling) -> SamplingParams {
-    SamplingParams {
-        temperature: s.temperature,
-        top_k: s.top_k as usize,
-        top_p: if s.top_p > 0.0 { s.top_p } else { 1.0 },
-        min_p: s.min_p,
-        repeat_penalty: if s.repeat_penalty > 0.0 {
-            s.repeat_penalty
-        } else {
-            1.0
-        },
-        repeat_last_n: s.repeat_last_n as usize,
-        seed: s.seed,
     }
 }
 
@@ -85,6 +92,7 @@ impl Worker {
         kv_pool: KvPool,
         counters: Arc<Counters>,
         config: ShardConfig,
+        grammars: Option<Arc<LazyVocabulary>>,
     ) -> Self {
         Worker {
             model,
@@ -93,6 +101,7 @@ impl Worker {
             counters,
             config,
             logits: Vec::new(),
+            grammars,
         }
     }
 
@@ -211,6 +220,91 @@ impl Worker {
         })
     }
 
+    /// A session's sampling parameters, checked: a peer holding the token may still send
+    /// nonsense, and none of it may reach the sampler.
+    fn sampling_params(
+        &self,
+        id: u64,
+        s: &proto::v1::Sampling,
+    ) -> Result<SamplingParams, SessionError> {
+        let n_vocab = self.model.config().n_vocab;
+        let bad = |what: String| refusal(id, "invalid_request", format!("session {id}: {what}"));
+        let finite = [
+            s.temperature,
+            s.top_p,
+            s.min_p,
+            s.repeat_penalty,
+            s.presence_penalty,
+            s.frequency_penalty,
+        ];
+        if finite.iter().any(|x| !x.is_finite()) {
+            return Err(bad("sampling parameters must be finite".into()));
+        }
+        if s.logit_bias.len() > n_vocab {
+            return Err(bad(format!(
+                "{} logit biases for {n_vocab} tokens",
+                s.logit_bias.len()
+            )));
+        }
+        if let Some(b) = s
+            .logit_bias
+            .iter()
+            .find(|b| b.token as usize >= n_vocab || !b.bias.is_finite())
+        {
+            return Err(bad(format!(
+                "logit bias {} for token {} (vocabulary of {n_vocab})",
+                b.bias, b.token
+            )));
+        }
+        Ok(SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k as usize,
+            top_p: if s.top_p > 0.0 { s.top_p } else { 1.0 },
+            min_p: s.min_p,
+            repeat_penalty: if s.repeat_penalty > 0.0 {
+                s.repeat_penalty
+            } else {
+                1.0
+            },
+            repeat_last_n: s.repeat_last_n as usize,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            logit_bias: s.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
+            n_prompt: s.n_prompt as usize,
+            seed: s.seed,
+        })
+    }
+
+    /// The session's constraint, compiled here when this shard samples (other shards never
+    /// look at the grammar).
+    fn constraint(
+        &self,
+        id: u64,
+        s: &proto::v1::Sampling,
+    ) -> Result<Option<Constraint>, SessionError> {
+        if s.grammar.is_empty() || !self.model.is_last() {
+            return Ok(None);
+        }
+        let bad = |e: constrain::Error| {
+            refusal(
+                id,
+                "invalid_request",
+                format!("session {id}: {e} (shard {})", self.config.label),
+            )
+        };
+        let vocab = self
+            .grammars
+            .as_ref()
+            .ok_or_else(|| {
+                bad(constrain::Error::Grammar(
+                    "this model has no vocabulary".into(),
+                ))
+            })?
+            .get()
+            .map_err(bad)?;
+        vocab.compile(&s.grammar).map(Some).map_err(bad)
+    }
+
     /// Finds or opens the session a fragment continues, positioned at `base` (where its
     /// positions must end before the fragment): `Ok(created)`, or the refusal.
     fn open_session(
@@ -243,8 +337,7 @@ impl Worker {
                 // A fragment that starts inside the cache rewinds it (replay after a retry);
                 // whole blocks past the new end go back to the pool. Rewinding behind what a
                 // sliding-window layer kept forgets the session.
-                s.kv.truncate(base);
-                s.tokens.truncate(s.kv.len());
+                s.rewind(base);
                 if s.kv.len() < base {
                     return Err(refusal(
                         id,
@@ -267,14 +360,20 @@ impl Worker {
                 format!("max_sessions on shard {label}: {n_held} sessions held"),
             )),
             None => {
+                let (sampler, constraint) = match &f.sampling {
+                    None => (None, None),
+                    Some(s) => (
+                        Some(Sampler::new(self.sampling_params(id, s)?)),
+                        self.constraint(id, s)?,
+                    ),
+                };
                 let session = Session {
                     epoch: job.epoch,
                     kv: self.kv_pool.new_cache(self.config.n_ctx),
                     tokens: Vec::new(),
-                    sampler: f
-                        .sampling
-                        .as_ref()
-                        .map(|s| Sampler::new(sampling_params(s))),
+                    sampler,
+                    n_prompt: f.sampling.as_ref().map_or(0, |s| s.n_prompt as usize),
+                    constraint,
                     n_top: f.n_top_logprobs,
                     last_used: job.now,
                 };
@@ -511,8 +610,7 @@ impl Worker {
         for &(id, len) in to {
             if let Some(s) = self.sessions.get_mut(&SessionKey { stream, id }) {
                 if s.kv.len() > len {
-                    s.kv.truncate(len);
-                    s.tokens.truncate(s.kv.len());
+                    s.rewind(len);
                 }
             }
         }
@@ -694,10 +792,27 @@ impl Worker {
                 .sessions
                 .get_mut(key)
                 .expect("admitted sessions are held");
+            let mask = match &mut s.constraint {
+                None => None,
+                Some(c) => match c
+                    .advance(&s.tokens[s.n_prompt.min(s.tokens.len())..])
+                    .and_then(|()| c.mask())
+                {
+                    Ok(m) => Some(m),
+                    Err(e) => {
+                        out.errors.push(refusal(
+                            f.session_id,
+                            "invalid_request",
+                            format!("session {}: {e}", f.session_id),
+                        ));
+                        continue;
+                    }
+                },
+            };
             let sampler = s
                 .sampler
                 .get_or_insert_with(|| Sampler::new(SamplingParams::default()));
-            let token = sampler.sample(l, &s.tokens);
+            let token = sampler.sample(l, &s.tokens, mask.as_deref());
             let n_top = (s.n_top as usize).min(n_vocab);
             let top = if n_top > 0 {
                 let best: Vec<u32> = top_k(l, n_top).into_iter().map(|(id, _)| id).collect();

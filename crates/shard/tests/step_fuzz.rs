@@ -46,9 +46,24 @@ fn sampling() -> impl Strategy<Value = Sampling> {
         float(),
         prop_oneof![3 => 0u32..100, 1 => any::<u32>()],
         any::<u64>(),
+        (
+            float(),
+            float(),
+            prop::collection::vec(
+                (prop_oneof![3 => 0u32..300, 1 => any::<u32>()], float()),
+                0..4,
+            ),
+            prop_oneof![3 => 0u32..48, 1 => any::<u32>()],
+            prop_oneof![
+                4 => Just(String::new()),
+                1 => Just(r#"{"grammars": [{"json_schema": {"type": "object"}}]}"#.to_string()),
+                1 => Just(r#"{"grammars": [{"lark_grammar": "start: ("}]}"#.to_string()),
+                1 => ".{0,40}",
+            ],
+        ),
     )
         .prop_map(
-            |(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)| Sampling {
+            |(
                 temperature,
                 top_k,
                 top_p,
@@ -56,6 +71,23 @@ fn sampling() -> impl Strategy<Value = Sampling> {
                 repeat_penalty,
                 repeat_last_n,
                 seed,
+                (presence_penalty, frequency_penalty, bias, n_prompt, grammar),
+            )| Sampling {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                repeat_penalty,
+                repeat_last_n,
+                seed,
+                presence_penalty,
+                frequency_penalty,
+                logit_bias: bias
+                    .into_iter()
+                    .map(|(token, bias)| proto::v1::LogitBias { token, bias })
+                    .collect(),
+                n_prompt,
+                grammar,
             },
         )
 }

@@ -136,7 +136,7 @@ impl Local {
         let mut cache = self.model.new_cache(req.n_ctx);
         let mut logits = self.prefill(&mut cache, &req.prompt_ids, req.batch_size, false)?;
         let prompt_time = t0.elapsed();
-        let mut sampler = Sampler::new(req.sampling);
+        let mut sampler = Sampler::new(req.sampling.clone());
         let mut history = req.prompt_ids.clone();
         let mut out = GenerateOutput {
             generated_ids: Vec::new(),
@@ -163,7 +163,7 @@ impl Local {
             if req.n_top > 0 {
                 out.top.push(sampling::top_k(&logits, req.n_top));
             }
-            let id = sampler.sample(&logits, &history);
+            let id = sampler.sample(&logits, &history, None);
             if step == 0 {
                 out.ttft = t0.elapsed();
             }

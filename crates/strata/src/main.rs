@@ -208,10 +208,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let local = a.run.load()?;
     let prompt_ids = match (&a.prompt, &a.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
-        (Some(p), None) if a.chat => local.encode_chat(&[text::ChatMessage {
-            role: "user".into(),
-            content: p.clone(),
-        }])?,
+        (Some(p), None) if a.chat => local.encode_chat(&[text::ChatMessage::new("user", p)])?,
         (Some(p), None) => local.encode_prompt(p),
         (None, None) => bail!("give --prompt or --prompt-ids"),
     };

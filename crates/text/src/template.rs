@@ -8,10 +8,31 @@ use serde::{Deserialize, Serialize};
 use crate::Error;
 
 /// One chat message.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant's tool calls, as templates read them (`[{"type": "function", "function":
+    /// {"name": ..., "arguments": {...}}, "id": ...}]`, the arguments an object).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool message's answer to the call with this id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool message's tool name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of `role` saying `content`, with no tool calls.
+    pub fn new(role: &str, content: &str) -> Self {
+        ChatMessage {
+            role: role.to_string(),
+            content: content.to_string(),
+            ..Default::default()
+        }
+    }
 }
 
 /// A compiled chat template.
@@ -82,29 +103,62 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, Error> {
+        self.render_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render`] with the tools a request offers (`[{"type": "function",
+    /// "function": {...}}]`, as OpenAI sends them) in the template's `tools` variable.
+    pub fn render_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, Error> {
         let contents: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
-        self.render_with(messages, &contents, add_generation_prompt)
+        self.render_with(messages, &contents, tools, add_generation_prompt)
     }
 
     fn render_with(
         &self,
         messages: &[ChatMessage],
         contents: &[&str],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, Error> {
         let tmpl = self.env.get_template("chat").map_err(template_error)?;
         let messages: Vec<minijinja::Value> = messages
             .iter()
             .zip(contents)
-            .map(|(m, c)| context! { role => m.role.clone(), content => *c })
+            .map(|(m, c)| {
+                let base = context! { role => m.role.clone(), content => *c };
+                let extra = context! {
+                    tool_calls => m.tool_calls.as_ref().map(|v| minijinja::Value::from(minijinja::value::Serde(v))),
+                    tool_call_id => m.tool_call_id.clone(),
+                    name => m.name.clone(),
+                };
+                if m.tool_calls.is_none() && m.tool_call_id.is_none() && m.name.is_none() {
+                    base
+                } else {
+                    context! { ..base, ..extra }
+                }
+            })
             .collect();
         tmpl.render(context! {
             messages => messages,
+            tools => tools.map(|v| minijinja::Value::from(minijinja::value::Serde(v))),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos.clone(),
             eos_token => self.eos.clone(),
         })
         .map_err(template_error)
+    }
+
+    /// Whether the template prints tools and tool calls in the Hermes format
+    /// (`<tool_call>...</tool_call>`, as Qwen2.5's does): the one tool format strata parses.
+    pub fn has_hermes_tools(&self) -> bool {
+        self.env
+            .get_template("chat")
+            .is_ok_and(|t| t.source().contains("<tool_call>") && t.source().contains("tools"))
     }
 
     /// Renders the conversation and says which bytes of it came from what the messages say
@@ -117,15 +171,16 @@ impl ChatTemplate {
     pub fn render_parts(
         &self,
         messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<Rendered, Error> {
-        let real = self.render(messages, add_generation_prompt)?;
+        let real = self.render_tools(messages, tools, add_generation_prompt)?;
         let nonce = marker_nonce();
         let markers: Vec<String> = (0..messages.len())
             .map(|i| format!("{MARK}{nonce:x}.{i}{MARK}"))
             .collect();
         let marked_contents: Vec<&str> = markers.iter().map(String::as_str).collect();
-        let marked = self.render_with(messages, &marked_contents, add_generation_prompt)?;
+        let marked = self.render_with(messages, &marked_contents, tools, add_generation_prompt)?;
         let pieces = split_marked(&marked, &markers);
         if let Some(content) = walk(&real, &pieces, messages) {
             return Ok(Rendered {
@@ -263,10 +318,7 @@ mod tests {
     const CHATML: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage::new(role, content)
     }
 
     #[test]

@@ -220,6 +220,15 @@ impl Tokenizer {
         self.ids.get(text).copied()
     }
 
+    /// The first control token whose text `text` holds, if any: text a template prints as
+    /// markup (tool definitions, tool-call arguments) must not smuggle turns in.
+    pub fn control_text_in<'t>(&self, text: &'t str) -> Option<&'t str> {
+        self.specials
+            .find_all(text)
+            .find(|&(_, _, id)| self.kinds[id as usize] == TokenKind::Control)
+            .map(|(s, e, _)| &text[s..e])
+    }
+
     /// Whether generation should stop at `id` (end of sequence or end of turn).
     pub fn is_end(&self, id: u32) -> bool {
         Some(id) == self.eos || Some(id) == self.eot
@@ -314,7 +323,7 @@ impl Tokenizer {
         template: &crate::ChatTemplate,
         messages: &[crate::ChatMessage],
     ) -> Result<Vec<u32>, Error> {
-        self.encode_chat_within(template, messages, usize::MAX)
+        self.encode_chat_within(template, messages, None, usize::MAX)
     }
 
     /// [`Tokenizer::encode_chat`] that stops past `limit` tokens.
@@ -322,9 +331,10 @@ impl Tokenizer {
         &self,
         template: &crate::ChatTemplate,
         messages: &[crate::ChatMessage],
+        tools: Option<&serde_json::Value>,
         limit: usize,
     ) -> Result<Vec<u32>, Error> {
-        let rendered = template.render_parts(messages, true)?;
+        let rendered = template.render_parts(messages, tools, true)?;
         let bos_text = self.bos.and_then(|b| self.token_text(b));
         let add_special = !bos_text.is_some_and(|b| !b.is_empty() && rendered.text.starts_with(b));
         Ok(self.encode_parts(&rendered.text, add_special, &rendered.parts(), limit)?)

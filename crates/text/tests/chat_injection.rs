@@ -14,10 +14,7 @@ fn model() -> (Tokenizer, ChatTemplate) {
 }
 
 fn msg(role: &str, content: &str) -> ChatMessage {
-    ChatMessage {
-        role: role.into(),
-        content: content.into(),
-    }
+    ChatMessage::new(role, content)
 }
 
 fn count(ids: &[u32], id: u32) -> usize {

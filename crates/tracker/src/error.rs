@@ -121,6 +121,15 @@ impl ApiError {
         Self::new(404, "not_found", format!("no route for `{path}`"))
     }
 
+    /// A model this tracker does not serve, asked for by id (`GET /v1/models/{id}`).
+    pub fn model_not_found(id: &str) -> Self {
+        Self::new(
+            404,
+            "model_not_found",
+            format!("no resident model is named `{id}`"),
+        )
+    }
+
     pub fn method_not_allowed(method: &str, path: &str) -> Self {
         Self::new(
             405,

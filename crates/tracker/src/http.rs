@@ -53,6 +53,8 @@ pub struct ModelEntry {
     /// The smallest context any of its routes allows.
     pub n_ctx: usize,
     pub tokenizer: Arc<Tokenizer>,
+    /// The vocabulary request grammars are checked against before they are queued.
+    pub grammars: Arc<constrain::LazyVocabulary>,
     pub template: Option<Arc<ChatTemplate>>,
     pub routes: Vec<RouteHandle>,
 }
@@ -87,7 +89,7 @@ impl ModelEntry {
 impl AppState {
     /// The model a request names (or the only one, when it names none). A model no route
     /// holds is refused as `not_resident`: nothing is ever loaded to answer a request.
-    fn model(&self, requested: Option<&str>) -> Result<&ModelEntry, ApiError> {
+    pub fn model(&self, requested: Option<&str>) -> Result<&ModelEntry, ApiError> {
         match requested {
             Some(m) => self
                 .models
@@ -132,7 +134,7 @@ impl AppState {
 
     /// The caller's key for a completion: checked against `--api-key`, or looked up in the
     /// ledger (which then records the request's usage under it).
-    fn key(&self, headers: &HeaderMap) -> Result<Option<ApiKey>, ApiError> {
+    pub fn key(&self, headers: &HeaderMap) -> Result<Option<ApiKey>, ApiError> {
         let secret = bearer(headers);
         if let Some(expected) = &self.api_key {
             if !proto::secrets_equal(&secret, expected) {
@@ -160,6 +162,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(crate::ops::models))
+        .route("/v1/models/{id}", get(crate::ops::model))
+        .route("/tokenize", post(crate::ops::tokenize))
+        .route("/detokenize", post(crate::ops::detokenize))
         .route("/v1/usage", get(crate::ops::usage_of_key))
         .route("/admin/routes/{name}/evict", post(crate::ops::evict_route))
         .route("/health", get(crate::ops::health))
@@ -240,6 +245,7 @@ async fn tokenize(
     s: &AppState,
     model: &ModelEntry,
     prompt: PromptInput,
+    tools: Option<Value>,
     limit: usize,
 ) -> Result<Vec<u32>, ApiError> {
     let tokenizer = Arc::clone(&model.tokenizer);
@@ -277,13 +283,15 @@ async fn tokenize(
                 .clone()
                 .ok_or_else(|| ApiError::invalid("messages", "this model has no chat template"))?;
             let _permit = s.tokenizing.acquire().await;
-            tokio::task::spawn_blocking(move || tokenizer.encode_chat_within(&template, &m, limit))
-                .await
-                .map_err(|_| ApiError::unavailable("tokenizing the prompt failed"))?
-                .map_err(|e| match e {
-                    text::Error::TooManyTokens(t) => too_long(t.at_least),
-                    other => ApiError::invalid("messages", other.to_string()),
-                })?
+            tokio::task::spawn_blocking(move || {
+                tokenizer.encode_chat_within(&template, &m, tools.as_ref(), limit)
+            })
+            .await
+            .map_err(|_| ApiError::unavailable("tokenizing the prompt failed"))?
+            .map_err(|e| match e {
+                text::Error::TooManyTokens(t) => too_long(t.at_least),
+                other => ApiError::invalid("messages", other.to_string()),
+            })?
         }
     };
     if ids.is_empty() {
@@ -295,13 +303,33 @@ async fn tokenize(
     Ok(ids)
 }
 
+/// One choice of an accepted request: its session and what it sends.
+pub struct Choice {
+    pub events: mpsc::UnboundedReceiver<SessionEvent>,
+    pub guard: CancelOnDrop,
+    /// An event taken off `events` already (the first choice's first, awaited before the
+    /// other choices are submitted), to be handled first.
+    pub first: Option<SessionEvent>,
+}
+
+impl Choice {
+    pub async fn next(&mut self) -> Option<SessionEvent> {
+        match self.first.take() {
+            Some(e) => Some(e),
+            None => self.events.recv().await,
+        }
+    }
+}
+
 /// A request accepted by a route: what its response needs.
-struct Accepted {
-    req: ValidRequest,
-    model_id: String,
-    commands: mpsc::Sender<Command>,
-    id: engine::SessionId,
-    events: mpsc::UnboundedReceiver<SessionEvent>,
+pub struct Accepted {
+    pub req: ValidRequest,
+    pub model_id: String,
+    /// The response's id (the first choice's session).
+    pub id: String,
+    pub choices: Vec<Choice>,
+    /// `echo`: the prompt's text, put before each choice's answer.
+    pub echo: Option<String>,
 }
 
 async fn handle(
@@ -317,12 +345,11 @@ async fn handle(
             e.into_response()
         }
         Ok(a) => {
-            record.id = response_id(endpoint, a.id);
-            let guard = CancelOnDrop::new(a.id, a.commands);
+            record.id = a.id.clone();
             if a.req.stream {
-                stream_response(a.model_id, a.req, a.events, guard, record).into_response()
+                stream_response(a, record).into_response()
             } else {
-                whole_response(a.model_id, a.req, a.events, guard, record).await
+                whole_response(a, record).await
             }
         }
     }
@@ -334,6 +361,66 @@ pub fn response_id(endpoint: Endpoint, id: engine::SessionId) -> String {
         Endpoint::Chat => format!("chatcmpl-{}", id.0),
         Endpoint::Completions => format!("cmpl-{}", id.0),
     }
+}
+
+/// Checks the request's grammar (from `response_format` or `tool_choice`) compiles against
+/// the model's vocabulary, off the async runtime; the refusal names the field it came from.
+async fn check_grammar(model: &ModelEntry, grammar: &str, param: &str) -> Result<(), ApiError> {
+    let (vocab, g) = (Arc::clone(&model.grammars), grammar.to_string());
+    tokio::task::spawn_blocking(move || vocab.get().and_then(|v| v.compile(&g)).map(drop))
+        .await
+        .map_err(|_| ApiError::unavailable("compiling the grammar failed"))?
+        .map_err(|e| ApiError::invalid(param, e.to_string()))
+}
+
+/// The ids of a fill-in-the-middle prompt (`prompt` before the gap, `suffix` after it) in the
+/// model's own FIM tokens; a model without them refuses `suffix`.
+fn fim_ids(
+    model: &ModelEntry,
+    prompt: &PromptInput,
+    suffix: &str,
+    limit: usize,
+) -> Result<Vec<u32>, ApiError> {
+    let t = &model.tokenizer;
+    let (Some(pre), Some(suf), Some(mid)) = (
+        t.token_id("<|fim_prefix|>"),
+        t.token_id("<|fim_suffix|>"),
+        t.token_id("<|fim_middle|>"),
+    ) else {
+        return Err(ApiError::invalid(
+            "suffix",
+            "this model has no fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>)",
+        ));
+    };
+    let PromptInput::Text(text) = prompt else {
+        return Err(ApiError::invalid(
+            "suffix",
+            "`suffix` needs a text `prompt`",
+        ));
+    };
+    if text.len() + suffix.len() > limit.saturating_mul(64) {
+        return Err(ApiError::over_limit(
+            "prompt",
+            "n_ctx",
+            "the prompt and suffix are longer than the context".to_string(),
+        ));
+    }
+    let mut ids = vec![pre];
+    ids.extend(t.encode(text, false, false));
+    ids.push(suf);
+    ids.extend(t.encode(suffix, false, false));
+    ids.push(mid);
+    if ids.len() > limit {
+        return Err(ApiError::over_limit(
+            "prompt",
+            "n_ctx",
+            format!(
+                "the prompt and suffix have {} tokens, but the context length `n_ctx` is {limit}",
+                ids.len()
+            ),
+        ));
+    }
+    Ok(ids)
 }
 
 /// Everything from the raw request to a route's acceptance: body, validation, key, prompt,
@@ -357,12 +444,97 @@ async fn admit(
             .map_err(|_| ApiError::unavailable("parsing the request failed"))??
     };
     record.priority = priority_of(&req, headers)?;
+    record.user = req.user.clone().unwrap_or_default();
     let model = s.model(req.model.as_deref())?;
     record.model = model.id.clone();
     let key = s.key(headers)?;
     let n_ctx = model.n_ctx;
+    let n_vocab = model.tokenizer.n_vocab();
+    if let Some(&(bad, _)) = req
+        .sampling
+        .logit_bias
+        .iter()
+        .find(|(t, _)| *t as usize >= n_vocab)
+    {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!("`logit_bias` names token {bad}, but the vocabulary has {n_vocab} tokens"),
+        ));
+    }
+    let tools = req.tools.clone().filter(|t| t.active());
+    if let Some(t) = &tools {
+        if !model
+            .template
+            .as_ref()
+            .is_some_and(|t| t.has_hermes_tools())
+        {
+            return Err(ApiError::invalid(
+                "tools",
+                format!("the chat template of `{}` has no tool-call format strata knows (Hermes `<tool_call>`, as Qwen2.5's)", model.id),
+            ));
+        }
+        if let Some(c) = model.tokenizer.control_text_in(&t.json.to_string()) {
+            return Err(ApiError::invalid(
+                "tools",
+                format!("`tools` holds the control token text `{c}`"),
+            ));
+        }
+    }
+    if let PromptInput::Messages(m) = &req.prompt {
+        for (i, msg) in m.iter().enumerate() {
+            let smuggled = msg.tool_calls.as_ref().and_then(|c| {
+                model
+                    .tokenizer
+                    .control_text_in(&c.to_string())
+                    .map(str::to_string)
+            });
+            if let Some(c) = smuggled {
+                return Err(ApiError::invalid(
+                    &format!("messages[{i}].tool_calls"),
+                    format!("a tool call holds the control token text `{c}`"),
+                ));
+            }
+        }
+    }
+    let grammar = match (&req.grammar, &tools) {
+        (Some(g), _) => {
+            check_grammar(model, g, "response_format").await?;
+            Some(g.clone())
+        }
+        (None, Some(t)) => match t.grammar() {
+            Some(g) => {
+                check_grammar(model, &g, "tools").await?;
+                Some(g)
+            }
+            None => None,
+        },
+        (None, None) => None,
+    };
+    let echo = match (&req.prompt, req.echo) {
+        (_, false) => None,
+        (PromptInput::Text(t), true) => Some(t.clone()),
+        (PromptInput::Ids(ids), true) => Some(
+            model
+                .tokenizer
+                .decode(ids, false)
+                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+        ),
+        (PromptInput::Messages(_), true) => None,
+    };
     let prompt = std::mem::replace(&mut req.prompt, PromptInput::Ids(Vec::new()));
-    let prompt_ids = tokenize(s, model, prompt, n_ctx).await?;
+    let prompt_ids = match &req.suffix {
+        Some(suffix) => fim_ids(model, &prompt, suffix, n_ctx)?,
+        None => {
+            tokenize(
+                s,
+                model,
+                prompt,
+                tools.as_ref().map(|t| t.json.clone()),
+                n_ctx,
+            )
+            .await?
+        }
+    };
     record.prompt_tokens = prompt_ids.len();
     let max_tokens = match (req.max_tokens, endpoint) {
         (Some(m), _) => m,
@@ -378,18 +550,28 @@ async fn admit(
             prompt_ids.len()
         )));
     }
+    let r = &req.sampling;
     let job = Job {
+        sampling: proto::v1::Sampling {
+            temperature: r.temperature,
+            top_k: r.top_k,
+            top_p: r.top_p,
+            min_p: r.min_p,
+            repeat_penalty: r.repeat_penalty,
+            repeat_last_n: 64,
+            seed: r.seed,
+            presence_penalty: r.presence_penalty,
+            frequency_penalty: r.frequency_penalty,
+            logit_bias: r
+                .logit_bias
+                .iter()
+                .map(|&(token, bias)| proto::v1::LogitBias { token, bias })
+                .collect(),
+            n_prompt: prompt_ids.len() as u32,
+            grammar: grammar.unwrap_or_default(),
+        },
         prompt_ids,
         max_tokens,
-        sampling: proto::v1::Sampling {
-            temperature: req.sampling.temperature,
-            top_k: req.sampling.top_k,
-            top_p: req.sampling.top_p,
-            min_p: req.sampling.min_p,
-            repeat_penalty: req.sampling.repeat_penalty,
-            repeat_last_n: 64,
-            seed: req.sampling.seed,
-        },
         stop: req.stop.clone(),
         logprobs: req.logprobs,
         ignore_eos: req.ignore_eos,
@@ -397,39 +579,59 @@ async fn admit(
         key: key.as_ref().map(|k| k.name.clone()).unwrap_or_default(),
         ledger_row: None,
     };
-    // The ledger row is committed before the request is submitted: an accepted request
-    // is never lost, whatever happens to this process afterwards.
-    let ledger_row = match (&s.ledger, key) {
-        (Some(l), Some(k)) => {
-            let (l2, prompt, max) = (
-                Arc::clone(l),
-                job.prompt_ids.len() as u64,
-                job.max_tokens as u64,
-            );
-            let row = tokio::task::spawn_blocking(move || l2.reserve(&k, prompt, max))
-                .await
-                .map_err(|_| ApiError::unavailable("the usage ledger stopped"))??;
-            Some(row)
-        }
-        _ => None,
-    };
-    let job = Job { ledger_row, ..job };
     let n_prompt = job.prompt_ids.len() as u64;
-    match submit(model, job).await {
-        Ok((route, id, events)) => Ok(Accepted {
-            req,
-            model_id: model.id.clone(),
-            commands: route.commands.clone(),
-            id,
-            events,
-        }),
-        Err(e) => {
-            if let (Some(l), Some(row)) = (&s.ledger, ledger_row) {
-                l.settle(row, n_prompt, 0, "refused");
+    let mut choices: Vec<Choice> = Vec::with_capacity(req.n);
+    let mut first_id = None;
+    for i in 0..req.n {
+        let mut job_i = job.clone();
+        // Each choice has its own seed and its own ledger row (the prompt is billed once).
+        job_i.sampling.seed = job.sampling.seed.wrapping_add(i as u64);
+        let billed_prompt = if i == 0 { n_prompt } else { 0 };
+        // The ledger row is committed before the request is submitted: an accepted request
+        // is never lost, whatever happens to this process afterwards.
+        job_i.ledger_row = match (&s.ledger, &key) {
+            (Some(l), Some(k)) => {
+                let (l2, k, max) = (Arc::clone(l), k.clone(), job.max_tokens as u64);
+                let row = tokio::task::spawn_blocking(move || l2.reserve(&k, billed_prompt, max))
+                    .await
+                    .map_err(|_| ApiError::unavailable("the usage ledger stopped"))??;
+                Some(row)
             }
-            Err(e)
+            _ => None,
+        };
+        let ledger_row = job_i.ledger_row;
+        match submit(model, job_i).await {
+            Ok((route, id, events)) => {
+                first_id.get_or_insert(id);
+                let mut c = Choice {
+                    events,
+                    guard: CancelOnDrop::new(id, route.commands.clone()),
+                    first: None,
+                };
+                if i == 0 && req.n > 1 {
+                    // The other choices start once the first has its prompt in the KV cache:
+                    // its full blocks are in the prefix cache then, and the others share them.
+                    c.first = c.events.recv().await;
+                }
+                choices.push(c);
+            }
+            Err(e) => {
+                if let (Some(l), Some(row)) = (&s.ledger, ledger_row) {
+                    l.settle(row, billed_prompt, 0, "refused");
+                }
+                // Dropping the choices already admitted cancels them.
+                return Err(e);
+            }
         }
     }
+    let id = response_id(endpoint, first_id.expect("n >= 1"));
+    Ok(Accepted {
+        req,
+        model_id: model.id.clone(),
+        id,
+        choices,
+        echo,
+    })
 }
 
 /// Offers the job to the model's routes in turn; the first that admits it runs it. When every

@@ -6,6 +6,7 @@
 //! talk to it only by message. The tracker never touches weights: it depends on `engine`,
 //! `text` and `proto`, never on `model`.
 
+mod agent;
 mod cluster;
 mod error;
 mod http;
@@ -164,12 +165,17 @@ impl Tracker {
                     &metrics,
                 )
                 .await?;
+                // Request grammars are compiled here first, so a schema llguidance cannot
+                // take is a 400 before anything is queued; built in the background now.
+                let grammars = constrain::LazyVocabulary::new(Arc::clone(&tokenizer));
+                grammars.warm();
                 models.push(http::ModelEntry {
                     id: cluster.model_name.clone(),
                     digest: cluster.model_digest.clone(),
                     n_layers: cluster.n_layers,
                     n_ctx: cluster.n_ctx,
                     tokenizer,
+                    grammars,
                     template,
                     routes: vec![handle],
                 });

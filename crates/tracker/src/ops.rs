@@ -3,14 +3,15 @@
 
 use std::sync::Arc;
 
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::http::{bearer, AppState, RouteHandle};
+use crate::http::{bearer, AppState, ModelEntry, RouteHandle};
+use crate::server::read_body;
 
 /// A key's usage and budget: `GET /v1/usage` with its bearer secret.
 pub async fn usage_of_key(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
@@ -84,21 +85,153 @@ pub async fn evict_route(
     Json(json!({"evicted": {"model": model.id, "route": name}})).into_response()
 }
 
+fn model_json(m: &ModelEntry) -> Value {
+    let routes: Vec<&RouteHandle> = m.routes.iter().filter(|r| r.resident()).collect();
+    json!({"id": m.id, "object": "model", "created": 0, "owned_by": "strata",
+           "digest": m.digest, "n_layers": m.n_layers, "context_length": m.n_ctx,
+           "routes": routes.iter().map(|r| r.name.clone()).collect::<Vec<_>>(),
+           "pinned_on": routes.iter().filter(|r| r.pinned).map(|r| r.name.clone()).collect::<Vec<_>>()})
+}
+
 /// The resident models and the routes (nodes) holding each.
 pub async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
     let data: Vec<Value> = s
         .models
         .iter()
         .filter(|m| m.resident())
-        .map(|m| {
-            let routes: Vec<&RouteHandle> = m.routes.iter().filter(|r| r.resident()).collect();
-            json!({"id": m.id, "object": "model", "created": 0, "owned_by": "strata",
-                   "digest": m.digest, "n_layers": m.n_layers, "context_length": m.n_ctx,
-                   "routes": routes.iter().map(|r| r.name.clone()).collect::<Vec<_>>(),
-                   "pinned_on": routes.iter().filter(|r| r.pinned).map(|r| r.name.clone()).collect::<Vec<_>>()})
-        })
+        .map(model_json)
         .collect();
     Json(json!({"object": "list", "data": data}))
+}
+
+/// One resident model (`GET /v1/models/{id}`, by name or digest).
+pub async fn model(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    match s
+        .models
+        .iter()
+        .find(|m| m.resident() && (m.id == id || m.digest == id))
+    {
+        Some(m) => Json(model_json(m)).into_response(),
+        None => ApiError::model_not_found(&id).into_response(),
+    }
+}
+
+/// A tokenize or detokenize body: checked fields, the model it names.
+fn text_body<'a>(
+    s: &'a AppState,
+    body: &[u8],
+    fields: &[&str],
+) -> Result<(Value, &'a ModelEntry), ApiError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid("body", format!("the request body is not valid JSON: {e}"))
+    })?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| ApiError::invalid("body", "the request body must be a JSON object"))?;
+    if let Some(k) = obj
+        .keys()
+        .find(|k| k.as_str() != "model" && !fields.contains(&k.as_str()))
+    {
+        return Err(ApiError::invalid(k, format!("`{k}` is not supported here")));
+    }
+    let model = s.model(v.get("model").and_then(Value::as_str))?;
+    Ok((v, model))
+}
+
+fn flag(v: &Value, key: &str, default: bool) -> Result<bool, ApiError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(ApiError::invalid(
+            key,
+            format!("`{key}` must be a boolean, got {other}"),
+        )),
+    }
+}
+
+/// `POST /tokenize`, with llama-server's fields: `content`, `add_special` (false),
+/// `parse_special` (true), `with_pieces` (false) -> `{"tokens": [...]}`.
+pub async fn tokenize(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let run = async {
+        s.key(&headers)?;
+        let body = read_body(body, &s.http).await?;
+        let (v, model) = text_body(
+            &s,
+            &body,
+            &["content", "add_special", "parse_special", "with_pieces"],
+        )?;
+        let content = v
+            .get("content")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ApiError::invalid("content", "`content` must be a string"))?
+            .to_string();
+        let (add, parse, pieces) = (
+            flag(&v, "add_special", false)?,
+            flag(&v, "parse_special", true)?,
+            flag(&v, "with_pieces", false)?,
+        );
+        let tok = Arc::clone(&model.tokenizer);
+        let _permit = s.tokenizing.acquire().await;
+        tokio::task::spawn_blocking(move || {
+            let ids = tok.encode(&content, add, parse);
+            let tokens: Vec<Value> = if pieces {
+                ids.iter()
+                    .map(|&id| {
+                        let bytes = tok.token_bytes(id, true).unwrap_or_default();
+                        let piece = match String::from_utf8(bytes) {
+                            Ok(s) => json!(s),
+                            Err(e) => json!(e.into_bytes()),
+                        };
+                        json!({"id": id, "piece": piece})
+                    })
+                    .collect()
+            } else {
+                ids.iter().map(|&id| json!(id)).collect()
+            };
+            json!({"tokens": tokens})
+        })
+        .await
+        .map_err(|_| ApiError::unavailable("tokenizing failed"))
+    };
+    match run.await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /detokenize`: `{"tokens": [...]}` -> `{"content": "..."}`.
+pub async fn detokenize(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let run = async {
+        s.key(&headers)?;
+        let body = read_body(body, &s.http).await?;
+        let (v, model) = text_body(&s, &body, &["tokens"])?;
+        let ids = v
+            .get("tokens")
+            .and_then(Value::as_array)
+            .and_then(|a| {
+                a.iter()
+                    .map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok()))
+                    .collect::<Option<Vec<u32>>>()
+            })
+            .ok_or_else(|| ApiError::invalid("tokens", "`tokens` must be a list of token ids"))?;
+        let content = model
+            .tokenizer
+            .decode(&ids, false)
+            .map_err(|e| ApiError::invalid("tokens", e.to_string()))?;
+        Ok::<_, ApiError>(json!({"content": content}))
+    };
+    match run.await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {

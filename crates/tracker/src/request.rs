@@ -30,14 +30,22 @@ pub enum PromptInput {
 }
 
 /// Sampling as requested.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SamplingRequest {
     pub temperature: f32,
     pub top_p: f32,
     pub top_k: u32,
     pub min_p: f32,
     pub repeat_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Token id to bias, in [-100, 100] (ids are checked against the vocabulary once the
+    /// model is known).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// The request's seed, or a fresh one: requests without a seed differ.
     pub seed: u64,
+    /// Whether the request gave the seed (choice `i` of `n` then uses `seed + i`).
+    pub seeded: bool,
 }
 
 /// A request that passed validation (token-level checks happen once it is tokenized).
@@ -58,6 +66,64 @@ pub struct ValidRequest {
     pub ignore_eos: bool,
     /// `priority`: `agent` or `grading` (the header `x-strata-priority` is used when absent).
     pub priority: Option<engine::Priority>,
+    /// Choices to generate (`n`), each its own session with its own seed.
+    pub n: usize,
+    /// Completions: the prompt's text comes back before the answer.
+    pub echo: bool,
+    /// Completions: the text after the insertion point (fill-in-the-middle).
+    pub suffix: Option<String>,
+    /// Streaming: a last chunk with the usage and no choices (`stream_options.include_usage`).
+    pub include_usage: bool,
+    /// The grammar `response_format` asks for.
+    pub grammar: Option<String>,
+    /// Chat: the tools offered and the choice among them.
+    pub tools: Option<crate::agent::ToolSet>,
+    /// The end user the caller names (`user`), written in the request's log line.
+    pub user: Option<String>,
+}
+
+/// The fields each endpoint takes; any other is refused with a 400 naming it, never ignored.
+const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "n",
+    "response_format",
+    "user",
+    "priority",
+    "return_token_ids",
+    "ignore_eos",
+];
+const COMPLETION_FIELDS: &[&str] = &["prompt", "echo", "suffix", "best_of"];
+const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
+
+/// Most choices one request may ask for.
+pub const MAX_N: u64 = 16;
+/// Most `logit_bias` entries.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
+fn fresh_seed() -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(std::time::SystemTime::now())
 }
 
 /// Longest stop string accepted, in bytes. Stop strings are matched against every generated
@@ -163,11 +229,27 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
             ))
         }
     };
-    if let Some(n) = integer(&body, "n", 0, u64::MAX)? {
-        if n != 1 {
+    if let Some(obj) = body.as_object() {
+        let own = match endpoint {
+            Endpoint::Completions => COMPLETION_FIELDS,
+            Endpoint::Chat => CHAT_FIELDS,
+        };
+        if let Some(k) = obj
+            .keys()
+            .find(|k| !COMMON_FIELDS.contains(&k.as_str()) && !own.contains(&k.as_str()))
+        {
             return Err(ApiError::invalid(
-                "n",
-                format!("`n` is {n}; only 1 choice per request is supported"),
+                k,
+                format!("`{k}` is not supported on {}", endpoint.path()),
+            ));
+        }
+    }
+    let n = integer(&body, "n", 1, MAX_N)?.unwrap_or(1) as usize;
+    if let Some(b) = integer(&body, "best_of", 1, MAX_N)? {
+        if b as usize != n {
+            return Err(ApiError::invalid(
+                "best_of",
+                format!("`best_of` is {b}; only `best_of` equal to `n` ({n}) is supported: strata returns every choice it generates"),
             ));
         }
     }
@@ -235,9 +317,32 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
                     ));
                 }
                 let role = if role == "developer" { "system" } else { role };
+                let tool_calls = match m.get("tool_calls").filter(|v| !v.is_null()) {
+                    Some(_) if role != "assistant" => {
+                        return Err(ApiError::invalid(
+                            &format!("messages[{i}].tool_calls"),
+                            "only assistant messages carry `tool_calls`",
+                        ))
+                    }
+                    Some(v) => Some(crate::agent::history_tool_calls(v, i)?),
+                    None => None,
+                };
+                let text_field = |key: &str| -> Result<Option<String>, ApiError> {
+                    match m.get(key) {
+                        None | Some(Value::Null) => Ok(None),
+                        Some(Value::String(s)) => Ok(Some(s.clone())),
+                        Some(_) => Err(ApiError::invalid(
+                            &format!("messages[{i}].{key}"),
+                            format!("`messages[{i}].{key}` must be a string"),
+                        )),
+                    }
+                };
                 out.push(ChatMessage {
                     role: role.to_string(),
                     content: content_text(content, i)?,
+                    tool_calls,
+                    tool_call_id: text_field("tool_call_id")?,
+                    name: text_field("name")?,
                 });
             }
             PromptInput::Messages(out)
@@ -288,8 +393,78 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
             ),
         ));
     }
-    number(&body, "presence_penalty", -2.0, 2.0)?;
-    number(&body, "frequency_penalty", -2.0, 2.0)?;
+    let logit_bias = match body.get("logit_bias") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Object(m)) => {
+            if m.len() > MAX_LOGIT_BIAS {
+                return Err(ApiError::over_limit(
+                    "logit_bias",
+                    "max_logit_bias",
+                    format!(
+                        "`logit_bias` has {} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                        m.len()
+                    ),
+                ));
+            }
+            let mut out = Vec::with_capacity(m.len());
+            for (k, v) in m {
+                let id = k.parse::<u32>().map_err(|_| {
+                    ApiError::invalid(
+                        "logit_bias",
+                        format!("`logit_bias` keys are token ids; `{k}` is not one"),
+                    )
+                })?;
+                let b = v.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
+                    ApiError::invalid(
+                        "logit_bias",
+                        format!("`logit_bias` values are numbers from -100 to 100; token {id} has {v}"),
+                    )
+                })?;
+                out.push((id, b as f32));
+            }
+            out
+        }
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!("`logit_bias` must be an object of token ids to biases, got {v}"),
+            ))
+        }
+    };
+    let include_usage = match body.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => {
+            if let Some(k) = o.keys().find(|k| k.as_str() != "include_usage") {
+                return Err(ApiError::invalid(
+                    &format!("stream_options.{k}"),
+                    format!("`stream_options.{k}` is not supported"),
+                ));
+            }
+            match o.get("include_usage") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(v) => {
+                    return Err(ApiError::invalid(
+                        "stream_options.include_usage",
+                        format!("`include_usage` must be a boolean, got {v}"),
+                    ))
+                }
+            }
+        }
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "stream_options",
+                format!("`stream_options` must be an object, got {v}"),
+            ))
+        }
+    };
+    let stream = boolean(&body, "stream")?.unwrap_or(false);
+    if body.get("stream_options").is_some_and(|v| !v.is_null()) && !stream {
+        return Err(ApiError::invalid(
+            "stream_options",
+            "`stream_options` is only for `stream: true`",
+        ));
+    }
     let logprobs = match endpoint {
         Endpoint::Completions => integer(&body, "logprobs", 0, 20)?.map(|v| v as u32),
         Endpoint::Chat => {
@@ -312,12 +487,64 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
         top_k: integer(&body, "top_k", 0, 1 << 20)?.unwrap_or(0) as u32,
         min_p: number(&body, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
         repeat_penalty: number(&body, "repetition_penalty", 0.01, 10.0)?.unwrap_or(1.0) as f32,
+        presence_penalty: number(&body, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        frequency_penalty: number(&body, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        logit_bias,
         seed: match body.get("seed") {
-            None | Some(Value::Null) => 0,
-            Some(v) => v.as_i64().map(|s| s as u64).ok_or_else(|| {
-                ApiError::invalid("seed", format!("`seed` must be an integer, got {v}"))
-            })?,
+            None | Some(Value::Null) => fresh_seed(),
+            Some(v) => v
+                .as_i64()
+                .map(|s| s as u64)
+                .or_else(|| v.as_u64())
+                .ok_or_else(|| {
+                    ApiError::invalid("seed", format!("`seed` must be an integer, got {v}"))
+                })?,
         },
+        seeded: body.get("seed").is_some_and(|v| !v.is_null()),
+    };
+    let echo = boolean(&body, "echo")?.unwrap_or(false);
+    if echo && logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "echo",
+            "`echo` with `logprobs` is not supported (the prompt's log-probabilities are not computed)",
+        ));
+    }
+    let suffix = match body.get("suffix") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "suffix",
+                format!("`suffix` must be a string, got {v}"),
+            ))
+        }
+    };
+    if suffix.is_some() && echo {
+        return Err(ApiError::invalid(
+            "echo",
+            "`echo` with `suffix` is not supported",
+        ));
+    }
+    let grammar = crate::agent::response_format(&body)?;
+    let tools = match endpoint {
+        Endpoint::Chat => crate::agent::tools(&body)?,
+        Endpoint::Completions => None,
+    };
+    if grammar.is_some() && tools.as_ref().is_some_and(|t| t.active()) {
+        return Err(ApiError::invalid(
+            "response_format",
+            "`response_format` with `tools` is not supported: the answer is either a document or tool calls (give `tool_choice: \"none\"` to keep the tools out)",
+        ));
+    }
+    let user = match body.get("user") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s.len() <= 256 => Some(s.clone()),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "user",
+                "`user` must be a string of at most 256 bytes",
+            ))
+        }
     };
     if sampling.top_p == 0.0 {
         return Err(ApiError::invalid("top_p", "`top_p` must be greater than 0"));
@@ -329,7 +556,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
         max_tokens,
         sampling,
         stop,
-        stream: boolean(&body, "stream")?.unwrap_or(false),
+        stream,
         logprobs,
         return_token_ids: boolean(&body, "return_token_ids")?.unwrap_or(false),
         ignore_eos: boolean(&body, "ignore_eos")?.unwrap_or(false),
@@ -346,6 +573,13 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
                     })?,
             ),
         },
+        n,
+        echo,
+        suffix,
+        include_usage,
+        grammar,
+        tools,
+        user,
     })
 }
 
@@ -355,15 +589,90 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn a_plain_completion_is_valid_and_unknown_fields_are_ignored() {
+    fn a_plain_completion_is_valid_and_unknown_fields_are_refused() {
         let r = validate(
             Endpoint::Completions,
-            json!({"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0, "whatever": [1, 2]}),
+            json!({"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0}),
         )
         .unwrap();
         assert_eq!(r.prompt, PromptInput::Text("hi".into()));
         assert_eq!(r.max_tokens, Some(5));
         assert_eq!(r.sampling.temperature, 0.0);
+        for (endpoint, body, param) in [
+            (
+                Endpoint::Completions,
+                json!({"prompt": "hi", "whatever": [1, 2]}),
+                "whatever",
+            ),
+            (
+                Endpoint::Completions,
+                json!({"prompt": "hi", "tools": []}),
+                "tools",
+            ),
+            (
+                Endpoint::Chat,
+                json!({"messages": [{"role": "user", "content": "x"}], "functions": []}),
+                "functions",
+            ),
+            (
+                Endpoint::Chat,
+                json!({"messages": [{"role": "user", "content": "x"}], "echo": true}),
+                "echo",
+            ),
+            (
+                Endpoint::Completions,
+                json!({"prompt": "x", "stream_options": {"include_usage": true}}),
+                "stream_options",
+            ),
+            (
+                Endpoint::Completions,
+                json!({"prompt": "x", "stream": true, "stream_options": {"x": 1}}),
+                "stream_options.x",
+            ),
+            (
+                Endpoint::Completions,
+                json!({"prompt": "x", "best_of": 2}),
+                "best_of",
+            ),
+            (Endpoint::Completions, json!({"prompt": "x", "n": 17}), "n"),
+            (
+                Endpoint::Completions,
+                json!({"prompt": "x", "logit_bias": {"a": 1}}),
+                "logit_bias",
+            ),
+            (
+                Endpoint::Completions,
+                json!({"prompt": "x", "logit_bias": {"1": 101}}),
+                "logit_bias",
+            ),
+            (
+                Endpoint::Completions,
+                json!({"prompt": "x", "echo": true, "logprobs": 1}),
+                "echo",
+            ),
+        ] {
+            let e = validate(endpoint, body.clone()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn seeds_are_fresh_unless_given_and_penalties_are_kept() {
+        let body = json!({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"7": -100}});
+        let a = validate(Endpoint::Completions, body.clone()).unwrap();
+        let b = validate(Endpoint::Completions, body).unwrap();
+        assert!(!a.sampling.seeded);
+        assert_ne!(a.sampling.seed, b.sampling.seed);
+        assert_eq!(a.sampling.presence_penalty, 0.5);
+        assert_eq!(a.sampling.frequency_penalty, -1.0);
+        assert_eq!(a.sampling.logit_bias, vec![(7, -100.0)]);
+        let s = validate(
+            Endpoint::Completions,
+            json!({"prompt": "x", "seed": 5, "n": 3}),
+        )
+        .unwrap();
+        assert!(s.sampling.seeded);
+        assert_eq!((s.sampling.seed, s.n), (5, 3));
     }
 
     #[test]
@@ -375,7 +684,7 @@ mod tests {
             (json!({"prompt": 5}), "prompt"),
             (json!({}), "prompt"),
             (json!({"prompt": "x", "stop": [1]}), "stop"),
-            (json!({"prompt": "x", "n": 3}), "n"),
+            (json!({"prompt": "x", "n": 0}), "n"),
             (json!({"prompt": "x", "stream": "yes"}), "stream"),
             (
                 json!({"prompt": "x", "stop": "s".repeat(MAX_STOP_BYTES + 1)}),
@@ -407,10 +716,7 @@ mod tests {
         assert_eq!(r.logprobs, Some(3));
         assert_eq!(
             r.prompt,
-            PromptInput::Messages(vec![ChatMessage {
-                role: "user".into(),
-                content: "ab".into()
-            }])
+            PromptInput::Messages(vec![ChatMessage::new("user", "ab")])
         );
     }
 }

@@ -9,12 +9,13 @@ use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::stream::{self, Stream};
+use futures::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::agent;
 use crate::error::ApiError;
-use crate::http::response_id;
+use crate::http::{Accepted, Choice};
 use crate::record::{Outcome, RequestRecord};
 use crate::request::{Endpoint, ValidRequest};
 use crate::runner::{Command, SessionEvent, TokenLogprob};
@@ -29,7 +30,7 @@ fn now_secs() -> u64 {
 pub struct CancelOnDrop {
     id: engine::SessionId,
     commands: mpsc::Sender<Command>,
-    armed: bool,
+    pub armed: bool,
 }
 
 impl CancelOnDrop {
@@ -72,200 +73,356 @@ fn usage(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
 
-pub async fn whole_response(
-    model_id: String,
-    req: ValidRequest,
-    mut events: mpsc::UnboundedReceiver<SessionEvent>,
-    mut guard: CancelOnDrop,
-    mut record: RequestRecord,
-) -> Response {
-    let mut text = String::new();
-    let mut lps = Vec::new();
-    let mut ids = Vec::new();
-    let (finish, p, c) = loop {
-        match events.recv().await {
-            Some(SessionEvent::Token {
-                token,
-                text: t,
-                logprob,
-            }) => {
-                record.token();
-                text.push_str(&t);
-                lps.extend(logprob);
-                ids.push(token);
+/// How a choice ended.
+struct Ended {
+    finish: &'static str,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+}
+
+/// The id of a choice's `k`th tool call: unique across the tracker's responses.
+fn call_id(response: &str, choice: usize, k: usize) -> String {
+    format!("call_{response}_{choice}_{k}")
+}
+
+/// Whether the answer is searched for tool calls.
+fn parses_tools(req: &ValidRequest) -> bool {
+    req.endpoint == Endpoint::Chat && req.tools.as_ref().is_some_and(|t| t.active())
+}
+
+pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Response {
+    let mut out = Vec::with_capacity(a.choices.len());
+    let mut prompt_tokens = 0;
+    let mut completion_tokens = 0;
+    for (index, c) in a.choices.iter_mut().enumerate() {
+        let mut text = a.echo.clone().unwrap_or_default();
+        let mut lps = Vec::new();
+        let mut ids = Vec::new();
+        let ended = loop {
+            match c.next().await {
+                Some(SessionEvent::Token {
+                    token,
+                    text: t,
+                    logprob,
+                }) => {
+                    record.token();
+                    text.push_str(&t);
+                    lps.extend(logprob);
+                    ids.push(token);
+                }
+                Some(SessionEvent::Text(t)) => text.push_str(&t),
+                Some(SessionEvent::Done {
+                    finish_reason,
+                    prompt_tokens,
+                    completion_tokens,
+                }) => {
+                    break Ended {
+                        finish: finish_reason,
+                        prompt_tokens,
+                        completion_tokens,
+                    }
+                }
+                Some(SessionEvent::Error(e)) => {
+                    c.guard.armed = false;
+                    record.finish(Outcome::Failed(&e));
+                    return e.into_response();
+                }
+                None => {
+                    c.guard.armed = false;
+                    let e = ApiError::unavailable("the session ended without a result");
+                    record.finish(Outcome::Failed(&e));
+                    return e.into_response();
+                }
             }
-            Some(SessionEvent::Text(t)) => text.push_str(&t),
-            Some(SessionEvent::Done {
-                finish_reason,
-                prompt_tokens,
-                completion_tokens,
-            }) => break (finish_reason, prompt_tokens, completion_tokens),
-            Some(SessionEvent::Error(e)) => {
-                guard.armed = false;
-                record.finish(Outcome::Failed(&e));
-                return e.into_response();
+        };
+        c.guard.armed = false;
+        prompt_tokens = ended.prompt_tokens;
+        completion_tokens += ended.completion_tokens;
+        let logprobs = a.req.logprobs.map(|_| logprob_json(a.req.endpoint, &lps));
+        let mut choice = match a.req.endpoint {
+            Endpoint::Completions => {
+                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": ended.finish})
             }
-            None => {
-                guard.armed = false;
-                let e = ApiError::unavailable("the session ended without a result");
-                record.finish(Outcome::Failed(&e));
-                return e.into_response();
+            Endpoint::Chat if parses_tools(&a.req) => {
+                let (content, calls) = agent::split_calls(&text);
+                let finish = if calls.is_empty() {
+                    ended.finish
+                } else {
+                    "tool_calls"
+                };
+                let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { json!(content) }});
+                if !calls.is_empty() {
+                    message["tool_calls"] = calls
+                        .iter()
+                        .enumerate()
+                        .map(|(k, call)| {
+                            let mut v = call.json(&call_id(&a.id, index, k), k);
+                            v.as_object_mut().map(|o| o.remove("index"));
+                            v
+                        })
+                        .collect();
+                }
+                json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
             }
+            Endpoint::Chat => {
+                json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": ended.finish})
+            }
+        };
+        if a.req.return_token_ids {
+            choice["token_ids"] = json!(ids);
         }
-    };
-    guard.armed = false;
-    record.finish(Outcome::Done {
-        finish_reason: finish,
-        completion_tokens: c,
-    });
-    let id = response_id(req.endpoint, guard.id);
-    let logprobs = req.logprobs.map(|_| logprob_json(req.endpoint, &lps));
-    let mut body = match req.endpoint {
-        Endpoint::Completions => json!({
-            "id": id, "object": "text_completion", "created": now_secs(), "model": model_id,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-            "usage": usage(p, c),
-        }),
-        Endpoint::Chat => json!({
-            "id": id, "object": "chat.completion", "created": now_secs(), "model": model_id,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish}],
-            "usage": usage(p, c),
-        }),
-    };
-    if req.return_token_ids {
-        body["choices"][0]["token_ids"] = json!(ids);
+        out.push(choice);
     }
+    record.finish(Outcome::Done {
+        finish_reason: out
+            .first()
+            .and_then(|c| c["finish_reason"].as_str())
+            .map_or("stop", finish_name),
+        completion_tokens,
+    });
+    let object = match a.req.endpoint {
+        Endpoint::Completions => "text_completion",
+        Endpoint::Chat => "chat.completion",
+    };
+    let body = json!({
+        "id": a.id, "object": object, "created": now_secs(), "model": a.model_id,
+        "choices": out,
+        "usage": usage(prompt_tokens, completion_tokens),
+    });
     (StatusCode::OK, Json(body)).into_response()
+}
+
+/// A finish reason as the static name metrics take.
+fn finish_name(s: &str) -> &'static str {
+    match s {
+        "length" => "length",
+        "tool_calls" => "tool_calls",
+        _ => "stop",
+    }
+}
+
+/// A choice's stream of events, tagged with its index; the choice's guard is disarmed once
+/// its session has ended (an answer dropped before that cancels it).
+fn choice_events(index: usize, c: Choice) -> impl Stream<Item = (usize, SessionEvent)> + Send {
+    stream::unfold(Some(c), move |c| async move {
+        let mut c = c?;
+        let ev = c.next().await;
+        let ended = !matches!(ev, Some(SessionEvent::Token { .. } | SessionEvent::Text(_)));
+        if ended {
+            c.guard.armed = false;
+        }
+        let ev = ev.unwrap_or_else(|| {
+            SessionEvent::Error(ApiError::unavailable("the session ended without a result"))
+        });
+        Some(((index, ev), (!ended).then_some(c)))
+    })
+}
+
+/// One choice's streaming state.
+struct ChoiceStream {
+    /// The role was sent (chat: the first delta carries it).
+    started: bool,
+    tools: Option<agent::ToolStream>,
+    n_calls: usize,
+    /// `echo`: the prompt's text, sent before the first token.
+    echo: Option<String>,
 }
 
 struct StreamState {
     model_id: String,
     req: ValidRequest,
-    events: mpsc::UnboundedReceiver<SessionEvent>,
-    guard: CancelOnDrop,
+    id: String,
+    events: stream::SelectAll<std::pin::Pin<Box<dyn Stream<Item = (usize, SessionEvent)> + Send>>>,
+    choices: Vec<ChoiceStream>,
     record: RequestRecord,
-    first: bool,
-    /// The final chunk was sent; `[DONE]` is next.
-    done_next: bool,
+    running: usize,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    /// SSE data lines ready to send, in order.
+    ready: std::collections::VecDeque<String>,
     finished: bool,
 }
 
-fn chunk(
-    st: &StreamState,
-    delta_text: Option<&str>,
-    lp: Option<&TokenLogprob>,
-    finish: Option<&str>,
-    usage_v: Option<Value>,
-) -> Value {
-    let id = response_id(st.req.endpoint, st.guard.id);
-    let logprobs = match (st.req.logprobs, lp) {
-        (Some(_), Some(l)) => logprob_json(st.req.endpoint, std::slice::from_ref(l)),
-        _ => Value::Null,
-    };
-    let mut v = match st.req.endpoint {
-        Endpoint::Completions => json!({
-            "id": id, "object": "text_completion", "created": now_secs(), "model": st.model_id,
-            "choices": [{"index": 0, "text": delta_text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}],
-        }),
-        Endpoint::Chat => {
-            let mut delta = json!({});
-            if st.first {
-                delta["role"] = json!("assistant");
-            }
-            if let Some(t) = delta_text {
-                delta["content"] = json!(t);
-            }
-            json!({
-                "id": id, "object": "chat.completion.chunk", "created": now_secs(), "model": st.model_id,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-            })
-        }
-    };
-    if let Some(u) = usage_v {
-        v["usage"] = u;
+impl StreamState {
+    fn envelope(&self, choices: Value) -> Value {
+        let object = match self.req.endpoint {
+            Endpoint::Completions => "text_completion",
+            Endpoint::Chat => "chat.completion.chunk",
+        };
+        json!({"id": self.id, "object": object, "created": now_secs(), "model": self.model_id, "choices": choices})
     }
-    v
-}
 
-pub fn stream_response(
-    model_id: String,
-    req: ValidRequest,
-    events: mpsc::UnboundedReceiver<SessionEvent>,
-    guard: CancelOnDrop,
-    record: RequestRecord,
-) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    let state = StreamState {
-        model_id,
-        req,
-        events,
-        guard,
-        record,
-        first: true,
-        done_next: false,
-        finished: false,
-    };
-    let body = stream::unfold(state, |mut st| async move {
-        if st.finished {
-            return None;
+    /// A chunk of choice `index`: text, tool calls, a logprob, a finish reason.
+    fn chunk(
+        &mut self,
+        index: usize,
+        text: Option<&str>,
+        calls: &[Value],
+        lp: Option<&TokenLogprob>,
+        finish: Option<&str>,
+        token: Option<u32>,
+    ) -> String {
+        let logprobs = match (self.req.logprobs, lp) {
+            (Some(_), Some(l)) => logprob_json(self.req.endpoint, std::slice::from_ref(l)),
+            _ => Value::Null,
+        };
+        let mut choice = match self.req.endpoint {
+            Endpoint::Completions => {
+                json!({"index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish})
+            }
+            Endpoint::Chat => {
+                let mut delta = json!({});
+                if !self.choices[index].started {
+                    delta["role"] = json!("assistant");
+                }
+                if let Some(t) = text {
+                    delta["content"] = json!(t);
+                }
+                if !calls.is_empty() {
+                    delta["tool_calls"] = json!(calls);
+                }
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+            }
+        };
+        if let (true, Some(t)) = (self.req.return_token_ids, token) {
+            choice["token_ids"] = json!([t]);
         }
-        if st.done_next {
-            st.finished = true;
-            return Some((Ok(SseEvent::default().data("[DONE]")), st));
+        self.choices[index].started = true;
+        self.envelope(json!([choice])).to_string()
+    }
+
+    /// Text of choice `index`, through its tool-call finder when it has one.
+    fn text(&mut self, index: usize, text: &str, lp: Option<&TokenLogprob>, token: Option<u32>) {
+        let Some(tools) = self.choices[index].tools.as_mut() else {
+            let c = self.chunk(index, Some(text), &[], lp, None, token);
+            self.ready.push_back(c);
+            return;
+        };
+        let pieces = tools.push(text);
+        self.pieces(index, pieces);
+    }
+
+    fn pieces(&mut self, index: usize, pieces: Vec<agent::Piece>) {
+        for p in pieces {
+            let c = match p {
+                agent::Piece::Text(t) => self.chunk(index, Some(&t), &[], None, None, None),
+                agent::Piece::Call(call) => {
+                    let k = self.choices[index].n_calls;
+                    self.choices[index].n_calls += 1;
+                    let v = call.json(&call_id(&self.id, index, k), k);
+                    self.chunk(index, None, &[v], None, None, None)
+                }
+            };
+            self.ready.push_back(c);
         }
-        let ev = match st.events.recv().await {
-            Some(SessionEvent::Token {
+    }
+
+    fn on_event(&mut self, index: usize, ev: SessionEvent) {
+        if let Some(e) = self.choices[index].echo.take() {
+            let c = self.chunk(index, Some(&e), &[], None, None, None);
+            self.ready.push_back(c);
+        }
+        match ev {
+            SessionEvent::Token {
                 token,
                 text,
                 logprob,
-            }) => {
-                st.record.token();
-                let mut c = chunk(&st, Some(&text), logprob.as_ref(), None, None);
-                if st.req.return_token_ids {
-                    c["choices"][0]["token_ids"] = json!([token]);
-                }
-                st.first = false;
-                SseEvent::default().data(c.to_string())
+            } => {
+                self.record.token();
+                self.text(index, &text, logprob.as_ref(), Some(token));
             }
-            Some(SessionEvent::Text(text)) => {
-                let c = chunk(&st, Some(&text), None, None, None);
-                st.first = false;
-                SseEvent::default().data(c.to_string())
-            }
-            Some(SessionEvent::Done {
+            SessionEvent::Text(text) => self.text(index, &text, None, None),
+            SessionEvent::Done {
                 finish_reason,
                 prompt_tokens,
                 completion_tokens,
-            }) => {
-                let c = chunk(
-                    &st,
-                    None,
-                    None,
-                    Some(finish_reason),
-                    Some(usage(prompt_tokens, completion_tokens)),
-                );
-                st.guard.armed = false;
-                st.record.finish(Outcome::Done {
-                    finish_reason,
-                    completion_tokens,
-                });
-                st.done_next = true;
-                SseEvent::default().data(c.to_string())
+            } => {
+                if let Some(mut t) = self.choices[index].tools.take() {
+                    let rest = t.finish();
+                    self.pieces(index, rest);
+                }
+                let finish = if self.choices[index].n_calls > 0 {
+                    "tool_calls"
+                } else {
+                    finish_reason
+                };
+                let c = self.chunk(index, None, &[], None, Some(finish), None);
+                self.ready.push_back(c);
+                self.prompt_tokens = prompt_tokens;
+                self.completion_tokens += completion_tokens;
+                self.running -= 1;
+                if self.running == 0 {
+                    if self.req.include_usage {
+                        let mut u = self.envelope(json!([]));
+                        u["usage"] = usage(self.prompt_tokens, self.completion_tokens);
+                        self.ready.push_back(u.to_string());
+                    }
+                    self.record.finish(Outcome::Done {
+                        finish_reason: finish_name(finish),
+                        completion_tokens: self.completion_tokens,
+                    });
+                    self.ready.push_back("[DONE]".to_string());
+                    self.finished = true;
+                }
             }
-            Some(SessionEvent::Error(e)) => {
-                st.guard.armed = false;
-                st.finished = true;
-                st.record.finish(Outcome::Failed(&e));
-                SseEvent::default().data(e.body().to_string())
+            SessionEvent::Error(e) => {
+                self.record.finish(Outcome::Failed(&e));
+                self.ready.push_back(e.body().to_string());
+                self.finished = true;
             }
-            None => {
-                st.guard.armed = false;
-                st.finished = true;
-                let e = ApiError::unavailable("the session ended without a result");
-                st.record.finish(Outcome::Failed(&e));
-                SseEvent::default().data(e.body().to_string())
+        }
+    }
+}
+
+pub fn stream_response(
+    a: Accepted,
+    record: RequestRecord,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let tools = parses_tools(&a.req);
+    let choices = (0..a.choices.len())
+        .map(|_| ChoiceStream {
+            started: false,
+            tools: tools.then(agent::ToolStream::default),
+            n_calls: 0,
+            echo: a.echo.clone(),
+        })
+        .collect();
+    let running = a.choices.len();
+    let events = stream::select_all(a.choices.into_iter().enumerate().map(|(i, c)| {
+        Box::pin(choice_events(i, c))
+            as std::pin::Pin<Box<dyn Stream<Item = (usize, SessionEvent)> + Send>>
+    }));
+    let state = StreamState {
+        model_id: a.model_id,
+        req: a.req,
+        id: a.id,
+        events,
+        choices,
+        record,
+        running,
+        prompt_tokens: 0,
+        completion_tokens: 0,
+        ready: Default::default(),
+        finished: false,
+    };
+    let body = stream::unfold(state, |mut st| async move {
+        loop {
+            if let Some(data) = st.ready.pop_front() {
+                return Some((Ok(SseEvent::default().data(data)), st));
             }
-        };
-        Some((Ok(ev), st))
+            if st.finished {
+                return None;
+            }
+            match st.events.next().await {
+                Some((index, ev)) => st.on_event(index, ev),
+                None => {
+                    let e = ApiError::unavailable("the session ended without a result");
+                    st.record.finish(Outcome::Failed(&e));
+                    st.ready.push_back(e.body().to_string());
+                    st.finished = true;
+                }
+            }
+        }
     });
     Sse::new(body).keep_alive(KeepAlive::default())
 }

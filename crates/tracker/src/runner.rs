@@ -635,7 +635,7 @@ impl Runner {
                     tokens: item.tokens.clone(),
                     want_output: item.want_output,
                     sampling: if item.start_pos == 0 {
-                        live.map(|l| l.sampling)
+                        live.map(|l| l.sampling.clone())
                     } else {
                         None
                     },

@@ -1,0 +1,125 @@
+//! The grammars the API asks for, in llguidance's JSON form (what the wire carries to the last
+//! shard): a JSON schema, any JSON object, or calls of the tools a request offers.
+
+use llguidance::api::TopLevelGrammar;
+use serde_json::{json, Value};
+
+use crate::Error;
+
+/// JSON as the grammars write it: `", "` between items and `": "` after keys, no other
+/// whitespace. Fixed separators keep a model from filling its budget with blank lines (free
+/// whitespace is a known way for constrained JSON never to end).
+fn with_layout(mut schema: Value) -> Value {
+    if let Value::Object(o) = &mut schema {
+        o.insert(
+            "x-guidance".into(),
+            json!({"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": false}),
+        );
+    }
+    schema
+}
+
+fn to_json(g: &TopLevelGrammar) -> String {
+    serde_json::to_string(g).expect("a grammar serializes")
+}
+
+/// Output held to `schema` (a JSON Schema object). Whether llguidance supports every keyword
+/// it uses is known only once compiled ([`crate::Vocabulary::compile`]).
+pub fn json_schema(schema: &Value) -> Result<String, Error> {
+    match schema {
+        Value::Object(o) => {
+            if o.contains_key("x-guidance") {
+                return Err(Error::Grammar(
+                    "the schema must not carry `x-guidance` (the layout is fixed)".into(),
+                ));
+            }
+            Ok(to_json(&TopLevelGrammar::from_json_schema(with_layout(
+                schema.clone(),
+            ))))
+        }
+        Value::Bool(true) => json_schema(&json!({})),
+        other => Err(Error::Grammar(format!(
+            "a JSON schema must be an object, got {other}"
+        ))),
+    }
+}
+
+/// Output that is one JSON object, any object (`response_format: json_object`).
+pub fn json_object() -> String {
+    json_schema(&json!({"type": "object"})).expect("a fixed schema")
+}
+
+/// A tool a request offers: its name and the JSON schema of its arguments.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tool {
+    pub name: String,
+    pub parameters: Value,
+}
+
+/// The schema of one call of any of `tools`: `{"name": ..., "arguments": {...}}` with the
+/// name one of theirs and the arguments matching that tool's parameters.
+fn call_schema(tools: &[Tool]) -> Value {
+    let one = |t: &Tool| {
+        json!({
+            "type": "object",
+            "properties": {
+                "name": {"const": t.name},
+                "arguments": t.parameters,
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": false,
+        })
+    };
+    let schema = match tools {
+        [t] => one(t),
+        _ => json!({"anyOf": tools.iter().map(one).collect::<Vec<_>>()}),
+    };
+    with_layout(schema)
+}
+
+/// Output that is one or more calls of `tools` in the Hermes format Qwen2.5's template
+/// teaches (`<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`, calls separated by a
+/// newline), and nothing else: what `tool_choice` `required` or a named function asks for.
+pub fn tool_calls(tools: &[Tool]) -> Result<String, Error> {
+    if tools.is_empty() {
+        return Err(Error::Grammar("no tools to call".into()));
+    }
+    let schema = serde_json::to_string(&call_schema(tools)).expect("a schema serializes");
+    let lark = format!(
+        "start: call (\"\\n\" call)*\ncall: \"<tool_call>\\n\" args \"\\n</tool_call>\"\nargs: %json {schema}\n"
+    );
+    Ok(to_json(&TopLevelGrammar::from_lark(lark)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schemas_must_be_objects_and_keep_their_layout() {
+        assert!(json_schema(&json!(5)).is_err());
+        assert!(json_schema(&json!({"x-guidance": {}})).is_err());
+        let g = json_schema(&json!({"type": "object"})).unwrap();
+        assert!(g.contains("item_separator"), "{g}");
+    }
+
+    #[test]
+    fn a_tool_grammar_names_every_tool() {
+        let tools = [
+            Tool {
+                name: "get_weather".into(),
+                parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}}),
+            },
+            Tool {
+                name: "add".into(),
+                parameters: json!({"type": "object"}),
+            },
+        ];
+        let g = tool_calls(&tools).unwrap();
+        assert!(
+            g.contains("get_weather") && g.contains("\\\"add\\\""),
+            "{g}"
+        );
+        assert!(tool_calls(&[]).is_err());
+    }
+}

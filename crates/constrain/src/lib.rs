@@ -1,0 +1,249 @@
+//! Constrained decoding: a session's output held to a grammar (a JSON schema, a tool call)
+//! while it is sampled.
+//!
+//! The grammar engine is llguidance (the library llama.cpp and mistral.rs use): it compiles
+//! JSON schemas and Lark grammars and computes, per step, the set of tokens that keep the
+//! output inside the grammar. This crate gives it the model's vocabulary ([`Vocabulary`]),
+//! builds the grammars the API asks for ([`grammar`]), and keeps one session's matcher in step
+//! with the session's tokens ([`Constraint`]): tokens are consumed when they come back as the
+//! next step's input, and a rewound session rolls its matcher back, so a replayed session
+//! continues the same document.
+//!
+//! The mask is applied after the logits (the sampler sets what it forbids to -inf), so
+//! batch invariance holds: a row's mask depends on its session alone.
+
+pub mod grammar;
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::{Matcher, ParserFactory};
+use text::{TokenKind, Tokenizer};
+use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+
+/// What went wrong: a grammar that does not compile (or that asks for something llguidance
+/// does not support), or tokens the grammar does not allow.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("the grammar is invalid: {0}")]
+    Grammar(String),
+    #[error("the output left the grammar: {0}")]
+    Rejected(String),
+}
+
+/// The model's vocabulary as llguidance sees it: each token's bytes in a trie (control tokens
+/// marked as special, so a grammar never produces them from text), plus the tokenizer for
+/// the text a grammar forces.
+struct Env {
+    trie: TokTrie,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for Env {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        self.tokenizer
+            .encode(&String::from_utf8_lossy(s), false, false)
+    }
+
+    fn tokenize_is_canonical(&self) -> bool {
+        // Our encoder is not llguidance's reference tokenizer; it is only used to force text.
+        false
+    }
+}
+
+/// A model's vocabulary ready for grammars: built once per process (a trie of every token,
+/// tens of milliseconds for 150k tokens), shared by every session.
+pub struct Vocabulary {
+    factory: ParserFactory,
+}
+
+impl std::fmt::Debug for Vocabulary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Vocabulary({} tokens)",
+            self.factory.tok_env().tok_trie().vocab_size()
+        )
+    }
+}
+
+impl Vocabulary {
+    /// The vocabulary of `tokenizer`; generation ends with its end-of-turn token where it has
+    /// one (what a chat answer ends with), else its end-of-sequence token.
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Result<Self, Error> {
+        let n = tokenizer.n_vocab();
+        let words: Vec<Vec<u8>> = (0..n as u32)
+            .map(|id| match tokenizer.kind(id) {
+                Some(TokenKind::Control | TokenKind::Unknown | TokenKind::Unused) => {
+                    let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                    w.extend_from_slice(tokenizer.token_text(id).unwrap_or("").as_bytes());
+                    w
+                }
+                _ => tokenizer.token_bytes(id, false).unwrap_or_default(),
+            })
+            .collect();
+        let eos = tokenizer.eot.or(tokenizer.eos).unwrap_or(0);
+        let info = TokRxInfo {
+            vocab_size: n as u32,
+            tok_eos: eos,
+            tok_bos: tokenizer.bos,
+            tok_pad: None,
+            tok_unk: None,
+            tok_end_of_turn: tokenizer.eot,
+        };
+        let trie = TokTrie::from(&info, &words);
+        let env: TokEnv = Arc::new(Env { trie, tokenizer });
+        let mut factory =
+            ParserFactory::new_simple(&env).map_err(|e| Error::Grammar(e.to_string()))?;
+        factory.quiet();
+        Ok(Vocabulary { factory })
+    }
+
+    /// Compiles a grammar in llguidance's JSON form (what [`grammar`] builds and the wire
+    /// carries) into a fresh constraint.
+    pub fn compile(self: &Arc<Self>, grammar: &str) -> Result<Constraint, Error> {
+        let parsed: TopLevelGrammar =
+            serde_json::from_str(grammar).map_err(|e| Error::Grammar(e.to_string()))?;
+        let matcher = self.matcher(parsed.clone())?;
+        Ok(Constraint {
+            vocab: Arc::clone(self),
+            grammar: parsed,
+            matcher,
+            consumed: 0,
+        })
+    }
+
+    fn matcher(&self, grammar: TopLevelGrammar) -> Result<Matcher, Error> {
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| Error::Grammar(e.to_string()))?;
+        let m = Matcher::new(Ok(parser));
+        match m.get_error() {
+            Some(e) => Err(Error::Grammar(e)),
+            None => Ok(m),
+        }
+    }
+}
+
+/// One session's grammar state: the matcher and how many generated tokens it has consumed.
+pub struct Constraint {
+    vocab: Arc<Vocabulary>,
+    grammar: TopLevelGrammar,
+    matcher: Matcher,
+    consumed: usize,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Constraint({} tokens consumed)", self.consumed)
+    }
+}
+
+impl Constraint {
+    /// How many generated tokens the matcher has consumed.
+    pub fn consumed(&self) -> usize {
+        self.consumed
+    }
+
+    /// Forgets the generated tokens past the first `n` (the session was rewound). Where the
+    /// matcher cannot roll back that far it starts over, and [`Constraint::advance`] consumes
+    /// the kept tokens again.
+    pub fn rewind(&mut self, n: usize) {
+        if n >= self.consumed {
+            return;
+        }
+        if self.matcher.rollback(self.consumed - n).is_ok() && !self.matcher.is_error() {
+            self.consumed = n;
+            return;
+        }
+        match self.vocab.matcher(self.grammar.clone()) {
+            Ok(m) => self.matcher = m,
+            // It compiled before; should it not now, the matcher stays in error and the
+            // next mask says so.
+            Err(_) => return,
+        }
+        self.consumed = 0;
+    }
+
+    /// Consumes the generated tokens it has not seen (`generated` is every generated token
+    /// of the session, in order; those before `consumed()` were consumed already).
+    pub fn advance(&mut self, generated: &[u32]) -> Result<(), Error> {
+        let new = generated.get(self.consumed..).unwrap_or(&[]);
+        if new.is_empty() {
+            return Ok(());
+        }
+        self.matcher
+            .consume_tokens(new)
+            .map_err(|e| Error::Rejected(e.to_string()))?;
+        self.consumed = generated.len();
+        Ok(())
+    }
+
+    /// The tokens the grammar allows next, one bit per token in 32-bit words (token `t` is
+    /// bit `t % 32` of word `t / 32`); only the end token once the document is complete.
+    pub fn mask(&mut self) -> Result<Vec<u32>, Error> {
+        let m = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| Error::Rejected(e.to_string()))?;
+        if m.num_set() == 0 {
+            return Err(Error::Rejected("no token can continue the output".into()));
+        }
+        Ok(m.as_slice().to_vec())
+    }
+
+    /// Whether the output so far is a complete document.
+    pub fn is_complete(&mut self) -> bool {
+        self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)
+    }
+}
+
+/// A [`Vocabulary`] built on first use, or ahead of it in the background
+/// ([`LazyVocabulary::warm`]): the last shard of a route builds one at start so that the
+/// first constrained request does not wait for it.
+pub struct LazyVocabulary {
+    tokenizer: Arc<Tokenizer>,
+    cell: std::sync::OnceLock<Result<Arc<Vocabulary>, String>>,
+}
+
+impl std::fmt::Debug for LazyVocabulary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LazyVocabulary(built: {})", self.cell.get().is_some())
+    }
+}
+
+impl LazyVocabulary {
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Arc<Self> {
+        Arc::new(LazyVocabulary {
+            tokenizer,
+            cell: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// Starts building it on a thread of its own.
+    pub fn warm(self: &Arc<Self>) {
+        let me = Arc::clone(self);
+        let _ = std::thread::Builder::new()
+            .name("strata-grammar-vocab".into())
+            .spawn(move || {
+                let _ = me.get();
+            });
+    }
+
+    /// The vocabulary (waiting for a build in progress).
+    pub fn get(&self) -> Result<&Arc<Vocabulary>, Error> {
+        self.cell
+            .get_or_init(|| {
+                Vocabulary::new(Arc::clone(&self.tokenizer))
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| Error::Grammar(e.clone()))
+    }
+}

@@ -1,0 +1,168 @@
+//! A grammar over real vocabularies: valid documents pass token by token, each token inside
+//! the mask before it; invalid ones are refused; a rewind continues the same document.
+
+use std::sync::Arc;
+
+use constrain::{grammar, Vocabulary};
+use serde_json::json;
+use text::Tokenizer;
+
+fn tokenizer(path: &std::path::Path) -> Arc<Tokenizer> {
+    let f = gguf::GgufFile::open(path).unwrap();
+    Arc::new(Tokenizer::from_header(f.header()).unwrap())
+}
+
+fn tiny() -> Arc<Tokenizer> {
+    tokenizer(&testkit::write_tiny_model(
+        &testkit::TinySpec::default(),
+        "constrain-tiny",
+    ))
+}
+
+fn schema() -> serde_json::Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "array", "items": {"type": "integer"}},
+            "unit": {"enum": ["c", "f"]}
+        },
+        "required": ["city", "days", "unit"],
+        "additionalProperties": false
+    })
+}
+
+/// Feeds `doc` through a fresh constraint: whether every token was allowed, and whether the
+/// end token was allowed after it.
+fn walk(vocab: &Arc<Vocabulary>, tok: &Tokenizer, g: &str, doc: &str) -> (bool, bool) {
+    let mut c = vocab.compile(g).unwrap();
+    let ids = tok.encode(doc, false, false);
+    for k in 0..ids.len() {
+        let mask = c.mask().unwrap();
+        if !model::sampling::allowed(&mask, ids[k] as usize) {
+            return (false, false);
+        }
+        c.advance(&ids[..=k]).unwrap();
+    }
+    let end = tok.eot.or(tok.eos).unwrap() as usize;
+    (true, model::sampling::allowed(&c.mask().unwrap(), end))
+}
+
+#[test]
+fn documents_inside_the_schema_pass_and_others_do_not() {
+    for tok in [
+        tiny(),
+        tokenizer(&testkit::named_model("qwen2.5-coder-0.5b")),
+    ] {
+        let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+        let g = grammar::json_schema(&schema()).unwrap();
+        let good = r#"{"city": "Paris", "days": [1, 2], "unit": "c"}"#;
+        assert_eq!(walk(&vocab, &tok, &g, good), (true, true));
+        // Missing a required key, a wrong enum value, free whitespace: refused on the way.
+        for bad in [
+            r#"{"city": "Paris", "unit": "c"}"#,
+            r#"{"city": "Paris", "days": [], "unit": "k"}"#,
+            r#"{ "city": "Paris"}"#,
+        ] {
+            assert!(!walk(&vocab, &tok, &g, bad).0, "{bad}");
+        }
+        // Incomplete: every token allowed, the end not yet.
+        assert_eq!(walk(&vocab, &tok, &g, r#"{"city": "Pa"#), (true, false));
+        // Any object.
+        assert_eq!(
+            walk(
+                &vocab,
+                &tok,
+                &grammar::json_object(),
+                r#"{"a": [true, null]}"#
+            ),
+            (true, true)
+        );
+        assert!(!walk(&vocab, &tok, &grammar::json_object(), "[1]").0);
+    }
+}
+
+#[test]
+fn a_rewound_constraint_continues_the_same_document() {
+    let tok = tiny();
+    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+    let g = grammar::json_schema(&schema()).unwrap();
+    let ids = tok.encode(
+        r#"{"city": "Oslo", "days": [3], "unit": "f"}"#,
+        false,
+        false,
+    );
+    let mut c = vocab.compile(&g).unwrap();
+    c.advance(&ids).unwrap();
+    assert!(c.is_complete());
+    for keep in [ids.len() - 1, ids.len() / 2, 0] {
+        c.rewind(keep);
+        assert_eq!(c.consumed(), keep);
+        assert!(!c.is_complete());
+        c.advance(&ids).unwrap();
+        assert!(c.is_complete(), "after a rewind to {keep}");
+    }
+    // A token outside the grammar is an error, not a panic.
+    let mut c = vocab.compile(&g).unwrap();
+    assert!(c.advance(&tok.encode("[", false, false)).is_err());
+}
+
+#[test]
+fn unsupported_schema_features_and_garbage_are_named() {
+    let tok = tiny();
+    let vocab = Arc::new(Vocabulary::new(tok).unwrap());
+    let g = grammar::json_schema(
+        &json!({"type": "object", "patternProperties": {"^a": {}}, "unevaluatedProperties": false}),
+    )
+    .unwrap();
+    let err = vocab.compile(&g).unwrap_err().to_string();
+    assert!(err.contains("unevaluatedProperties"), "{err}");
+    assert!(vocab.compile("not json").is_err());
+    assert!(vocab
+        .compile(r#"{"grammars": [{"lark_grammar": "start: ("}]}"#)
+        .is_err());
+}
+
+#[test]
+fn tool_calls_parse_and_their_arguments_match() {
+    let tok = tokenizer(&testkit::named_model("qwen2.5-coder-0.5b"));
+    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+    let g = grammar::tool_calls(&[grammar::Tool {
+        name: "get_weather".into(),
+        parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+    }])
+    .unwrap();
+    let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    assert_eq!(walk(&vocab, &tok, &g, call), (true, true));
+    let wrong = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
+    assert!(!walk(&vocab, &tok, &g, wrong).0);
+    assert!(!walk(&vocab, &tok, &g, "Sure! <tool_call>").0);
+}
+
+#[test]
+#[ignore = "timing, by hand"]
+fn vocabulary_build_time() {
+    let tok = tokenizer(&testkit::named_model("qwen2.5-coder-0.5b"));
+    let t = std::time::Instant::now();
+    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+    eprintln!("vocabulary: {:?}", t.elapsed());
+    let g = grammar::json_schema(&schema()).unwrap();
+    let t = std::time::Instant::now();
+    let mut c = vocab.compile(&g).unwrap();
+    eprintln!("compile: {:?}", t.elapsed());
+    let ids = tok.encode(
+        r#"{"city": "Paris", "days": [1, 2], "unit": "c"}"#,
+        false,
+        false,
+    );
+    let t = std::time::Instant::now();
+    for k in 0..ids.len() {
+        c.mask().unwrap();
+        c.advance(&ids[..=k]).unwrap();
+    }
+    eprintln!(
+        "{} masks: {:?} each",
+        ids.len(),
+        t.elapsed() / ids.len() as u32
+    );
+}
