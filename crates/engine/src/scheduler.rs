@@ -515,6 +515,23 @@ impl Scheduler {
         self.to_release.push(session);
     }
 
+    /// Drops everything (the route broke) and says, for every session that was waiting or
+    /// active, the tokens it knows (prompt and generated, in order) and how many it may still
+    /// generate: what another route needs to continue it.
+    pub fn take_all(&mut self) -> Vec<(SessionId, Vec<u32>, usize)> {
+        let mut out: Vec<(SessionId, Vec<u32>, usize)> = std::mem::take(&mut self.active)
+            .into_iter()
+            .chain(std::mem::take(&mut self.pending_new))
+            .map(|(id, e)| {
+                let left = e.max_new.saturating_sub(e.n_generated());
+                (id, e.tokens, left)
+            })
+            .collect();
+        out.sort_by_key(|(id, _, _)| *id);
+        self.reset();
+        out
+    }
+
     /// Drops everything (the route broke): returns every session that was waiting or active.
     pub fn reset(&mut self) -> Vec<SessionId> {
         let mut all: Vec<SessionId> = self.active.keys().copied().collect();
@@ -564,6 +581,27 @@ mod tests {
     /// With a pipeline of two, decoders split into two micro-batches that alternate: each step
     /// takes the half not in flight, every session advances once per two steps, and no session
     /// is ever in two steps at once.
+    #[test]
+    fn take_all_says_what_each_session_knows_and_may_still_generate() {
+        let mut s = Scheduler::new(cfg(64, 64));
+        s.add(SessionId(1), vec![1, 2, 3], 5, Priority::Agent, 0);
+        let plan = s.schedule(Instant::now()).unwrap();
+        s.update_from_output(plan.step_id, &[(SessionId(1), 9)], &[]);
+        let plan = s.schedule(Instant::now()).unwrap();
+        s.update_from_output(plan.step_id, &[(SessionId(1), 8)], &[]);
+        // Waiting behind the active place limit of none: still pending.
+        s.add(SessionId(2), vec![4], 7, Priority::Grading, 0);
+        let taken = s.take_all();
+        assert_eq!(
+            taken,
+            vec![
+                (SessionId(1), vec![1, 2, 3, 9, 8], 3),
+                (SessionId(2), vec![4], 7)
+            ]
+        );
+        assert!(s.is_idle() && s.schedule(Instant::now()).is_none());
+    }
+
     #[test]
     fn a_pipeline_splits_decoders_into_alternating_micro_batches() {
         let mut s = Scheduler::new(SchedulerConfig {

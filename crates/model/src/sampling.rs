@@ -558,7 +558,7 @@ mod tests {
                 seed: 7,
                 ..p
             });
-            let history = vec![0u32; 20];
+            let history = [0u32; 20];
             for n in 0..20 {
                 assert_eq!(s.sample(&l, &history[..n], None), best);
             }

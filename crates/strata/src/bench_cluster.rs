@@ -89,7 +89,8 @@ impl UrlBench<'_> {
     }
 
     fn one_request(&self, prompt: &str) -> Result<Sample> {
-        let body = json!({"prompt": prompt, "max_tokens": self.gen_tokens, "temperature": 0, "stream": true, "ignore_eos": true});
+        let body = json!({"prompt": prompt, "max_tokens": self.gen_tokens, "temperature": 0, "stream": true, "ignore_eos": true,
+                          "stream_options": {"include_usage": true}});
         let headers = self.headers();
         let h: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let start = Instant::now();
@@ -106,7 +107,11 @@ impl UrlBench<'_> {
             if v.get("error").is_some() {
                 bail!("the request failed: {d}");
             }
-            if v["choices"][0]["finish_reason"].is_null() {
+            // The usage chunk comes last, with no choices.
+            let is_token = v["choices"]
+                .get(0)
+                .is_some_and(|c| c["finish_reason"].is_null());
+            if is_token {
                 let now = Instant::now();
                 if first.is_some() {
                     gaps.push((now - last).as_secs_f64());

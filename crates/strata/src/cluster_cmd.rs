@@ -184,6 +184,11 @@ pub struct RouteArgs {
     /// how long a frozen or lost shard goes unnoticed, never how long a step may take.
     #[arg(long, default_value_t = 2000)]
     liveness_ms: u64,
+    /// Milliseconds a session of a failed route may wait for another route of its model
+    /// (another `--route` of the same model) to take it; it then goes on there with no error
+    /// to its client. Past this, or with no other route, it fails with the route's error.
+    #[arg(long, default_value_t = 3000)]
+    failover_wait_ms: u64,
     /// Active sessions grading work may hold (the rest of --max-active stays for agent work).
     #[arg(long, default_value_t = 48)]
     grading_max_active: usize,
@@ -333,6 +338,7 @@ pub fn tracker_config(route: &RouteArgs, api: &ApiArgs) -> Result<tracker::Track
         health_period: Duration::from_millis(route.health_period_ms.max(10)),
         startup_wait: Duration::from_millis(route.startup_wait_ms),
         liveness: Duration::from_millis(route.liveness_ms),
+        failover_wait: Duration::from_millis(route.failover_wait_ms),
         ledger,
         admin_token: match &api.admin_token_file {
             Some(p) => Some(read_token(p)?),

@@ -186,3 +186,26 @@ pub fn tracker(exe: &Path, shards: &[&Proc], token: &Path, extra: &[&str]) -> Pr
     args.extend(extra.iter().map(|s| s.to_string()));
     spawn(exe, &args, "strata tracker listening on ", "tracker")
 }
+
+/// Starts a tracker over several named routes (`--route NAME=A,B` each).
+pub fn tracker_routes(
+    exe: &Path,
+    routes: &[(&str, &[&Proc])],
+    token: &Path,
+    extra: &[&str],
+) -> Proc {
+    let mut args: Vec<String> = vec![
+        "tracker".into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--cluster-token-file".into(),
+        token.display().to_string(),
+    ];
+    for (name, shards) in routes {
+        let list: Vec<&str> = shards.iter().map(|s| s.addr.as_str()).collect();
+        args.push("--route".into());
+        args.push(format!("{name}={}", list.join(",")));
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    spawn(exe, &args, "strata tracker listening on ", "tracker")
+}

@@ -197,19 +197,19 @@ pub fn tools(body: &Value) -> Result<Option<ToolSet>, ApiError> {
     }
     let choice = match choice_v {
         None => ToolChoice::Auto,
-        Some(Value::String(s)) => {
-            match s.as_str() {
-                "auto" => ToolChoice::Auto,
-                "none" => ToolChoice::None,
-                "required" => ToolChoice::Required,
-                other => return Err(invalid(
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ToolChoice::Auto,
+            "none" => ToolChoice::None,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(invalid(
                     "tool_choice",
                     format!(
                         "`tool_choice` is `{other}`; expected auto, none, required or a function"
                     ),
-                )),
+                ))
             }
-        }
+        },
         Some(v) => {
             let name = v
                 .get("function")
@@ -354,10 +354,16 @@ pub enum Piece {
 /// answer: each byte is looked at a bounded number of times.
 #[derive(Debug, Default)]
 pub struct ToolStream {
-    /// Text not passed on yet: a possible tag start, or a call's body.
+    /// Text not passed on yet: a possible tag start (after at most [`HELD_NEWLINES`]
+    /// newlines), or a call's body.
     held: String,
     in_call: bool,
+    /// How much of a call's body was searched for the closing tag already.
+    searched: usize,
 }
+
+/// Newlines held back before a possible tag: past this many they are text.
+const HELD_NEWLINES: usize = 64;
 
 impl ToolStream {
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
@@ -365,9 +371,16 @@ impl ToolStream {
         let mut out = Vec::new();
         loop {
             if self.in_call {
-                let Some(end) = self.held.find(CLOSE) else {
+                // Only the new text (and a tag cut by the last push) is searched: linear.
+                let mut from = self.searched.saturating_sub(CLOSE.len() - 1);
+                while !self.held.is_char_boundary(from) {
+                    from -= 1;
+                }
+                let Some(end) = self.held[from..].find(CLOSE).map(|e| e + from) else {
+                    self.searched = self.held.len();
                     break;
                 };
+                self.searched = 0;
                 let body = self.held[..end].to_string();
                 let rest = self.held[end + CLOSE.len()..].to_string();
                 match parse_call(&body) {
@@ -385,6 +398,7 @@ impl ToolStream {
                 }
                 self.held = self.held[start + OPEN.len()..].to_string();
                 self.in_call = true;
+                self.searched = 0;
             } else {
                 // Pass on all but a tail that may begin the tag.
                 let keep = (1..OPEN.len())
@@ -392,9 +406,10 @@ impl ToolStream {
                     .find(|&k| self.held.ends_with(&OPEN[..k]))
                     .unwrap_or(0);
                 let mut cut = self.held.len() - keep;
-                // Newlines just before a tag are layout: hold them until what follows shows
-                // whether a call comes.
-                while cut > 0 && self.held.as_bytes()[cut - 1] == b'\n' {
+                // Newlines just before a tag are layout: hold them (a bounded run) until what
+                // follows shows whether a call comes.
+                let floor = cut.saturating_sub(HELD_NEWLINES);
+                while cut > floor && self.held.as_bytes()[cut - 1] == b'\n' {
                     cut -= 1;
                 }
                 if cut > 0 {
@@ -470,8 +485,26 @@ mod tests {
         assert_eq!(streamed_text, "Let me check.");
         // A broken call stays text; an unclosed one too; a lone `<` is passed on at the end.
         assert_eq!(split_calls("<tool_call>\nnot json\n</tool_call>").1, vec![]);
-        assert_eq!(split_calls("a <tool_call> b").0, "a<tool_call> b");
+        assert_eq!(split_calls("a <tool_call> b").0, "a <tool_call> b");
         assert_eq!(split_calls("x <").0, "x <");
+    }
+
+    #[test]
+    fn a_long_call_body_and_a_long_newline_run_stream_in_linear_work() {
+        // 200k pushes each of a byte: quadratic rescans would take minutes.
+        let mut s = ToolStream::default();
+        let mut n = 0;
+        for _ in 0..100_000 {
+            n += s.push("\n").len();
+        }
+        assert!(s.held.len() <= HELD_NEWLINES + OPEN.len());
+        s.push(OPEN);
+        for _ in 0..100_000 {
+            assert!(s.push("a").is_empty());
+        }
+        let out = s.push(CLOSE);
+        assert_eq!(out.len(), 1, "the broken call is passed on as text");
+        assert!(n > 0);
     }
 
     #[test]

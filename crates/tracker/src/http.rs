@@ -72,6 +72,10 @@ pub struct RouteHandle {
     pub pinned: bool,
     /// An operator evicted the model from this route: no new request goes to it.
     pub evicted: std::sync::atomic::AtomicBool,
+    /// Sessions its loop holds (published by it) and requests on their way to it: new work
+    /// goes to the route with the fewest.
+    pub load: Arc<std::sync::atomic::AtomicUsize>,
+    pub submitting: std::sync::atomic::AtomicUsize,
 }
 
 impl RouteHandle {
@@ -482,17 +486,23 @@ async fn admit(
     }
     if let PromptInput::Messages(m) = &req.prompt {
         for (i, msg) in m.iter().enumerate() {
-            let smuggled = msg.tool_calls.as_ref().and_then(|c| {
-                model
-                    .tokenizer
-                    .control_text_in(&c.to_string())
-                    .map(str::to_string)
-            });
-            if let Some(c) = smuggled {
-                return Err(ApiError::invalid(
-                    &format!("messages[{i}].tool_calls"),
-                    format!("a tool call holds the control token text `{c}`"),
-                ));
+            // What the template prints as markup besides the content: none of it may hold a
+            // control token's text.
+            let fields = [
+                ("tool_calls", msg.tool_calls.as_ref().map(Value::to_string)),
+                ("tool_call_id", msg.tool_call_id.clone()),
+                ("name", msg.name.clone()),
+            ];
+            for (field, text) in fields {
+                if let Some(c) = text
+                    .as_deref()
+                    .and_then(|t| model.tokenizer.control_text_in(t))
+                {
+                    return Err(ApiError::invalid(
+                        &format!("messages[{i}].{field}"),
+                        format!("`messages[{i}].{field}` holds the control token text `{c}`"),
+                    ));
+                }
             }
         }
     }
@@ -647,25 +657,44 @@ async fn submit(
     ),
     ApiError,
 > {
+    use std::sync::atomic::Ordering::Relaxed;
     let mut last = ApiError::unavailable("the model has no route");
-    for route in model.routes.iter().filter(|r| r.resident()) {
-        let (events_tx, events_rx) = mpsc::unbounded_channel();
-        let (acc_tx, acc_rx) = oneshot::channel();
-        route
-            .commands
-            .send(Command::Submit {
-                job: job.clone(),
-                events: events_tx,
-                accepted: acc_tx,
-            })
-            .await
-            .map_err(|_| ApiError::unavailable("the scheduler is shutting down"))?;
-        match acc_rx.await {
-            Ok(Ok(id)) => return Ok((route, id, events_rx)),
-            Ok(Err(e)) if e.status == 503 => last = e,
-            Ok(Err(e)) => return Err(e),
-            Err(_) => last = ApiError::unavailable("the scheduler is shutting down"),
+    // The least loaded route first (sessions held and requests on their way); the others in
+    // turn when it refuses for capacity.
+    let mut routes: Vec<&RouteHandle> = model.routes.iter().filter(|r| r.resident()).collect();
+    routes.sort_by_key(|r| r.load.load(Relaxed) + r.submitting.load(Relaxed));
+    for route in routes {
+        route.submitting.fetch_add(1, Relaxed);
+        let answer = offer(route, &job).await;
+        route.submitting.fetch_sub(1, Relaxed);
+        match answer {
+            Ok((id, events)) => return Ok((route, id, events)),
+            Err(e) if e.status == 503 => last = e,
+            Err(e) => return Err(e),
         }
     }
     Err(last)
+}
+
+/// Offers the job to one route: its session id and events, or its refusal.
+async fn offer(
+    route: &RouteHandle,
+    job: &Job,
+) -> Result<(engine::SessionId, mpsc::UnboundedReceiver<SessionEvent>), ApiError> {
+    let (events_tx, events_rx) = mpsc::unbounded_channel();
+    let (acc_tx, acc_rx) = oneshot::channel();
+    route
+        .commands
+        .send(Command::Submit {
+            job: Box::new(job.clone()),
+            events: events_tx,
+            accepted: acc_tx,
+        })
+        .await
+        .map_err(|_| ApiError::unavailable("the scheduler is shutting down"))?;
+    match acc_rx.await {
+        Ok(Ok(id)) => Ok((id, events_rx)),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(ApiError::unavailable("the scheduler is shutting down")),
+    }
 }

@@ -9,6 +9,7 @@
 mod agent;
 mod cluster;
 mod error;
+mod failover;
 mod http;
 pub mod ledger;
 mod metrics;
@@ -57,6 +58,9 @@ pub struct TrackerConfig {
     pub api_key: Option<String>,
     /// `/health` and `/metrics` stay open to anyone although API keys are on.
     pub public_metrics: bool,
+    /// How long a session a failed route lost may wait for another route of its model to take
+    /// it before it fails with the route's error.
+    pub failover_wait: Duration,
 }
 
 impl Default for TrackerConfig {
@@ -77,6 +81,7 @@ impl Default for TrackerConfig {
             http: HttpConfig::default(),
             api_key: None,
             public_metrics: false,
+            failover_wait: Duration::from_secs(3),
         }
     }
 }
@@ -121,6 +126,8 @@ impl Tracker {
         let metrics = Arc::new(Metrics::default());
         metrics::declare(&metrics);
         let mut models: Vec<http::ModelEntry> = Vec::new();
+        // Sessions of a failed route go to another route of their model (none: they fail).
+        let (moved_tx, moved_rx) = mpsc::unbounded_channel();
         for spec in routes {
             let cluster = Arc::new(
                 Cluster::connect(spec.shards, config.startup_wait)
@@ -135,6 +142,7 @@ impl Tracker {
                     Arc::clone(&cluster),
                     tokenizer,
                     &metrics,
+                    moved_tx.clone(),
                 )
                 .await?;
                 m.n_ctx = m.n_ctx.min(cluster.n_ctx);
@@ -163,6 +171,7 @@ impl Tracker {
                     Arc::clone(&cluster),
                     Arc::clone(&tokenizer),
                     &metrics,
+                    moved_tx.clone(),
                 )
                 .await?;
                 // Request grammars are compiled here first, so a schema llguidance cannot
@@ -186,6 +195,24 @@ impl Tracker {
                 1.0,
             );
         }
+        let targets: Vec<failover::Target> = models
+            .iter()
+            .flat_map(|m| {
+                m.routes.iter().map(|r| failover::Target {
+                    digest: m.digest.clone(),
+                    name: r.name.clone(),
+                    commands: r.commands.clone(),
+                    up: r.up.clone(),
+                })
+            })
+            .collect();
+        drop(moved_tx);
+        tokio::spawn(failover::dispatch(
+            moved_rx,
+            Arc::new(targets),
+            config.ledger.clone(),
+            config.failover_wait,
+        ));
         let n_cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let state = Arc::new(http::AppState {
             models,
@@ -293,6 +320,7 @@ async fn start_route(
     cluster: Arc<Cluster>,
     tokenizer: Arc<Tokenizer>,
     metrics: &Arc<Metrics>,
+    moved: mpsc::UnboundedSender<Box<runner::Moved>>,
 ) -> Result<http::RouteHandle, String> {
     let scoped = Arc::new(metrics.scoped(&[("model", &cluster.model_name), ("route", name)]));
     let (health_tx, health_rx) = watch::channel(Health::default());
@@ -335,6 +363,7 @@ async fn start_route(
     let scheduler = step_limits(config, name, &cluster);
     let (cmd_tx, cmd_rx) = mpsc::channel(1024);
     let (route_tx, mut route_rx) = watch::channel(false);
+    let load = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let runner = runner::Runner::new(
         runner::RunnerConfig {
             scheduler,
@@ -348,6 +377,9 @@ async fn start_route(
         route_tx,
         admission,
         config.ledger.clone(),
+        name.to_string(),
+        Some(moved),
+        Arc::clone(&load),
     );
     tokio::spawn(runner.run(cmd_rx));
     // Ready means the route is open end to end, not just that the shards answered.
@@ -368,5 +400,7 @@ async fn start_route(
         health: health_rx,
         up: route_rx,
         evicted: std::sync::atomic::AtomicBool::new(false),
+        load,
+        submitting: std::sync::atomic::AtomicUsize::new(0),
     })
 }

@@ -261,6 +261,21 @@ pub fn declare(m: &Metrics) {
         ("strata_decode_tokens_total", "counter", "tokens decoded"),
         ("strata_ttft_seconds", "histogram", "time to first token"),
         (
+            "strata_migrations_total",
+            "counter",
+            "sessions moved off a failed route to another route of their model, by the route's failure reason",
+        ),
+        (
+            "strata_migrated_tokens_total",
+            "counter",
+            "tokens replayed on the route a session moved to (its prompt and what it had generated)",
+        ),
+        (
+            "strata_migration_seconds",
+            "histogram",
+            "time from a route's failure to a moved session's first token on its new route",
+        ),
+        (
             "strata_inter_token_seconds",
             "histogram",
             "time between consecutive tokens of a session",

@@ -536,6 +536,13 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
             "`response_format` with `tools` is not supported: the answer is either a document or tool calls (give `tool_choice: \"none\"` to keep the tools out)",
         ));
     }
+    let ignore_eos = boolean(&body, "ignore_eos")?.unwrap_or(false);
+    if ignore_eos && (grammar.is_some() || tools.as_ref().is_some_and(|t| t.grammar().is_some())) {
+        return Err(ApiError::invalid(
+            "ignore_eos",
+            "`ignore_eos` with a constrained answer is not supported: a complete document ends",
+        ));
+    }
     let user = match body.get("user") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if s.len() <= 256 => Some(s.clone()),
@@ -559,7 +566,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
         stream,
         logprobs,
         return_token_ids: boolean(&body, "return_token_ids")?.unwrap_or(false),
-        ignore_eos: boolean(&body, "ignore_eos")?.unwrap_or(false),
+        ignore_eos,
         priority: match body.get("priority") {
             None | Some(Value::Null) => None,
             Some(v) => Some(

@@ -228,11 +228,15 @@ struct ChoiceStream {
     echo: Option<String>,
 }
 
+/// Every choice's events, merged.
+type ChoiceStreams =
+    stream::SelectAll<std::pin::Pin<Box<dyn Stream<Item = (usize, SessionEvent)> + Send>>>;
+
 struct StreamState {
     model_id: String,
     req: ValidRequest,
     id: String,
-    events: stream::SelectAll<std::pin::Pin<Box<dyn Stream<Item = (usize, SessionEvent)> + Send>>>,
+    events: ChoiceStreams,
     choices: Vec<ChoiceStream>,
     record: RequestRecord,
     running: usize,

@@ -66,11 +66,54 @@ pub enum SessionEvent {
 
 pub enum Command {
     Submit {
-        job: Job,
+        job: Box<Job>,
         events: mpsc::UnboundedSender<SessionEvent>,
         accepted: oneshot::Sender<Result<SessionId, ApiError>>,
     },
+    /// A session another route lost, to continue here; refused, it comes back.
+    Resume {
+        moved: Box<Moved>,
+        accepted: oneshot::Sender<Result<SessionId, Box<Moved>>>,
+    },
     Cancel(SessionId),
+}
+
+/// A session leaving a failed route for another route of the same model: the client's stream
+/// and its decoder and stop state (so the text goes on exactly where it was), and the tokens
+/// to replay there. The sampler's state is the seed and the position (the draws are keyed by
+/// position) and the constraint's is the tokens, so the continuation is the one the failed
+/// route would have produced.
+pub struct Moved {
+    live: Live,
+    /// Prompt and generated tokens so far, replayed on the new route.
+    tokens: Vec<u32>,
+    /// Tokens it may still generate.
+    max_new: usize,
+    /// The model (digest) and the route it left.
+    pub digest: String,
+    pub from: String,
+    /// Why it left: what the client gets if no route takes it.
+    pub error: ApiError,
+}
+
+impl Moved {
+    /// No route took it: the client gets the error the route failed with.
+    pub fn fail(self, ledger: Option<&crate::ledger::Ledger>) {
+        if let (Some(l), Some(row)) = (ledger, self.live.ledger_row) {
+            l.settle(
+                row,
+                self.live.n_prompt as u64,
+                self.live.n_generated as u64,
+                "failed",
+            );
+        }
+        let _ = self.live.events.send(SessionEvent::Error(self.error));
+    }
+
+    /// The client went away while it was between routes.
+    pub fn abandoned(&self) -> bool {
+        self.live.events.is_closed()
+    }
 }
 
 /// Settings of the loop.
@@ -87,8 +130,17 @@ pub struct RunnerConfig {
 /// Times one session may be recomputed after a shard lost its cache before it fails.
 const MAX_REPLAYS: u32 = 3;
 
+/// Times one session may move to another route before a route failure fails it.
+pub const MAX_MOVES: u32 = 3;
+
 struct Live {
     n_replays: u32,
+    /// Routes it moved to after a failure; when the last move happened (until its first
+    /// token on the new route).
+    n_moves: u32,
+    moved_at: Option<Instant>,
+    /// The API key's name, for admission on another route.
+    key: String,
     events: mpsc::UnboundedSender<SessionEvent>,
     decoder: StreamDecoder,
     stops: StopMatcher,
@@ -118,6 +170,11 @@ struct Link {
 
 pub struct Runner {
     config: RunnerConfig,
+    /// The route's name, and where its sessions go when it fails (`None`: they fail).
+    name: String,
+    failover: Option<mpsc::UnboundedSender<Box<Moved>>>,
+    /// Sessions it holds, published for choosing routes (new work goes to the least loaded).
+    load: Arc<std::sync::atomic::AtomicUsize>,
     cluster: Arc<Cluster>,
     tokenizer: Arc<Tokenizer>,
     metrics: Arc<Metrics>,
@@ -203,8 +260,14 @@ impl Runner {
         route_up: watch::Sender<bool>,
         admission: Admission,
         ledger: Option<Arc<crate::ledger::Ledger>>,
+        name: String,
+        failover: Option<mpsc::UnboundedSender<Box<Moved>>>,
+        load: Arc<std::sync::atomic::AtomicUsize>,
     ) -> Runner {
         Runner {
+            name,
+            failover,
+            load,
             route_up,
             admission,
             ledger,
@@ -282,6 +345,7 @@ impl Runner {
     }
 
     fn publish_gauges(&self) {
+        self.publish_load();
         for p in Priority::ALL {
             let labels = [("priority", p.name())];
             let waiting = self.scheduler.n_waiting_of(p) as f64;
@@ -297,6 +361,11 @@ impl Runner {
         }
         self.metrics
             .set("strata_steps_in_flight", &[], self.in_flight.len() as f64);
+    }
+
+    fn publish_load(&self) {
+        self.load
+            .store(self.live.len(), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Waits for the next thing to do: a command, a message on the route's streams, the
@@ -567,6 +636,9 @@ impl Runner {
                     id,
                     Live {
                         n_replays: 0,
+                        n_moves: 0,
+                        moved_at: None,
+                        key: job.key.clone(),
                         events,
                         decoder: StreamDecoder::new(),
                         stops: StopMatcher::new(job.stop),
@@ -582,6 +654,43 @@ impl Runner {
                         ledger_row: job.ledger_row,
                     },
                 );
+                self.publish_load();
+                let _ = accepted.send(Ok(id));
+            }
+            Command::Resume { moved, accepted } => {
+                let refused = self.down_reason.is_some() || !self.health.borrow().all_up();
+                let id = SessionId(self.next_id);
+                let demand = Demand {
+                    n_positions: moved.tokens.len() + moved.max_new,
+                    priority: moved.live.priority,
+                    key: &moved.live.key,
+                };
+                let queued = self.scheduler.n_waiting_of(moved.live.priority);
+                if refused || self.admission.admit(id, &demand, queued).is_err() {
+                    let _ = accepted.send(Err(moved));
+                    return;
+                }
+                self.next_id += 1;
+                let Moved {
+                    mut live,
+                    tokens,
+                    max_new,
+                    ..
+                } = *moved;
+                live.queued = true;
+                live.n_replays = 0;
+                self.metrics
+                    .inc("strata_migrated_tokens_total", &[], tokens.len() as f64);
+                let owner = {
+                    use std::hash::{Hash, Hasher};
+                    let mut h = std::collections::hash_map::DefaultHasher::new();
+                    live.key.hash(&mut h);
+                    h.finish()
+                };
+                self.scheduler
+                    .add(id, tokens, max_new, live.priority, owner);
+                self.live.insert(id, live);
+                self.publish_load();
                 let _ = accepted.send(Ok(id));
             }
             Command::Cancel(id) => self.cancel(id),
@@ -667,11 +776,42 @@ impl Runner {
         self.publish_route_state();
         self.metrics
             .inc("strata_failures_total", &[("kind", err.reason)], 1.0);
-        self.scheduler.reset();
-        for (id, l) in std::mem::take(&mut self.live) {
+        let mut known: HashMap<SessionId, (Vec<u32>, usize)> = self
+            .scheduler
+            .take_all()
+            .into_iter()
+            .map(|(id, tokens, left)| (id, (tokens, left)))
+            .collect();
+        for (id, mut l) in std::mem::take(&mut self.live) {
             self.admission.release(id);
-            self.settle(&l, "failed");
-            let _ = l.events.send(SessionEvent::Error(err.clone()));
+            // With another route for the model, the session moves there and the client sees
+            // nothing; a route failure is not the session's fault, a non-retryable refusal is
+            // not a failure at all.
+            match (&self.failover, known.remove(&id)) {
+                (Some(tx), Some((tokens, max_new)))
+                    if err.retryable && l.n_moves < MAX_MOVES && max_new > 0 =>
+                {
+                    l.n_moves += 1;
+                    l.moved_at = Some(Instant::now());
+                    self.metrics
+                        .inc("strata_migrations_total", &[("reason", err.reason)], 1.0);
+                    let moved = Moved {
+                        live: l,
+                        tokens,
+                        max_new,
+                        digest: self.cluster.model_digest.clone(),
+                        from: self.name.clone(),
+                        error: err.clone(),
+                    };
+                    if let Err(back) = tx.send(Box::new(moved)) {
+                        back.0.fail(self.ledger.as_deref());
+                    }
+                }
+                _ => {
+                    self.settle(&l, "failed");
+                    let _ = l.events.send(SessionEvent::Error(err.clone()));
+                }
+            }
         }
         self.down_reason = Some(err);
         self.next_attempt = Instant::now() + Duration::from_millis(200);
@@ -782,6 +922,14 @@ impl Runner {
             ),
         }
         live.last_token = Some(now);
+        if let Some(t) = live.moved_at.take() {
+            self.metrics.observe(
+                "strata_migration_seconds",
+                &[],
+                LATENCY_BUCKETS,
+                (now - t).as_secs_f64(),
+            );
+        }
         live.n_generated += 1;
         if is_end {
             let _ = live.events.send(SessionEvent::Token {

@@ -1,0 +1,82 @@
+//! Moving sessions off a failed route: every session a route loses goes to another route of
+//! the same model that takes it (open, its shards answering, room for the session's tokens
+//! and what it may still generate), which replays the session's known tokens and continues.
+//! The client's stream goes on with no error and no token lost or repeated. A session no route
+//! takes within `wait` fails with the route's own error, as it would have without a replica.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::ledger::Ledger;
+use crate::runner::{Command, Moved};
+
+/// A route sessions may move to.
+#[derive(Clone)]
+pub struct Target {
+    pub digest: String,
+    pub name: String,
+    pub commands: mpsc::Sender<Command>,
+    pub up: watch::Receiver<bool>,
+}
+
+/// Places every moved session, each on its own task.
+pub async fn dispatch(
+    mut moved: mpsc::UnboundedReceiver<Box<Moved>>,
+    targets: Arc<Vec<Target>>,
+    ledger: Option<Arc<Ledger>>,
+    wait: Duration,
+) {
+    while let Some(m) = moved.recv().await {
+        tokio::spawn(place(m, Arc::clone(&targets), ledger.clone(), wait));
+    }
+}
+
+async fn place(
+    mut m: Box<Moved>,
+    targets: Arc<Vec<Target>>,
+    ledger: Option<Arc<Ledger>>,
+    wait: Duration,
+) {
+    let deadline = Instant::now() + wait;
+    let others: Vec<&Target> = targets
+        .iter()
+        .filter(|t| t.digest == m.digest && t.name != m.from)
+        .collect();
+    loop {
+        if m.abandoned() {
+            m.fail(ledger.as_deref());
+            return;
+        }
+        for t in others.iter().filter(|t| *t.up.borrow()) {
+            let (tx, rx) = oneshot::channel();
+            if let Err(e) = t
+                .commands
+                .send(Command::Resume {
+                    moved: m,
+                    accepted: tx,
+                })
+                .await
+            {
+                // That route's loop has stopped: the session comes back with the command.
+                let Command::Resume { moved, .. } = e.0 else {
+                    return;
+                };
+                m = moved;
+                continue;
+            }
+            match rx.await {
+                Ok(Ok(_)) => return,
+                Ok(Err(back)) => m = back,
+                // The runner stopped holding it: the tracker is shutting down.
+                Err(_) => return,
+            }
+        }
+        if others.is_empty() || Instant::now() >= deadline {
+            m.fail(ledger.as_deref());
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
