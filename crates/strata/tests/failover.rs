@@ -188,3 +188,142 @@ fn a_killed_or_frozen_shard_costs_no_client_an_error_with_a_second_route() {
     survive(&tracker, &shards, 2, 19, &want);
     shards[2].signal(18);
 }
+
+/// A rolling restart under load: every shard of both routes in turn is sent SIGTERM, waited
+/// for, started again on its address, and its route let open again before the next. Eight
+/// clients keep sending requests all along: none sees an error, and every answer is the
+/// fault-free one (sessions on a stopping shard's route move to the other route).
+#[test]
+fn a_rolling_restart_of_every_shard_costs_no_client_an_error() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (mut shards, tracker) = two_routes();
+    let addr = tracker.addr.clone();
+    let want: Vec<Vec<u64>> = all_streams(&addr)
+        .into_iter()
+        .map(|h| h.join().unwrap().unwrap().0)
+        .collect();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..8)
+        .map(|c| {
+            let (addr, done, want) = (addr.clone(), done.clone(), want.clone());
+            std::thread::spawn(move || {
+                let mut n = 0;
+                let mut i = c;
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let (got, _) = stream_ids(&addr, i % N)
+                        .unwrap_or_else(|e| panic!("client {c}, request {n}: {e}"));
+                    assert_eq!(got, want[i % N], "client {c}, request {n}");
+                    n += 1;
+                    i += 8;
+                }
+                n
+            })
+        })
+        .collect();
+    let token = procs::token_file("test-failover-token-0123456789");
+    let m = testkit::real_model();
+    let ranges = ["0..15", "15..30", "0..12", "12..30"];
+    let routes_up = || metric(&addr, "strata_route_up") == 2.0;
+    for (k, range) in ranges.iter().enumerate() {
+        std::thread::sleep(Duration::from_millis(300));
+        let listen = shards[k].addr.clone();
+        shards[k].signal(15);
+        let t = Instant::now();
+        while !shards[k].exited() {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "shard {k} did not stop on SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        shards[k] = procs::shard_on(exe(), &m, range, &token, &listen, &["--threads", "1"]);
+        let t = Instant::now();
+        while !routes_up() {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "the route of shard {k} did not reopen"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let served: usize = clients.into_iter().map(|c| c.join().unwrap()).sum();
+    let moved = metric(&addr, "strata_migrations_total");
+    eprintln!("rolling restart: {served} requests answered, none failed; {moved} sessions moved");
+    assert!(served >= 8);
+    assert!(moved >= 1.0, "stopping shards should have moved sessions");
+}
+
+/// A constrained session moves with its grammar: 8 JSON-schema answers (greedy and seeded
+/// sampling) on two routes, a shard of one killed mid-document; every document is the one the
+/// fault-free run wrote, and complete.
+#[test]
+fn a_session_with_a_grammar_continues_the_same_document_on_another_route() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (shards, tracker) = two_routes();
+    let addr = tracker.addr.clone();
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 40},
+            "chapters": {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 3, "maxItems": 3},
+            "genre": {"enum": ["fantasy", "crime", "poetry"]}
+        },
+        "required": ["title", "chapters", "genre"],
+        "additionalProperties": false
+    });
+    let run = |addr: String| {
+        (0..8)
+            .map(|i| {
+                let (addr, schema) = (addr.clone(), schema.clone());
+                std::thread::spawn(move || {
+                    let mut b = json!({
+                        "messages": [{"role": "user", "content": format!("Outline book number {i} as JSON.")}],
+                        "max_tokens": 120, "stream": true, "temperature": 0,
+                        "response_format": {"type": "json_schema", "json_schema": {"name": "book", "schema": schema}},
+                    });
+                    if i % 2 == 1 {
+                        b["temperature"] = json!(1.0);
+                        b["seed"] = json!(i);
+                    }
+                    let mut s = SseStream::open(&addr, "/v1/chat/completions", &b).unwrap();
+                    let mut text = String::new();
+                    while let Some(d) = s.next_data() {
+                        if d == "[DONE]" {
+                            return text;
+                        }
+                        let v: Value = serde_json::from_str(&d).unwrap();
+                        assert!(v.get("error").is_none(), "book {i}: {d}");
+                        text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+                    }
+                    panic!("book {i}: no [DONE]");
+                })
+            })
+            .collect::<Vec<_>>()
+    };
+    let want: Vec<String> = run(addr.clone())
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect();
+    for w in &want {
+        let v: Value = serde_json::from_str(w).unwrap_or_else(|e| panic!("{e}: {w}"));
+        assert_eq!(v["chapters"].as_array().map(Vec::len), Some(3), "{w}");
+    }
+    let handles = run(addr.clone());
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(20)
+        && !(sessions_on(&addr, &shards[1].addr) > 0 && sessions_on(&addr, &shards[3].addr) > 0)
+    {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    shards[1].signal(9);
+    for (i, h) in handles.into_iter().enumerate() {
+        assert_eq!(
+            h.join().unwrap(),
+            want[i],
+            "book {i} after its route failed"
+        );
+    }
+    assert!(metric(&addr, "strata_migrations_total") >= 1.0);
+}
