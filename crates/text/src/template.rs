@@ -179,7 +179,13 @@ impl ChatTemplate {
         let markers: Vec<String> = (0..messages.len())
             .map(|i| format!("{MARK}{nonce:x}.{i}{MARK}"))
             .collect();
-        let marked_contents: Vec<&str> = markers.iter().map(String::as_str).collect();
+        // An empty content stays empty: templates test content for emptiness (an assistant
+        // turn that only calls tools), and a marker would take the other branch.
+        let marked_contents: Vec<&str> = markers
+            .iter()
+            .zip(messages)
+            .map(|(m, msg)| if msg.content.is_empty() { "" } else { m.as_str() })
+            .collect();
         let marked = self.render_with(messages, &marked_contents, tools, add_generation_prompt)?;
         let pieces = split_marked(&marked, &markers);
         if let Some(content) = walk(&real, &pieces, messages) {

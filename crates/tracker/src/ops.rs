@@ -249,7 +249,15 @@ pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respo
             // what the route was validated with: exactly when it would take a request.
             let up = *r.up.borrow();
             ok &= up;
-            routes.push(json!({"name": r.name, "status": if up { "up" } else { "down" }}));
+            let layers: Vec<String> = r
+                .cluster
+                .infos
+                .iter()
+                .map(|i| format!("{}: {}..{}", i.listen, i.layer_start, i.layer_end))
+                .collect();
+            routes.push(json!({"name": r.name, "status": if up { "up" } else { "down" },
+                               "sessions": r.load.load(std::sync::atomic::Ordering::Relaxed),
+                               "shards": layers}));
             shards.extend(h.shards.iter().map(|sh| {
                 json!({
                     "address": sh.address,
