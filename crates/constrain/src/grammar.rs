@@ -56,24 +56,77 @@ pub struct Tool {
     pub parameters: Value,
 }
 
+/// Definition sections a schema's `$ref`s point into.
+const DEF_SECTIONS: [&str; 2] = ["$defs", "definitions"];
+
+/// Rewrites every `$ref` into a definition section of tool `i` to its hoisted name.
+fn rewrite_refs(v: &mut Value, i: usize) {
+    match v {
+        Value::Object(o) => {
+            for (k, x) in o.iter_mut() {
+                match (k.as_str(), x) {
+                    ("$ref", Value::String(r)) => {
+                        for section in DEF_SECTIONS {
+                            if let Some(rest) = r.strip_prefix(&format!("#/{section}/")) {
+                                *r = format!("#/$defs/t{i}_{rest}");
+                                break;
+                            }
+                        }
+                    }
+                    (_, x) => rewrite_refs(x, i),
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| rewrite_refs(x, i)),
+        _ => {}
+    }
+}
+
+/// Tool `i`'s parameters with their definitions moved into `defs` (the call schema's root,
+/// where `$ref`s resolve) under names of their own, and their references rewritten to match:
+/// nested under `arguments`, `#/$defs/X` would no longer point anywhere.
+fn hoist_definitions(i: usize, params: &Value, defs: &mut serde_json::Map<String, Value>) -> Value {
+    let mut p = params.clone();
+    if let Value::Object(o) = &mut p {
+        for section in DEF_SECTIONS {
+            if let Some(Value::Object(d)) = o.remove(section) {
+                for (name, mut def) in d {
+                    rewrite_refs(&mut def, i);
+                    defs.insert(format!("t{i}_{name}"), def);
+                }
+            }
+        }
+    }
+    rewrite_refs(&mut p, i);
+    p
+}
+
 /// The schema of one call of any of `tools`: `{"name": ..., "arguments": {...}}` with the
 /// name one of theirs and the arguments matching that tool's parameters.
 fn call_schema(tools: &[Tool]) -> Value {
-    let one = |t: &Tool| {
-        json!({
-            "type": "object",
-            "properties": {
-                "name": {"const": t.name},
-                "arguments": t.parameters,
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": false,
+    let mut defs = serde_json::Map::new();
+    let calls: Vec<Value> = tools
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            json!({
+                "type": "object",
+                "properties": {
+                    "name": {"const": t.name},
+                    "arguments": hoist_definitions(i, &t.parameters, &mut defs),
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": false,
+            })
         })
+        .collect();
+    let mut schema = match <[Value; 1]>::try_from(calls) {
+        Ok([one]) => one,
+        Err(calls) => json!({"anyOf": calls}),
     };
-    let schema = match tools {
-        [t] => one(t),
-        _ => json!({"anyOf": tools.iter().map(one).collect::<Vec<_>>()}),
-    };
+    if !defs.is_empty() {
+        schema["$defs"] = Value::Object(defs);
+    }
     with_layout(schema)
 }
 
@@ -121,5 +174,27 @@ mod tests {
             "{g}"
         );
         assert!(tool_calls(&[]).is_err());
+    }
+
+    #[test]
+    fn definitions_are_hoisted_where_references_resolve() {
+        let params = json!({
+            "type": "object",
+            "properties": {"where": {"$ref": "#/$defs/Place"}},
+            "$defs": {"Place": {"type": "object", "properties": {"near": {"$ref": "#/$defs/Place"}}}}
+        });
+        let s = call_schema(&[Tool {
+            name: "go".into(),
+            parameters: params,
+        }]);
+        assert_eq!(
+            s["properties"]["arguments"]["properties"]["where"]["$ref"],
+            "#/$defs/t0_Place"
+        );
+        assert_eq!(
+            s["$defs"]["t0_Place"]["properties"]["near"]["$ref"],
+            "#/$defs/t0_Place"
+        );
+        assert!(s["properties"]["arguments"].get("$defs").is_none());
     }
 }

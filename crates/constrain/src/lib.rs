@@ -118,9 +118,8 @@ impl Vocabulary {
     }
 
     fn matcher(&self, grammar: TopLevelGrammar) -> Result<Matcher, Error> {
-        let parser = self
-            .factory
-            .create_parser(grammar)
+        let parser = guarded(|| self.factory.create_parser(grammar))
+            .map_err(Error::Grammar)?
             .map_err(|e| Error::Grammar(e.to_string()))?;
         let m = Matcher::new(Ok(parser));
         match m.get_error() {
@@ -128,6 +127,13 @@ impl Vocabulary {
             None => Ok(m),
         }
     }
+}
+
+/// Runs grammar code that should never panic, turning a panic into an error: a request's
+/// grammar must not be able to take down the thread that samples for every session.
+fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .map_err(|_| "the grammar engine failed on this grammar".to_string())
 }
 
 /// One session's grammar state: the matcher and how many generated tokens it has consumed.
@@ -177,8 +183,8 @@ impl Constraint {
         if new.is_empty() {
             return Ok(());
         }
-        self.matcher
-            .consume_tokens(new)
+        guarded(|| self.matcher.consume_tokens(new))
+            .map_err(Error::Rejected)?
             .map_err(|e| Error::Rejected(e.to_string()))?;
         self.consumed = generated.len();
         Ok(())
@@ -187,9 +193,8 @@ impl Constraint {
     /// The tokens the grammar allows next, one bit per token in 32-bit words (token `t` is
     /// bit `t % 32` of word `t / 32`); only the end token once the document is complete.
     pub fn mask(&mut self) -> Result<Vec<u32>, Error> {
-        let m = self
-            .matcher
-            .compute_mask_or_eos()
+        let m = guarded(|| self.matcher.compute_mask_or_eos())
+            .map_err(Error::Rejected)?
             .map_err(|e| Error::Rejected(e.to_string()))?;
         if m.num_set() == 0 {
             return Err(Error::Rejected("no token can continue the output".into()));

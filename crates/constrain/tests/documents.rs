@@ -166,3 +166,25 @@ fn vocabulary_build_time() {
         t.elapsed() / ids.len() as u32
     );
 }
+
+#[test]
+fn a_tool_whose_parameters_use_definitions_compiles_and_holds() {
+    let tok = tiny();
+    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+    // As pydantic writes a model with a nested one.
+    let g = grammar::tool_calls(&[grammar::Tool {
+        name: "book".into(),
+        parameters: json!({
+            "type": "object",
+            "properties": {"guest": {"$ref": "#/$defs/Guest"}},
+            "required": ["guest"],
+            "$defs": {"Guest": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"], "additionalProperties": false}}
+        }),
+    }])
+    .unwrap();
+    let call = "<tool_call>\n{\"name\": \"book\", \"arguments\": {\"guest\": {\"name\": \"Ada\"}}}\n</tool_call>";
+    assert_eq!(walk(&vocab, &tok, &g, call), (true, true));
+    let wrong =
+        "<tool_call>\n{\"name\": \"book\", \"arguments\": {\"guest\": {\"age\": 3}}}\n</tool_call>";
+    assert!(!walk(&vocab, &tok, &g, wrong).0);
+}

@@ -209,8 +209,11 @@ impl Sampler {
             keep = keep.min(probs.iter().take_while(|&&pr| pr >= floor).count().max(1));
         }
         cand.truncate(keep);
+        // Scaled from the best logit (0 for it, at most 0 for the rest): however small the
+        // temperature, nothing overflows.
+        let best = cand.first().map_or(0.0, |c| c.1);
         for c in cand.iter_mut() {
-            c.1 /= p.temperature;
+            c.1 = (c.1 - best) / p.temperature;
         }
         let probs = softmax(&cand);
         let r = draw(p.seed, history.len());
@@ -221,7 +224,14 @@ impl Sampler {
                 return c.0;
             }
         }
-        cand.last().map_or(0, |c| c.0)
+        // Rounding left the draw past the sum: the last candidate that could be drawn (never
+        // one the mask forbids, whose probability is 0).
+        cand.iter()
+            .zip(&probs)
+            .rev()
+            .find(|(_, &pr)| pr > 0.0)
+            .or(cand.first().zip(probs.first()))
+            .map_or(0, |(c, _)| c.0)
     }
 }
 
@@ -506,6 +516,27 @@ mod tests {
         }
         let g = greedy(SamplingParams::default(), Some(&mask));
         assert_eq!(g, if l[33] >= l[70] { 33 } else { 70 });
+    }
+
+    #[test]
+    fn a_tiny_temperature_is_as_greedy_and_never_draws_a_masked_token() {
+        let l = logits();
+        let best = top_k(&l, 1)[0].0;
+        let history = vec![0u32; 64];
+        let mut mask = vec![0u32; 4];
+        mask[(best / 32) as usize] |= 1 << (best % 32);
+        mask[0] |= 1 << 3;
+        for t in [1e-30f32, 1e-38, 1e-45] {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: t,
+                seed: 9,
+                ..Default::default()
+            });
+            for n in 0..64 {
+                assert_eq!(s.sample(&l, &history[..n], None), best, "t {t}");
+                assert_eq!(s.sample(&l, &history[..n], Some(&mask)), best, "t {t}");
+            }
+        }
     }
 
     #[test]

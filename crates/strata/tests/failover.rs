@@ -19,13 +19,20 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 const N: usize = 16;
 
-/// Two routes of SmolLM2 (two shards each) on one tracker.
+/// Two routes of SmolLM2 (two shards each, cut at different layers) on one tracker.
 fn two_routes() -> (Vec<Proc>, Proc) {
+    two_routes_of(
+        &testkit::real_model(),
+        ["0..15", "15..30", "0..12", "12..30"],
+    )
+}
+
+/// Two routes of `m` on one tracker: shards 0 and 1 of `ranges` are route a, 2 and 3 route b.
+fn two_routes_of(m: &Path, ranges: [&str; 4]) -> (Vec<Proc>, Proc) {
     let token = procs::token_file("test-failover-token-0123456789");
-    let m = testkit::real_model();
-    let shards: Vec<Proc> = ["0..15", "15..30", "0..12", "12..30"]
+    let shards: Vec<Proc> = ranges
         .iter()
-        .map(|r| procs::shard(exe(), &m, r, &token, &["--threads", "1"]))
+        .map(|r| procs::shard(exe(), m, r, &token, &["--threads", "1"]))
         .collect();
     let tracker = procs::tracker_routes(
         exe(),
@@ -254,13 +261,14 @@ fn a_rolling_restart_of_every_shard_costs_no_client_an_error() {
     assert!(moved >= 1.0, "stopping shards should have moved sessions");
 }
 
-/// A constrained session moves with its grammar: 8 JSON-schema answers (greedy and seeded
-/// sampling) on two routes, a shard of one killed mid-document; every document is the one the
-/// fault-free run wrote, and complete.
+/// A constrained session moves with its grammar: 8 JSON-schema answers of Qwen2.5-Coder-0.5B
+/// (greedy and seeded sampling) on two routes, a shard of one killed mid-document; every
+/// document is the one the fault-free run wrote, and complete.
 #[test]
 fn a_session_with_a_grammar_continues_the_same_document_on_another_route() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let (shards, tracker) = two_routes();
+    let qwen = testkit::named_model("qwen2.5-coder-0.5b");
+    let (shards, tracker) = two_routes_of(&qwen, ["0..12", "12..24", "0..10", "10..24"]);
     let addr = tracker.addr.clone();
     let schema = json!({
         "type": "object",

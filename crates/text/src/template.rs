@@ -70,6 +70,28 @@ impl ChatTemplate {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
             },
         );
+        // Templates were written for Hugging Face's `tojson` (Python's `json.dumps`: `, ` and
+        // `: ` separators, nothing HTML-escaped); minijinja's escapes `<`, `>`, `&` and `'`,
+        // which would show a model tool definitions unlike the ones it was trained on.
+        env.add_filter(
+            "tojson",
+            |v: minijinja::Value,
+             indent: Option<usize>,
+             kwargs: minijinja::value::Kwargs|
+             -> Result<minijinja::Value, minijinja::Error> {
+                let indent = match kwargs.get::<Option<usize>>("indent")? {
+                    Some(i) => Some(i),
+                    None => indent,
+                };
+                kwargs.assert_all_used()?;
+                let json = serde_json::to_value(&v).map_err(|e| {
+                    minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string())
+                })?;
+                let mut out = String::new();
+                python_json(&json, indent, 0, &mut out);
+                Ok(minijinja::Value::from_safe_string(out))
+            },
+        );
         env.add_template_owned("chat", source.to_string())
             .map_err(template_error)?;
         Ok(ChatTemplate {
@@ -184,7 +206,13 @@ impl ChatTemplate {
         let marked_contents: Vec<&str> = markers
             .iter()
             .zip(messages)
-            .map(|(m, msg)| if msg.content.is_empty() { "" } else { m.as_str() })
+            .map(|(m, msg)| {
+                if msg.content.is_empty() {
+                    ""
+                } else {
+                    m.as_str()
+                }
+            })
             .collect();
         let marked = self.render_with(messages, &marked_contents, tools, add_generation_prompt)?;
         let pieces = split_marked(&marked, &markers);
@@ -207,6 +235,47 @@ impl ChatTemplate {
             }
         }
         Ok(Rendered { text, content })
+    }
+}
+
+/// `value` as Python's `json.dumps(value, ensure_ascii=False, indent=indent)` writes it.
+fn python_json(value: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    use serde_json::Value;
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    let item_separator = if indent.is_some() { "," } else { ", " };
+    match value {
+        Value::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, x) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_separator);
+                }
+                newline(out, depth + 1);
+                python_json(x, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        Value::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (k, x)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_separator);
+                }
+                newline(out, depth + 1);
+                out.push_str(&serde_json::to_string(k).unwrap_or_default());
+                out.push_str(": ");
+                python_json(x, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&serde_json::to_string(other).unwrap_or_default()),
     }
 }
 
@@ -254,14 +323,29 @@ enum Piece<'a> {
 }
 
 /// The marked rendering as template text and the contents' places, in order.
+/// Which of `markers` (`MARK nonce . i MARK`, all with one nonce) `text` starts with.
+fn index_of_marker(text: &str, markers: &[String]) -> Option<usize> {
+    let first = markers.first()?;
+    let prefix_len = first.rfind('.')? + 1;
+    let prefix = &first[..prefix_len];
+    let digits = text.strip_prefix(prefix)?;
+    let n = digits
+        .bytes()
+        .take(20)
+        .take_while(u8::is_ascii_digit)
+        .count();
+    let i: usize = digits[..n].parse().ok()?;
+    let m = markers.get(i)?;
+    text.starts_with(m.as_str()).then_some(i)
+}
+
 fn split_marked<'a>(marked: &'a str, markers: &[String]) -> Vec<Piece<'a>> {
     let mut pieces = Vec::new();
     let mut rest = marked;
     while let Some(at) = rest.find(MARK) {
-        let found = markers
-            .iter()
-            .enumerate()
-            .find(|(_, m)| rest[at..].starts_with(m.as_str()));
+        // The marker's index is read from it, not searched for: a text full of marker
+        // characters (tool arguments may hold any) costs O(1) per character.
+        let found = index_of_marker(&rest[at..], markers).map(|i| (i, &markers[i]));
         let Some((i, m)) = found else {
             // A lone marker character that is no marker: template text.
             let end = at + MARK.len_utf8();
@@ -364,5 +448,29 @@ mod tests {
     fn python_string_methods_work() {
         let t = ChatTemplate::new("{{ messages[0]['content'].strip() }}", "", "").unwrap();
         assert_eq!(t.render(&[msg("user", "  x  ")], false).unwrap(), "x");
+    }
+
+    #[test]
+    fn tojson_writes_what_python_json_dumps_writes() {
+        let t = ChatTemplate::new(
+            "{{ messages[0]['content'] | tojson }}|{{ tools | tojson }}|{{ tools | tojson(indent=2) }}",
+            "",
+            "",
+        )
+        .unwrap();
+        let tools: serde_json::Value = serde_json::from_str(
+            r#"{"d": "the user's <city> & \"zone\"", "n": [1, 2.5, {}], "e": []}"#,
+        )
+        .unwrap();
+        let out = t
+            .render_tools(&[msg("user", "é\n")], Some(&tools), false)
+            .unwrap();
+        assert_eq!(
+            out,
+            concat!(
+                r#""é\n"|{"d": "the user's <city> & \"zone\"", "n": [1, 2.5, {}], "e": []}|"#,
+                "{\n  \"d\": \"the user's <city> & \\\"zone\\\"\",\n  \"n\": [\n    1,\n    2.5,\n    {}\n  ],\n  \"e\": []\n}"
+            )
+        );
     }
 }

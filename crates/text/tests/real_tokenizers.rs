@@ -79,7 +79,9 @@ fn real_tokenizers_and_templates_match_llama_cpp() {
 fn qwen_renders_tools_tool_calls_and_tool_results() {
     let f = gguf::GgufFile::open(testkit::named_model("qwen2.5-coder-0.5b")).unwrap();
     let tok = Tokenizer::from_header(f.header()).unwrap();
-    let template = ChatTemplate::from_header(f.header(), &tok).unwrap().unwrap();
+    let template = ChatTemplate::from_header(f.header(), &tok)
+        .unwrap()
+        .unwrap();
     assert!(template.has_hermes_tools());
     let tools: Value = serde_json::from_str(
         r#"[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]"#,
@@ -100,7 +102,9 @@ fn qwen_renders_tools_tool_calls_and_tool_results() {
             ..ChatMessage::new("tool", "{\"sky\": \"sunny\"}")
         },
     ];
-    let text = template.render_tools(&messages, Some(&tools), true).unwrap();
+    let text = template
+        .render_tools(&messages, Some(&tools), true)
+        .unwrap();
     for want in [
         "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"",
         "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>",
@@ -109,8 +113,13 @@ fn qwen_renders_tools_tool_calls_and_tool_results() {
         assert!(text.contains(want), "missing {want:?} in:\n{text}");
     }
     // The tool's answer is content: its text is never read as control tokens.
-    let parts = template.render_parts(&messages, Some(&tools), true).unwrap();
-    assert_eq!(parts.text, text, "the marked rendering found every content where it is");
+    let parts = template
+        .render_parts(&messages, Some(&tools), true)
+        .unwrap();
+    assert_eq!(
+        parts.text, text,
+        "the marked rendering found every content where it is"
+    );
     let sunny = text.find("{\"sky\"").unwrap();
     assert!(parts.content.iter().any(|r| r.contains(&sunny)));
 }

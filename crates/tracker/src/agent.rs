@@ -246,6 +246,18 @@ pub fn tools(body: &Value) -> Result<Option<ToolSet>, ApiError> {
             ))
         }
     }
+    // `strict` promises arguments that match the schema: kept by the grammar of `required`
+    // and of a named function; under `auto` the answer is free, so it cannot be promised.
+    if choice == ToolChoice::Auto {
+        if let Some(i) = list.iter().position(|t| {
+            t.get("function").and_then(|f| f.get("strict")) == Some(&Value::Bool(true))
+        }) {
+            return Err(invalid(
+                &format!("tools[{i}].function.strict"),
+                "`strict: true` needs `tool_choice` `required` or a named function (under `auto` the arguments are not held to the schema)",
+            ));
+        }
+    }
     Ok(Some(ToolSet {
         json: Value::Array(list.clone()),
         tools,

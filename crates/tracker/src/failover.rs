@@ -19,6 +19,14 @@ pub struct Target {
     pub name: String,
     pub commands: mpsc::Sender<Command>,
     pub up: watch::Receiver<bool>,
+    /// An operator evicted the model from it: it takes no sessions.
+    pub evicted: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Target {
+    fn takes_work(&self) -> bool {
+        *self.up.borrow() && !self.evicted.load(std::sync::atomic::Ordering::Acquire)
+    }
 }
 
 /// Places every moved session, each on its own task.
@@ -40,16 +48,16 @@ async fn place(
     wait: Duration,
 ) {
     let deadline = Instant::now() + wait;
-    let others: Vec<&Target> = targets
-        .iter()
-        .filter(|t| t.digest == m.digest && t.name != m.from)
-        .collect();
+    // The other routes of the model first; the one it left too, once it is back.
+    let mut others: Vec<&Target> = targets.iter().filter(|t| t.digest == m.digest).collect();
+    others.sort_by_key(|t| t.name == m.from);
+    let replicas = others.iter().filter(|t| t.name != m.from).count();
     loop {
         if m.abandoned() {
             m.fail(ledger.as_deref());
             return;
         }
-        for t in others.iter().filter(|t| *t.up.borrow()) {
+        for t in others.iter().filter(|t| t.takes_work()) {
             let (tx, rx) = oneshot::channel();
             if let Err(e) = t
                 .commands
@@ -73,7 +81,8 @@ async fn place(
                 Err(_) => return,
             }
         }
-        if others.is_empty() || Instant::now() >= deadline {
+        // With no other route the failure is the client's at once, as without failover.
+        if replicas == 0 || Instant::now() >= deadline {
             m.fail(ledger.as_deref());
             return;
         }

@@ -43,6 +43,8 @@ pub struct AppState {
     /// but one, so a flood of long prompts waits here instead of taking the cores that shards
     /// and other requests need.
     pub tokenizing: Semaphore,
+    /// Numbers the responses (ids unique across routes: each route numbers its sessions).
+    pub responses: std::sync::atomic::AtomicU64,
 }
 
 /// One resident model: its tokenizer and the routes whose shards hold it.
@@ -71,7 +73,7 @@ pub struct RouteHandle {
     /// A shard of the route was started with `--pin`: the model is never evicted from it.
     pub pinned: bool,
     /// An operator evicted the model from this route: no new request goes to it.
-    pub evicted: std::sync::atomic::AtomicBool,
+    pub evicted: Arc<std::sync::atomic::AtomicBool>,
     /// Sessions its loop holds (published by it) and requests on their way to it: new work
     /// goes to the route with the fewest.
     pub load: Arc<std::sync::atomic::AtomicUsize>,
@@ -359,17 +361,23 @@ async fn handle(
     }
 }
 
-/// The response id a session's answer carries.
-pub fn response_id(endpoint: Endpoint, id: engine::SessionId) -> String {
+/// The id a response carries: `n` is the tracker's response number.
+pub fn response_id(endpoint: Endpoint, n: u64) -> String {
     match endpoint {
-        Endpoint::Chat => format!("chatcmpl-{}", id.0),
-        Endpoint::Completions => format!("cmpl-{}", id.0),
+        Endpoint::Chat => format!("chatcmpl-{n}"),
+        Endpoint::Completions => format!("cmpl-{n}"),
     }
 }
 
 /// Checks the request's grammar (from `response_format` or `tool_choice`) compiles against
 /// the model's vocabulary, off the async runtime; the refusal names the field it came from.
-async fn check_grammar(model: &ModelEntry, grammar: &str, param: &str) -> Result<(), ApiError> {
+async fn check_grammar(
+    s: &AppState,
+    model: &ModelEntry,
+    grammar: &str,
+    param: &str,
+) -> Result<(), ApiError> {
+    let _permit = s.tokenizing.acquire().await;
     let (vocab, g) = (Arc::clone(&model.grammars), grammar.to_string());
     tokio::task::spawn_blocking(move || vocab.get().and_then(|v| v.compile(&g)).map(drop))
         .await
@@ -380,12 +388,11 @@ async fn check_grammar(model: &ModelEntry, grammar: &str, param: &str) -> Result
 /// The ids of a fill-in-the-middle prompt (`prompt` before the gap, `suffix` after it) in the
 /// model's own FIM tokens; a model without them refuses `suffix`.
 fn fim_ids(
-    model: &ModelEntry,
+    t: &Tokenizer,
     prompt: &PromptInput,
     suffix: &str,
     limit: usize,
 ) -> Result<Vec<u32>, ApiError> {
-    let t = &model.tokenizer;
     let (Some(pre), Some(suf), Some(mid)) = (
         t.token_id("<|fim_prefix|>"),
         t.token_id("<|fim_suffix|>"),
@@ -508,12 +515,12 @@ async fn admit(
     }
     let grammar = match (&req.grammar, &tools) {
         (Some(g), _) => {
-            check_grammar(model, g, "response_format").await?;
+            check_grammar(s, model, g, "response_format").await?;
             Some(g.clone())
         }
         (None, Some(t)) => match t.grammar() {
             Some(g) => {
-                check_grammar(model, &g, "tools").await?;
+                check_grammar(s, model, &g, "tools").await?;
                 Some(g)
             }
             None => None,
@@ -533,7 +540,14 @@ async fn admit(
     };
     let prompt = std::mem::replace(&mut req.prompt, PromptInput::Ids(Vec::new()));
     let prompt_ids = match &req.suffix {
-        Some(suffix) => fim_ids(model, &prompt, suffix, n_ctx)?,
+        Some(suffix) => {
+            // Tokenized where prompts are: off the async runtime, one core's worth at a time.
+            let _permit = s.tokenizing.acquire().await;
+            let (t, suffix) = (Arc::clone(&model.tokenizer), suffix.clone());
+            tokio::task::spawn_blocking(move || fim_ids(&t, &prompt, &suffix, n_ctx))
+                .await
+                .map_err(|_| ApiError::unavailable("tokenizing the prompt failed"))??
+        }
         None => {
             tokenize(
                 s,
@@ -588,15 +602,16 @@ async fn admit(
         priority: record.priority,
         key: key.as_ref().map(|k| k.name.clone()).unwrap_or_default(),
         ledger_row: None,
+        billed_prompt: 0,
     };
     let n_prompt = job.prompt_ids.len() as u64;
     let mut choices: Vec<Choice> = Vec::with_capacity(req.n);
-    let mut first_id = None;
     for i in 0..req.n {
         let mut job_i = job.clone();
         // Each choice has its own seed and its own ledger row (the prompt is billed once).
         job_i.sampling.seed = job.sampling.seed.wrapping_add(i as u64);
         let billed_prompt = if i == 0 { n_prompt } else { 0 };
+        job_i.billed_prompt = billed_prompt as usize;
         // The ledger row is committed before the request is submitted: an accepted request
         // is never lost, whatever happens to this process afterwards.
         job_i.ledger_row = match (&s.ledger, &key) {
@@ -612,7 +627,6 @@ async fn admit(
         let ledger_row = job_i.ledger_row;
         match submit(model, job_i).await {
             Ok((route, id, events)) => {
-                first_id.get_or_insert(id);
                 let mut c = Choice {
                     events,
                     guard: CancelOnDrop::new(id, route.commands.clone()),
@@ -634,7 +648,10 @@ async fn admit(
             }
         }
     }
-    let id = response_id(endpoint, first_id.expect("n >= 1"));
+    let n = s
+        .responses
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let id = response_id(endpoint, n + 1);
     Ok(Accepted {
         req,
         model_id: model.id.clone(),

@@ -203,6 +203,7 @@ impl Tracker {
                     name: r.name.clone(),
                     commands: r.commands.clone(),
                     up: r.up.clone(),
+                    evicted: Arc::clone(&r.evicted),
                 })
             })
             .collect();
@@ -224,6 +225,7 @@ impl Tracker {
             admin_token: config.admin_token,
             http: config.http,
             tokenizing: tokio::sync::Semaphore::new(n_cores.saturating_sub(1).max(1)),
+            responses: std::sync::atomic::AtomicU64::new(0),
         });
         Ok(Tracker { state })
     }
@@ -399,7 +401,7 @@ async fn start_route(
         commands: cmd_tx,
         health: health_rx,
         up: route_rx,
-        evicted: std::sync::atomic::AtomicBool::new(false),
+        evicted: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         load,
         submitting: std::sync::atomic::AtomicUsize::new(0),
     })

@@ -222,9 +222,11 @@ pub async fn detokenize(
                     .collect::<Option<Vec<u32>>>()
             })
             .ok_or_else(|| ApiError::invalid("tokens", "`tokens` must be a list of token ids"))?;
-        let content = model
-            .tokenizer
-            .decode(&ids, false)
+        let tok = Arc::clone(&model.tokenizer);
+        let _permit = s.tokenizing.acquire().await;
+        let content = tokio::task::spawn_blocking(move || tok.decode(&ids, false))
+            .await
+            .map_err(|_| ApiError::unavailable("detokenizing failed"))?
             .map_err(|e| ApiError::invalid("tokens", e.to_string()))?;
         Ok::<_, ApiError>(json!({"content": content}))
     };
@@ -255,9 +257,11 @@ pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respo
                 .iter()
                 .map(|i| format!("{}: {}..{}", i.listen, i.layer_start, i.layer_end))
                 .collect();
-            routes.push(json!({"name": r.name, "status": if up { "up" } else { "down" },
+            routes.push(
+                json!({"name": r.name, "status": if up { "up" } else { "down" },
                                "sessions": r.load.load(std::sync::atomic::Ordering::Relaxed),
-                               "shards": layers}));
+                               "shards": layers}),
+            );
             shards.extend(h.shards.iter().map(|sh| {
                 json!({
                     "address": sh.address,

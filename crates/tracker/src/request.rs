@@ -116,6 +116,9 @@ const CHAT_FIELDS: &[&str] = &[
     "parallel_tool_calls",
 ];
 
+/// The fields a chat message may have.
+const MESSAGE_FIELDS: &[&str] = &["role", "content", "name", "tool_calls", "tool_call_id"];
+
 /// Most choices one request may ask for.
 pub const MAX_N: u64 = 16;
 /// Most `logit_bias` entries.
@@ -303,6 +306,16 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
             }
             let mut out = Vec::with_capacity(msgs.len());
             for (i, m) in msgs.iter_mut().enumerate() {
+                if let Some(k) = m.as_object().and_then(|o| {
+                    o.keys()
+                        .find(|k| !MESSAGE_FIELDS.contains(&k.as_str()))
+                        .cloned()
+                }) {
+                    return Err(ApiError::invalid(
+                        &format!("messages[{i}].{k}"),
+                        format!("`messages[{i}].{k}` is not supported"),
+                    ));
+                }
                 let content = m.get_mut("content").map(Value::take).unwrap_or(Value::Null);
                 let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
                     ApiError::invalid(
@@ -536,6 +549,23 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
             "`response_format` with `tools` is not supported: the answer is either a document or tool calls (give `tool_choice: \"none\"` to keep the tools out)",
         ));
     }
+    let return_token_ids = boolean(&body, "return_token_ids")?.unwrap_or(false);
+    if stream && tools.as_ref().is_some_and(|t| t.active()) {
+        // A streamed answer with tools goes through the tool-call finder, which passes text
+        // on, not tokens.
+        if logprobs.is_some() {
+            return Err(ApiError::invalid(
+                "logprobs",
+                "`logprobs` with `tools` is not supported when streaming",
+            ));
+        }
+        if return_token_ids {
+            return Err(ApiError::invalid(
+                "return_token_ids",
+                "`return_token_ids` with `tools` is not supported when streaming",
+            ));
+        }
+    }
     let ignore_eos = boolean(&body, "ignore_eos")?.unwrap_or(false);
     if ignore_eos && (grammar.is_some() || tools.as_ref().is_some_and(|t| t.grammar().is_some())) {
         return Err(ApiError::invalid(
@@ -565,7 +595,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
         stop,
         stream,
         logprobs,
-        return_token_ids: boolean(&body, "return_token_ids")?.unwrap_or(false),
+        return_token_ids,
         ignore_eos,
         priority: match body.get("priority") {
             None | Some(Value::Null) => None,
@@ -656,6 +686,28 @@ mod tests {
                 Endpoint::Completions,
                 json!({"prompt": "x", "echo": true, "logprobs": 1}),
                 "echo",
+            ),
+            (
+                Endpoint::Completions,
+                json!({"prompt": "x", "ignore_eos": true, "response_format": {"type": "json_object"}}),
+                "ignore_eos",
+            ),
+            (
+                Endpoint::Chat,
+                json!({"messages": [{"role": "user", "content": "x", "function_call": {}}]}),
+                "messages[0].function_call",
+            ),
+            (
+                Endpoint::Chat,
+                json!({"messages": [{"role": "user", "content": "x"}],
+                       "tools": [{"type": "function", "function": {"name": "f", "strict": true}}]}),
+                "tools[0].function.strict",
+            ),
+            (
+                Endpoint::Chat,
+                json!({"messages": [{"role": "user", "content": "x"}], "stream": true, "logprobs": true,
+                       "tools": [{"type": "function", "function": {"name": "f"}}]}),
+                "logprobs",
             ),
         ] {
             let e = validate(endpoint, body.clone()).unwrap_err();

@@ -145,10 +145,12 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
             }
             Endpoint::Chat if parses_tools(&a.req) => {
                 let (content, calls) = agent::split_calls(&text);
-                let finish = if calls.is_empty() {
-                    ended.finish
-                } else {
+                // Calls made and the answer ended by itself: `tool_calls` (a cut answer stays
+                // `length`).
+                let finish = if !calls.is_empty() && ended.finish == "stop" {
                     "tool_calls"
+                } else {
+                    ended.finish
                 };
                 let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { json!(content) }});
                 if !calls.is_empty() {
@@ -345,7 +347,7 @@ impl StreamState {
                     let rest = t.finish();
                     self.pieces(index, rest);
                 }
-                let finish = if self.choices[index].n_calls > 0 {
+                let finish = if self.choices[index].n_calls > 0 && finish_reason == "stop" {
                     "tool_calls"
                 } else {
                     finish_reason

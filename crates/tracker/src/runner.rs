@@ -34,6 +34,9 @@ pub struct Job {
     pub key: String,
     /// The request's row in the usage ledger, settled when the session ends.
     pub ledger_row: Option<i64>,
+    /// Prompt tokens its ledger row is charged (the first of `n` choices carries the prompt,
+    /// the others none).
+    pub billed_prompt: usize,
 }
 
 /// One generated token's log-probabilities, as text.
@@ -155,6 +158,7 @@ struct Live {
     /// Admitted and not yet part of any step.
     queued: bool,
     ledger_row: Option<i64>,
+    billed_prompt: usize,
 }
 
 struct Link {
@@ -652,6 +656,7 @@ impl Runner {
                         priority: job.priority,
                         queued: true,
                         ledger_row: job.ledger_row,
+                        billed_prompt: job.billed_prompt,
                     },
                 );
                 self.publish_load();
@@ -708,7 +713,12 @@ impl Runner {
 
     fn settle(&self, live: &Live, status: &'static str) {
         if let (Some(ledger), Some(row)) = (&self.ledger, live.ledger_row) {
-            ledger.settle(row, live.n_prompt as u64, live.n_generated as u64, status);
+            ledger.settle(
+                row,
+                live.billed_prompt as u64,
+                live.n_generated as u64,
+                status,
+            );
         }
     }
 
