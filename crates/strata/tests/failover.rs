@@ -133,6 +133,7 @@ fn sessions_on(addr: &str, shard: &str) -> u64 {
 fn survive(tracker: &Proc, shards: &[Proc], victim: usize, signal: i32, want: &[Vec<u64>]) {
     let addr = &tracker.addr;
     let before = metric(addr, "strata_migrations_total");
+    let started = Instant::now();
     let handles = all_streams(addr);
     let t = Instant::now();
     while t.elapsed() < Duration::from_secs(20)
@@ -154,12 +155,16 @@ fn survive(tracker: &Proc, shards: &[Proc], victim: usize, signal: i32, want: &[
         );
         stalls.push(stall);
     }
+    let took = started.elapsed();
     stalls.sort();
     let moved = metric(addr, "strata_migrations_total") - before;
     eprintln!(
-        "signal {signal} on shard {victim}: {moved} sessions moved; longest wait between tokens per stream: p50 {:?}, max {:?}",
+        "signal {signal} on shard {victim}: {moved} sessions moved; longest wait between tokens per stream: p50 {:?}, max {:?}; {} tokens in {:.2?} ({:.0} tokens/s over the run)",
         stalls[N / 2],
-        stalls[N - 1]
+        stalls[N - 1],
+        N * want[0].len(),
+        took,
+        (N * want[0].len()) as f64 / took.as_secs_f64()
     );
     assert!(moved >= 1.0, "sessions of the hurt route should have moved");
     assert!(metric(addr, "strata_migrated_tokens_total") > 0.0);
@@ -170,10 +175,17 @@ fn a_killed_or_frozen_shard_costs_no_client_an_error_with_a_second_route() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // Killed.
     let (shards, tracker) = two_routes();
+    let started = Instant::now();
     let want: Vec<Vec<u64>> = all_streams(&tracker.addr)
         .into_iter()
         .map(|h| h.join().unwrap().unwrap().0)
         .collect();
+    let took = started.elapsed();
+    eprintln!(
+        "fault-free: {} tokens in {took:.2?} ({:.0} tokens/s over the run)",
+        N * 40,
+        (N * 40) as f64 / took.as_secs_f64()
+    );
     assert!(want.iter().all(|w| w.len() == 40));
     // New sessions go to the least loaded route: each route's shards decoded 25-75% of the
     // tokens (the counters are scraped every health period).
