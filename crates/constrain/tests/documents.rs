@@ -140,7 +140,7 @@ fn tool_calls_parse_and_their_arguments_match() {
 }
 
 #[test]
-#[ignore = "timing, by hand"]
+#[ignore = "prints build, compile and mask timings and asserts nothing about them (tests never assert on speed); run by hand with --release --nocapture"]
 fn vocabulary_build_time() {
     let tok = tokenizer(&testkit::named_model("qwen2.5-coder-0.5b"));
     let t = std::time::Instant::now();

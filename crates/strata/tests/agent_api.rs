@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use testkit::http::{get, post_json, SseStream};
+use testkit::observe::{shard_stat, tracker_metric};
 use testkit::procs::{self, Proc};
 
 fn exe() -> &'static Path {
@@ -19,21 +20,7 @@ fn exe() -> &'static Path {
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serve(shards: &str) -> Proc {
-    let args: Vec<String> = [
-        "serve",
-        "--model",
-        &testkit::real_model().display().to_string(),
-        "--shards",
-        shards,
-        "--threads",
-        "1",
-        "--listen",
-        "127.0.0.1:0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    procs::spawn(exe(), &args, "strata tracker listening on ", "serve")
+    procs::serve(exe(), &testkit::real_model(), shards, &[])
 }
 
 /// A schema with nesting, an array, an enum, bounds and required keys; every document it
@@ -210,7 +197,7 @@ fn a_replayed_session_continues_the_same_valid_document() {
     };
     let t = Instant::now();
     while t.elapsed() < Duration::from_secs(10)
-        && shard_sessions(&tracker.addr, &second.addr) < PROMPTS.len() as u64
+        && shard_stat(&tracker.addr, &second.addr, "sessions").unwrap_or(0) < PROMPTS.len() as u64
     {
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -228,26 +215,6 @@ fn a_replayed_session_continues_the_same_valid_document() {
         replays >= 1.0,
         "the stall should have made the tracker replay a session"
     );
-}
-
-fn shard_sessions(addr: &str, shard: &str) -> u64 {
-    get(addr, "/health").json()["shards"]
-        .as_array()
-        .and_then(|a| {
-            a.iter()
-                .find(|s| s["address"] == shard)
-                .and_then(|s| s["sessions"].as_u64())
-        })
-        .unwrap_or(0)
-}
-
-fn tracker_metric(addr: &str, name: &str) -> f64 {
-    get(addr, "/metrics")
-        .body
-        .lines()
-        .filter(|l| l.starts_with(&format!("{name} ")) || l.starts_with(&format!("{name}{{")))
-        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
-        .sum()
 }
 
 fn complete(addr: &str, body: Value) -> Value {

@@ -21,22 +21,7 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// `strata serve` with one embedded shard and `extra` flags.
 fn serve(extra: &[&str]) -> Proc {
-    let mut args: Vec<String> = [
-        "serve",
-        "--model",
-        &testkit::real_model().display().to_string(),
-        "--shards",
-        "1",
-        "--threads",
-        "1",
-        "--listen",
-        "127.0.0.1:0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    procs::spawn(exe(), &args, "strata tracker listening on ", "serve")
+    procs::serve(exe(), &testkit::real_model(), "1", extra)
 }
 
 /// Waits up to `limit` for the server to close `conn`: `Some(elapsed)` if it did.

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use testkit::http::{get, post_json, SseStream};
+use testkit::observe::{self, tracker_metric};
 use testkit::procs::{self, Proc};
 
 fn exe() -> &'static Path {
@@ -106,14 +107,7 @@ fn cluster(ranges: &[&str]) -> Cluster {
 }
 
 fn shard_stat(addr: &str, shard: &str, field: &str) -> u64 {
-    let h = get(addr, "/health").json();
-    h["shards"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["address"] == shard)
-        .and_then(|s| s[field].as_u64())
-        .unwrap_or(u64::MAX)
+    observe::shard_stat(addr, shard, field).unwrap_or(u64::MAX)
 }
 
 fn metric(addr: &str, name: &str, shard: &str) -> f64 {
@@ -483,16 +477,6 @@ fn concurrently(addr: &str, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<u64>> {
         })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
-}
-
-/// A tracker metric summed over its series (each route's carries model and route labels).
-fn tracker_metric(addr: &str, name: &str) -> f64 {
-    get(addr, "/metrics")
-        .body
-        .lines()
-        .filter(|l| l.starts_with(&format!("{name} ")) || l.starts_with(&format!("{name}{{")))
-        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
-        .sum()
 }
 
 /// 1, 2, 4 and 8 concurrent sessions through a 2-shard route (two micro-batches in flight) each

@@ -8,8 +8,13 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use testkit::http::{get, SseStream};
+use testkit::http::SseStream;
+use testkit::observe::{shard_metric, shard_stat, tracker_metric as metric};
 use testkit::procs::{self, Proc};
+
+fn sessions_on(addr: &str, shard: &str) -> u64 {
+    shard_stat(addr, shard, "sessions").unwrap_or(0)
+}
 
 fn exe() -> &'static Path {
     procs::strata_bin(env!("CARGO_BIN_EXE_strata"))
@@ -96,36 +101,6 @@ fn all_streams(addr: &str) -> Vec<std::thread::JoinHandle<Streamed>> {
             std::thread::spawn(move || stream_ids(&addr, i))
         })
         .collect()
-}
-
-fn metric(addr: &str, name: &str) -> f64 {
-    get(addr, "/metrics")
-        .body
-        .lines()
-        .filter(|l| l.starts_with(&format!("{name} ")) || l.starts_with(&format!("{name}{{")))
-        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
-        .sum()
-}
-
-fn shard_metric(addr: &str, name: &str, shard: &str) -> f64 {
-    let key = format!("shard=\"{shard}\"");
-    get(addr, "/metrics")
-        .body
-        .lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(&key))
-        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
-        .sum()
-}
-
-fn sessions_on(addr: &str, shard: &str) -> u64 {
-    get(addr, "/health").json()["shards"]
-        .as_array()
-        .and_then(|a| {
-            a.iter()
-                .find(|s| s["address"] == shard)
-                .and_then(|s| s["sessions"].as_u64())
-        })
-        .unwrap_or(0)
 }
 
 /// Runs the 16 streams, hurting `victim` once both routes hold sessions, and checks every

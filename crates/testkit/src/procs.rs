@@ -209,3 +209,24 @@ pub fn tracker_routes(
     args.extend(extra.iter().map(|s| s.to_string()));
     spawn(exe, &args, "strata tracker listening on ", "tracker")
 }
+
+/// Starts `strata serve` on `model` with `shards` shards, one kernel thread
+/// each, on a free port, with `extra` flags.
+pub fn serve(exe: &Path, model: &Path, shards: &str, extra: &[&str]) -> Proc {
+    let mut args: Vec<String> = [
+        "serve",
+        "--model",
+        &model.display().to_string(),
+        "--shards",
+        shards,
+        "--threads",
+        "1",
+        "--listen",
+        "127.0.0.1:0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    spawn(exe, &args, "strata tracker listening on ", "serve")
+}

@@ -143,94 +143,10 @@ pub fn tools(body: &Value) -> Result<Option<ToolSet>, ApiError> {
     }
     let mut tools = Vec::with_capacity(list.len());
     for (i, t) in list.iter().enumerate() {
-        let p = format!("tools[{i}]");
-        if t.get("type").and_then(Value::as_str) != Some("function") {
-            return Err(invalid(&p, format!("`{p}.type` must be \"function\"")));
-        }
-        let f = t
-            .get("function")
-            .filter(|f| f.is_object())
-            .ok_or_else(|| invalid(&p, format!("`{p}.function` is required")))?;
-        let name = f
-            .get("name")
-            .and_then(Value::as_str)
-            .filter(|n| {
-                !n.is_empty()
-                    && n.len() <= 64
-                    && n.bytes()
-                        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-            })
-            .ok_or_else(|| {
-                invalid(
-                    &format!("{p}.function.name"),
-                    "a function name is 1 to 64 letters, digits, `_` or `-`",
-                )
-            })?;
-        if tools.iter().any(|t: &Tool| t.name == name) {
-            return Err(invalid(
-                &format!("{p}.function.name"),
-                format!("two tools are named `{name}`"),
-            ));
-        }
-        if f.get("strict")
-            .is_some_and(|s| !s.is_boolean() && !s.is_null())
-        {
-            return Err(invalid(
-                &format!("{p}.function.strict"),
-                "`strict` must be a boolean",
-            ));
-        }
-        let parameters = match f.get("parameters") {
-            None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
-            Some(v) if v.is_object() => v.clone(),
-            Some(_) => {
-                return Err(invalid(
-                    &format!("{p}.function.parameters"),
-                    "`parameters` must be a JSON schema object",
-                ))
-            }
-        };
-        tools.push(Tool {
-            name: name.to_string(),
-            parameters,
-        });
+        let checked = tool(i, t, &tools)?;
+        tools.push(checked);
     }
-    let choice = match choice_v {
-        None => ToolChoice::Auto,
-        Some(Value::String(s)) => match s.as_str() {
-            "auto" => ToolChoice::Auto,
-            "none" => ToolChoice::None,
-            "required" => ToolChoice::Required,
-            other => {
-                return Err(invalid(
-                    "tool_choice",
-                    format!(
-                        "`tool_choice` is `{other}`; expected auto, none, required or a function"
-                    ),
-                ))
-            }
-        },
-        Some(v) => {
-            let name = v
-                .get("function")
-                .and_then(|f| f.get("name"))
-                .and_then(Value::as_str)
-                .filter(|_| v.get("type").and_then(Value::as_str) == Some("function"))
-                .ok_or_else(|| {
-                    invalid(
-                        "tool_choice",
-                        "`tool_choice` must be a string or {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                    )
-                })?;
-            if !tools.iter().any(|t| t.name == name) {
-                return Err(invalid(
-                    "tool_choice",
-                    format!("`tool_choice` names `{name}`, which is not in `tools`"),
-                ));
-            }
-            ToolChoice::Named(name.to_string())
-        }
-    };
+    let choice = tool_choice(choice_v, &tools)?;
     match body.get("parallel_tool_calls") {
         None | Some(Value::Null) | Some(Value::Bool(true)) => {}
         Some(Value::Bool(false)) => {
@@ -263,6 +179,101 @@ pub fn tools(body: &Value) -> Result<Option<ToolSet>, ApiError> {
         tools,
         choice,
     }))
+}
+
+/// `tools[i]`, checked (a function with a valid, unused name and an object schema).
+fn tool(i: usize, t: &Value, earlier: &[Tool]) -> Result<Tool, ApiError> {
+    let p = format!("tools[{i}]");
+    if t.get("type").and_then(Value::as_str) != Some("function") {
+        return Err(invalid(&p, format!("`{p}.type` must be \"function\"")));
+    }
+    let f = t
+        .get("function")
+        .filter(|f| f.is_object())
+        .ok_or_else(|| invalid(&p, format!("`{p}.function` is required")))?;
+    let name = f
+        .get("name")
+        .and_then(Value::as_str)
+        .filter(|n| {
+            !n.is_empty()
+                && n.len() <= 64
+                && n.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        })
+        .ok_or_else(|| {
+            invalid(
+                &format!("{p}.function.name"),
+                "a function name is 1 to 64 letters, digits, `_` or `-`",
+            )
+        })?;
+    if earlier.iter().any(|t| t.name == name) {
+        return Err(invalid(
+            &format!("{p}.function.name"),
+            format!("two tools are named `{name}`"),
+        ));
+    }
+    if f.get("strict")
+        .is_some_and(|s| !s.is_boolean() && !s.is_null())
+    {
+        return Err(invalid(
+            &format!("{p}.function.strict"),
+            "`strict` must be a boolean",
+        ));
+    }
+    let parameters = match f.get("parameters") {
+        None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+        Some(v) if v.is_object() => v.clone(),
+        Some(_) => {
+            return Err(invalid(
+                &format!("{p}.function.parameters"),
+                "`parameters` must be a JSON schema object",
+            ))
+        }
+    };
+    Ok(Tool {
+        name: name.to_string(),
+        parameters,
+    })
+}
+
+/// `tool_choice` among `tools` (absent: `auto`).
+fn tool_choice(choice_v: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
+    Ok(match choice_v {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ToolChoice::Auto,
+            "none" => ToolChoice::None,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(invalid(
+                    "tool_choice",
+                    format!(
+                        "`tool_choice` is `{other}`; expected auto, none, required or a function"
+                    ),
+                ))
+            }
+        },
+        Some(v) => {
+            let name = v
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+            .filter(|_| v.get("type").and_then(Value::as_str) == Some("function"))
+            .ok_or_else(|| {
+                invalid(
+                    "tool_choice",
+                    "`tool_choice` must be a string or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                )
+            })?;
+            if !tools.iter().any(|t| t.name == name) {
+                return Err(invalid(
+                    "tool_choice",
+                    format!("`tool_choice` names `{name}`, which is not in `tools`"),
+                ));
+            }
+            ToolChoice::Named(name.to_string())
+        }
+    })
 }
 
 /// An assistant message's `tool_calls` as templates read them: the arguments, a JSON string

@@ -434,6 +434,88 @@ fn fim_ids(
     Ok(ids)
 }
 
+/// What the model decides about a request: `logit_bias` ids inside its vocabulary, `tools`
+/// only with a template that has a tool-call format, and no control-token text in what its
+/// template prints as markup (tool definitions, tool calls, tool-call ids, names).
+fn check_against_model(model: &ModelEntry, req: &ValidRequest) -> Result<(), ApiError> {
+    let n_vocab = model.tokenizer.n_vocab();
+    if let Some(&(bad, _)) = req
+        .sampling
+        .logit_bias
+        .iter()
+        .find(|(t, _)| *t as usize >= n_vocab)
+    {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!("`logit_bias` names token {bad}, but the vocabulary has {n_vocab} tokens"),
+        ));
+    }
+    if let Some(t) = req.tools.as_ref().filter(|t| t.active()) {
+        if !model
+            .template
+            .as_ref()
+            .is_some_and(|t| t.has_hermes_tools())
+        {
+            return Err(ApiError::invalid(
+                "tools",
+                format!("the chat template of `{}` has no tool-call format strata knows (Hermes `<tool_call>`, as Qwen2.5's)", model.id),
+            ));
+        }
+        if let Some(c) = model.tokenizer.control_text_in(&t.json.to_string()) {
+            return Err(ApiError::invalid(
+                "tools",
+                format!("`tools` holds the control token text `{c}`"),
+            ));
+        }
+    }
+    if let PromptInput::Messages(m) = &req.prompt {
+        for (i, msg) in m.iter().enumerate() {
+            let fields = [
+                ("tool_calls", msg.tool_calls.as_ref().map(Value::to_string)),
+                ("tool_call_id", msg.tool_call_id.clone()),
+                ("name", msg.name.clone()),
+            ];
+            for (field, text) in fields {
+                if let Some(c) = text
+                    .as_deref()
+                    .and_then(|t| model.tokenizer.control_text_in(t))
+                {
+                    return Err(ApiError::invalid(
+                        &format!("messages[{i}].{field}"),
+                        format!("`messages[{i}].{field}` holds the control token text `{c}`"),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The grammar the answer is held to (`response_format`, or `tool_choice` `required` or a
+/// named function), checked against the model's vocabulary.
+async fn request_grammar(
+    s: &AppState,
+    model: &ModelEntry,
+    req: &ValidRequest,
+) -> Result<Option<String>, ApiError> {
+    if let Some(g) = &req.grammar {
+        check_grammar(s, model, g, "response_format").await?;
+        return Ok(Some(g.clone()));
+    }
+    match req
+        .tools
+        .as_ref()
+        .filter(|t| t.active())
+        .and_then(|t| t.grammar())
+    {
+        Some(g) => {
+            check_grammar(s, model, &g, "tools").await?;
+            Ok(Some(g))
+        }
+        None => Ok(None),
+    }
+}
+
 /// Everything from the raw request to a route's acceptance: body, validation, key, prompt,
 /// context check, the ledger's reservation, submission.
 async fn admit(
@@ -460,73 +542,9 @@ async fn admit(
     record.model = model.id.clone();
     let key = s.key(headers)?;
     let n_ctx = model.n_ctx;
-    let n_vocab = model.tokenizer.n_vocab();
-    if let Some(&(bad, _)) = req
-        .sampling
-        .logit_bias
-        .iter()
-        .find(|(t, _)| *t as usize >= n_vocab)
-    {
-        return Err(ApiError::invalid(
-            "logit_bias",
-            format!("`logit_bias` names token {bad}, but the vocabulary has {n_vocab} tokens"),
-        ));
-    }
+    check_against_model(model, &req)?;
     let tools = req.tools.clone().filter(|t| t.active());
-    if let Some(t) = &tools {
-        if !model
-            .template
-            .as_ref()
-            .is_some_and(|t| t.has_hermes_tools())
-        {
-            return Err(ApiError::invalid(
-                "tools",
-                format!("the chat template of `{}` has no tool-call format strata knows (Hermes `<tool_call>`, as Qwen2.5's)", model.id),
-            ));
-        }
-        if let Some(c) = model.tokenizer.control_text_in(&t.json.to_string()) {
-            return Err(ApiError::invalid(
-                "tools",
-                format!("`tools` holds the control token text `{c}`"),
-            ));
-        }
-    }
-    if let PromptInput::Messages(m) = &req.prompt {
-        for (i, msg) in m.iter().enumerate() {
-            // What the template prints as markup besides the content: none of it may hold a
-            // control token's text.
-            let fields = [
-                ("tool_calls", msg.tool_calls.as_ref().map(Value::to_string)),
-                ("tool_call_id", msg.tool_call_id.clone()),
-                ("name", msg.name.clone()),
-            ];
-            for (field, text) in fields {
-                if let Some(c) = text
-                    .as_deref()
-                    .and_then(|t| model.tokenizer.control_text_in(t))
-                {
-                    return Err(ApiError::invalid(
-                        &format!("messages[{i}].{field}"),
-                        format!("`messages[{i}].{field}` holds the control token text `{c}`"),
-                    ));
-                }
-            }
-        }
-    }
-    let grammar = match (&req.grammar, &tools) {
-        (Some(g), _) => {
-            check_grammar(s, model, g, "response_format").await?;
-            Some(g.clone())
-        }
-        (None, Some(t)) => match t.grammar() {
-            Some(g) => {
-                check_grammar(s, model, &g, "tools").await?;
-                Some(g)
-            }
-            None => None,
-        },
-        (None, None) => None,
-    };
+    let grammar = request_grammar(s, model, &req).await?;
     let echo = match (&req.prompt, req.echo) {
         (_, false) => None,
         (PromptInput::Text(t), true) => Some(t.clone()),

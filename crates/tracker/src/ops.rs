@@ -138,6 +138,13 @@ fn text_body<'a>(
     Ok((v, model))
 }
 
+fn json_or_error(r: Result<Value, ApiError>) -> Response {
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 fn flag(v: &Value, key: &str, default: bool) -> Result<bool, ApiError> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(default),
@@ -197,10 +204,7 @@ pub async fn tokenize(
         .await
         .map_err(|_| ApiError::unavailable("tokenizing failed"))
     };
-    match run.await {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_or_error(run.await)
 }
 
 /// `POST /detokenize`: `{"tokens": [...]}` -> `{"content": "..."}`.
@@ -230,10 +234,7 @@ pub async fn detokenize(
             .map_err(|e| ApiError::invalid("tokens", e.to_string()))?;
         Ok::<_, ApiError>(json!({"content": content}))
     };
-    match run.await {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_or_error(run.await)
 }
 
 pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {

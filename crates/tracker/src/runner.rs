@@ -130,6 +130,14 @@ pub struct RunnerConfig {
     pub liveness: Duration,
 }
 
+/// The per-owner fairness id of an API key's name.
+fn owner_of(key: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
+    h.finish()
+}
+
 /// Times one session may be recomputed after a shard lost its cache before it fails.
 const MAX_REPLAYS: u32 = 3;
 
@@ -623,12 +631,7 @@ impl Runner {
                     return;
                 }
                 self.next_id += 1;
-                let owner = {
-                    use std::hash::{Hash, Hasher};
-                    let mut h = std::collections::hash_map::DefaultHasher::new();
-                    job.key.hash(&mut h);
-                    h.finish()
-                };
+                let owner = owner_of(&job.key);
                 self.scheduler.add(
                     id,
                     job.prompt_ids.clone(),
@@ -686,12 +689,7 @@ impl Runner {
                 live.n_replays = 0;
                 self.metrics
                     .inc("strata_migrated_tokens_total", &[], tokens.len() as f64);
-                let owner = {
-                    use std::hash::{Hash, Hasher};
-                    let mut h = std::collections::hash_map::DefaultHasher::new();
-                    live.key.hash(&mut h);
-                    h.finish()
-                };
+                let owner = owner_of(&live.key);
                 self.scheduler
                     .add(id, tokens, max_new, live.priority, owner);
                 self.live.insert(id, live);
