@@ -115,9 +115,25 @@ pub fn request(
 ) -> std::io::Result<Response> {
     let mut s = connect(addr)?;
     let body = body.map(|b| b.to_string());
-    send(&mut s, method, addr, path, body.as_deref(), headers)?;
+    // A server may answer before it has read the whole body (a 413) and close: the write then
+    // fails, but the answer may still be there to read, as curl reads it.
+    let early_close = match send(&mut s, method, addr, path, body.as_deref(), headers) {
+        Ok(()) => None,
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+            ) =>
+        {
+            Some(e)
+        }
+        Err(e) => return Err(e),
+    };
     let mut r = BufReader::new(s);
-    let (status, headers) = read_head(&mut r)?;
+    let (status, headers) = match read_head(&mut r) {
+        Ok(head) => head,
+        Err(e) => return Err(early_close.unwrap_or(e)),
+    };
     let mut bytes = Vec::new();
     if is_chunked(&headers) {
         while let Some(c) = read_chunk(&mut r)? {

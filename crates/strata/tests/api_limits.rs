@@ -78,6 +78,18 @@ fn a_partial_request_and_an_idle_connection_are_closed_after_the_header_timeout(
     let _ = slow.read_to_string(&mut answer);
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     assert!(answer.contains("\"limit\":\"body_timeout\""), "{answer}");
+    // A body over the limit, written out in full before the client reads: the typed 413 comes
+    // back every time, not a reset under the client's write.
+    for _ in 0..5 {
+        let body = json!({"prompt": "x".repeat(5 << 20)}).to_string();
+        let request = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let (status, answer) = raw(&t.addr, request.as_bytes());
+        assert_eq!(status, 413, "{answer}");
+        assert!(answer.contains("\"limit\":\"max_body_bytes\""), "{answer}");
+    }
 }
 
 /// Opens `n` TCP connections that send nothing.

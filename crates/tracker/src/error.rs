@@ -19,6 +19,8 @@ pub struct ApiError {
     pub retry_after: Option<u64>,
     /// The request field at fault, for invalid requests.
     pub param: Option<String>,
+    /// Whether the connection closes after the answer: its request body was not (all) read.
+    pub close: bool,
 }
 
 /// What kind of "no" an error is, for metrics: the client's own request (`invalid`), a limit
@@ -53,7 +55,14 @@ impl ApiError {
             retryable: false,
             retry_after: None,
             param: None,
+            close: false,
         }
+    }
+
+    /// Closes the connection after the answer.
+    fn closing(mut self) -> Self {
+        self.close = true;
+        self
     }
 
     /// Marks the error retryable after `secs` seconds.
@@ -93,6 +102,7 @@ impl ApiError {
         )
         .limit("max_body_bytes")
         .param("body")
+        .closing()
     }
 
     /// A request body that did not arrive in time (408).
@@ -107,6 +117,7 @@ impl ApiError {
         )
         .limit("body_timeout")
         .param("body")
+        .closing()
     }
 
     /// A model no route of this tracker holds: refused, never loaded on demand.
@@ -286,6 +297,10 @@ impl IntoResponse for ApiError {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
                 resp.headers_mut().insert("retry-after", v);
             }
+        }
+        if self.close {
+            resp.headers_mut()
+                .insert("connection", HeaderValue::from_static("close"));
         }
         resp
     }

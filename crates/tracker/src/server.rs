@@ -184,28 +184,52 @@ async fn refuse<S: AsyncRead + AsyncWrite + Unpin>(mut conn: S, limit: usize) {
     let _ = tokio::time::timeout(Duration::from_millis(500), answer).await;
 }
 
+/// How much of an over-limit body is read and dropped after the limit, so that the 413 reaches
+/// a client still sending instead of a connection reset under its write.
+const OVERFLOW_DRAIN_BYTES: usize = 16 << 20;
+/// How long an over-limit body is drained at most.
+const OVERFLOW_DRAIN_TIME: Duration = Duration::from_secs(1);
+
 /// Reads a request body within the limits: 413 past `max_body_bytes`, 408 when it does not
-/// arrive within `body_timeout`.
+/// arrive within `body_timeout`. Past the limit the rest is read and dropped, bounded in bytes
+/// and time, before the 413 is answered.
 pub async fn read_body(
     body: axum::body::Body,
     config: &HttpConfig,
 ) -> Result<axum::body::Bytes, ApiError> {
-    match tokio::time::timeout(
-        config.body_timeout,
-        axum::body::to_bytes(body, config.max_body_bytes),
-    )
-    .await
-    {
-        Ok(Ok(bytes)) => Ok(bytes),
-        Ok(Err(e)) => {
-            let too_large = std::error::Error::source(&e)
-                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-            Err(if too_large {
-                ApiError::body_too_large(config.max_body_bytes)
-            } else {
+    use http_body_util::BodyExt;
+    let mut body = body;
+    let mut bytes = Vec::new();
+    let read = async {
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| {
                 ApiError::invalid("body", format!("reading the request body failed: {e}"))
-            })
+            })?;
+            if let Ok(data) = frame.into_data() {
+                if bytes.len() + data.len() > config.max_body_bytes {
+                    return Ok(false);
+                }
+                bytes.extend_from_slice(&data);
+            }
         }
+        Ok::<_, ApiError>(true)
+    };
+    match tokio::time::timeout(config.body_timeout, read).await {
+        Ok(Ok(true)) => Ok(bytes.into()),
+        Ok(Ok(false)) => {
+            let mut drained = 0usize;
+            let drain = async {
+                while let Some(Ok(frame)) = body.frame().await {
+                    drained += frame.data_ref().map_or(0, |d| d.len());
+                    if drained > OVERFLOW_DRAIN_BYTES {
+                        break;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(OVERFLOW_DRAIN_TIME, drain).await;
+            Err(ApiError::body_too_large(config.max_body_bytes))
+        }
+        Ok(Err(e)) => Err(e),
         Err(_) => Err(ApiError::body_timeout(config.body_timeout)),
     }
 }
