@@ -1,0 +1,540 @@
+//! Membership on a real registry (etcd v3). A shard announces itself ([`announce`]) under a
+//! key `{prefix}shards/{address}` bound to a lease it keeps alive; the value is its
+//! [`ShardRecord`] (address, model digest, layer range, recipe, budgets, free KV, load). A
+//! tracker follows the prefix ([`follow`]): a snapshot, then a watch from the snapshot's
+//! revision, so it sees every join and leave within a lease's TTL.
+//!
+//! Faults never tear anything down: an announcer that loses etcd or its lease grants a new
+//! lease and announces again when etcd answers, without restarting its process; a follower
+//! that loses etcd keeps the last membership it saw (frozen, marked `connected: false`) and
+//! replaces it with a fresh snapshot when etcd is back.
+//!
+//! The registry is advisory: a tracker connects to an announced shard and validates what it
+//! says about itself (digest, range, recipe) before any route uses it, so a wrong or hostile
+//! entry costs at most a refused connection.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+#[allow(clippy::all, missing_docs)]
+mod etcd {
+    tonic::include_proto!("etcdserverpb");
+}
+
+use etcd::kv_client::KvClient;
+use etcd::lease_client::LeaseClient;
+use etcd::watch_client::WatchClient;
+
+/// How long one unary call to etcd may take.
+const CALL_TIMEOUT: Duration = Duration::from_secs(3);
+/// The longest value read from the registry; longer ones are ignored.
+const MAX_RECORD_BYTES: usize = 64 << 10;
+/// The most entries a snapshot reads (a registry with more is misused).
+const MAX_MEMBERS: i64 = 10_000;
+
+/// What a shard says about itself in the registry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardRecord {
+    /// Where trackers reach it (`host:port`).
+    pub address: String,
+    /// Differs on every start of a shard process: a restart on the same address is a new
+    /// member.
+    pub instance: String,
+    pub model: String,
+    pub digest: String,
+    pub layer_start: u32,
+    pub layer_end: u32,
+    pub n_layers: u32,
+    /// The cache recipe, as `block_size/kv_dtype/...` (informational; trackers validate it
+    /// against the shard itself).
+    pub recipe: String,
+    pub kv_budget_bytes: u64,
+    pub kv_free_bytes: u64,
+    pub max_sessions: u32,
+    pub sessions: u64,
+    /// It is going away: no new sessions.
+    pub draining: bool,
+}
+
+/// The shards a follower sees.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Members {
+    /// By registry key.
+    pub shards: BTreeMap<String, ShardRecord>,
+    /// Whether the follower's watch is live; `false` means the membership is frozen at what
+    /// was last seen.
+    pub connected: bool,
+    /// The store revision the membership reflects.
+    pub revision: i64,
+}
+
+/// An etcd error, said for logs and operators.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Error(pub String);
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Error {}
+
+impl From<tonic::Status> for Error {
+    fn from(s: tonic::Status) -> Self {
+        Error(format!("etcd: {}", s.message()))
+    }
+}
+
+/// The channel to etcd: one or several endpoints, comma separated, `http://host:port` or
+/// `host:port` (TLS to etcd is not supported yet: `https://` is refused).
+pub fn channel(endpoints: &str) -> Result<Channel, Error> {
+    let mut list = Vec::new();
+    for e in endpoints
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+    {
+        if e.starts_with("https://") {
+            return Err(Error(format!(
+                "registry endpoint {e}: TLS to etcd is not supported; give an http:// endpoint"
+            )));
+        }
+        let url = if e.starts_with("http://") {
+            e.to_string()
+        } else {
+            format!("http://{e}")
+        };
+        let ep = Endpoint::from_shared(url.clone())
+            .map_err(|err| Error(format!("registry endpoint {e}: {err}")))?
+            .connect_timeout(Duration::from_secs(2))
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(5))
+            .keep_alive_while_idle(true);
+        list.push(ep);
+    }
+    if list.is_empty() {
+        return Err(Error("no registry endpoint given".into()));
+    }
+    Ok(if list.len() == 1 {
+        list.remove(0).connect_lazy()
+    } else {
+        Channel::balance_list(list.into_iter())
+    })
+}
+
+/// The end of the key range holding every key that starts with `prefix`.
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // Every byte 0xff: to the end of the keyspace.
+    vec![0]
+}
+
+/// The registry key of a shard.
+pub fn shard_key(prefix: &str, address: &str) -> String {
+    format!("{prefix}shards/{address}")
+}
+
+async fn call<T>(
+    f: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, Error> {
+    match tokio::time::timeout(CALL_TIMEOUT, f).await {
+        Ok(r) => Ok(r?.into_inner()),
+        Err(_) => Err(Error(format!(
+            "etcd did not answer within {} s",
+            CALL_TIMEOUT.as_secs()
+        ))),
+    }
+}
+
+/// A record read from the registry, or `None` for a value that is not one (too long, not
+/// JSON of a record, or filed under a key other than its address's).
+fn parse_record(prefix: &str, key: &[u8], value: &[u8]) -> Option<ShardRecord> {
+    if value.len() > MAX_RECORD_BYTES {
+        tracing::warn!(
+            key = %String::from_utf8_lossy(key),
+            bytes = value.len(),
+            "registry entry too long; ignored"
+        );
+        return None;
+    }
+    match serde_json::from_slice::<ShardRecord>(value) {
+        Ok(r) if shard_key(prefix, &r.address).as_bytes() == key => Some(r),
+        Ok(r) => {
+            tracing::warn!(key = %String::from_utf8_lossy(key), address = %r.address, "registry entry filed under another address's key; ignored");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(key = %String::from_utf8_lossy(key), error = %e, "registry entry is not a shard record; ignored");
+            None
+        }
+    }
+}
+
+// ---- announcing -------------------------------------------------------------------------
+
+/// A shard's presence in the registry, kept by a background task.
+#[derive(Debug)]
+pub struct Announcer {
+    stop: watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    registered: watch::Receiver<bool>,
+}
+
+/// Dropped without [`Announcer::withdraw`], it stops keeping the lease, as a crashed process
+/// would: the record goes when the lease runs out.
+impl Drop for Announcer {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+impl Announcer {
+    /// Whether the record is in the registry under a live lease, as last known.
+    pub fn registered(&self) -> watch::Receiver<bool> {
+        self.registered.clone()
+    }
+
+    /// Takes the record out of the registry (key deleted, lease revoked), waiting at most
+    /// `within` for etcd; past that the lease expires on its own.
+    pub async fn withdraw(mut self, within: Duration) {
+        let _ = self.stop.send(true);
+        if let Some(t) = self.task.take() {
+            let _ = tokio::time::timeout(within, t).await;
+        }
+    }
+}
+
+/// Announces `record` under its address's key, bound to a lease of `ttl` kept alive, and
+/// re-announces each change of it (at most once a second). Lost connections and lost
+/// leases are recovered by announcing again with a new lease.
+pub fn announce(
+    endpoints: &str,
+    prefix: &str,
+    ttl: Duration,
+    record: watch::Receiver<ShardRecord>,
+) -> Result<Announcer, Error> {
+    let channel = channel(endpoints)?;
+    let (stop, stop_rx) = watch::channel(false);
+    let (registered_tx, registered) = watch::channel(false);
+    let prefix = prefix.to_string();
+    let task = tokio::spawn(async move {
+        let mut record = record;
+        let mut stop_rx = stop_rx;
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            let started = Instant::now();
+            let ended = keep_announced(
+                &channel,
+                &prefix,
+                ttl,
+                &mut record,
+                &mut stop_rx,
+                &registered_tx,
+            )
+            .await;
+            let _ = registered_tx.send(false);
+            match ended {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "registry: announcing again shortly");
+                }
+            }
+            if started.elapsed() > Duration::from_secs(10) {
+                backoff = Duration::from_millis(200);
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = stop_rx.changed() => return,
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    });
+    Ok(Announcer {
+        stop,
+        task: Some(task),
+        registered,
+    })
+}
+
+/// One lease's life: grant, put, keep alive and update until stopped (`Ok`) or until etcd or
+/// the lease is lost (`Err`).
+async fn keep_announced(
+    channel: &Channel,
+    prefix: &str,
+    ttl: Duration,
+    record: &mut watch::Receiver<ShardRecord>,
+    stop: &mut watch::Receiver<bool>,
+    registered: &watch::Sender<bool>,
+) -> Result<(), Error> {
+    if *stop.borrow() {
+        return Ok(());
+    }
+    let mut kv = KvClient::new(channel.clone());
+    let mut lease = LeaseClient::new(channel.clone());
+    let ttl_secs = ttl.as_secs().max(1) as i64;
+    let granted = call(lease.lease_grant(etcd::LeaseGrantRequest {
+        ttl: ttl_secs,
+        id: 0,
+    }))
+    .await?;
+    if !granted.error.is_empty() {
+        return Err(Error(format!("etcd refused a lease: {}", granted.error)));
+    }
+    let id = granted.id;
+    let current = record.borrow_and_update().clone();
+    let key = shard_key(prefix, &current.address);
+    let put = |kv: &mut KvClient<Channel>, r: &ShardRecord| {
+        let value = serde_json::to_vec(r).expect("a record serializes");
+        let mut kv = kv.clone();
+        let key = key.clone();
+        async move {
+            call(kv.put(etcd::PutRequest {
+                key: key.into_bytes(),
+                value,
+                lease: id,
+            }))
+            .await
+        }
+    };
+    put(&mut kv, &current).await?;
+    let _ = registered.send(true);
+    tracing::info!(key = %key, lease = id, ttl_secs, "registry: announced");
+    // etcd answers the stream's headers with its first reply, and replies only to requests:
+    // the first keep-alive goes in before the call is awaited.
+    let (tx, rx) = mpsc::channel(4);
+    tx.send(etcd::LeaseKeepAliveRequest { id })
+        .await
+        .map_err(|_| Error("the keep-alive stream closed".into()))?;
+    let mut replies = call(lease.lease_keep_alive(ReceiverStream::new(rx))).await?;
+    let mut keep = tokio::time::interval((ttl / 3).max(Duration::from_millis(200)));
+    keep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut update = tokio::time::interval(Duration::from_secs(1));
+    update.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_heard = Instant::now();
+    let mut dirty = false;
+    loop {
+        tokio::select! {
+            _ = keep.tick() => {
+                if last_heard.elapsed() > ttl {
+                    return Err(Error("etcd stopped answering keep-alives".into()));
+                }
+                if tx.send(etcd::LeaseKeepAliveRequest { id }).await.is_err() {
+                    return Err(Error("the keep-alive stream closed".into()));
+                }
+            }
+            reply = replies.message() => match reply {
+                Ok(Some(r)) if r.ttl > 0 => last_heard = Instant::now(),
+                Ok(Some(_)) => return Err(Error(format!("lease {id} expired"))),
+                Ok(None) => return Err(Error("the keep-alive stream ended".into())),
+                Err(s) => return Err(s.into()),
+            },
+            changed = record.changed() => {
+                if changed.is_err() {
+                    // The shard dropped its record: nothing more to say; stay until stopped.
+                    std::future::pending::<()>().await;
+                }
+                dirty = true;
+            }
+            _ = update.tick(), if dirty => {
+                dirty = false;
+                let now = record.borrow_and_update().clone();
+                put(&mut kv, &now).await?;
+            }
+            _ = stop.changed() => {
+                let _ = call(kv.delete_range(etcd::DeleteRangeRequest {
+                    key: key.clone().into_bytes(),
+                    range_end: Vec::new(),
+                }))
+                .await;
+                let _ = call(lease.lease_revoke(etcd::LeaseRevokeRequest { id })).await;
+                tracing::info!(key = %key, "registry: withdrawn");
+                return Ok(());
+            }
+        }
+    }
+}
+
+// ---- following ------------------------------------------------------------------------
+
+/// Follows the shards announced under `prefix`: the receiver always holds the membership as
+/// last seen. The task ends when every receiver is dropped.
+pub fn follow(endpoints: &str, prefix: &str) -> Result<watch::Receiver<Members>, Error> {
+    let channel = channel(endpoints)?;
+    let (tx, rx) = watch::channel(Members::default());
+    let prefix = prefix.to_string();
+    tokio::spawn(async move {
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            let started = Instant::now();
+            let e = follow_once(&channel, &prefix, &tx).await;
+            if tx.is_closed() {
+                return;
+            }
+            // Frozen: the last membership stays as it was.
+            tx.send_if_modified(|m| std::mem::replace(&mut m.connected, false));
+            tracing::warn!(error = %e, "registry: watch lost; membership frozen until etcd answers");
+            if started.elapsed() > Duration::from_secs(10) {
+                backoff = Duration::from_millis(200);
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    });
+    Ok(rx)
+}
+
+/// A snapshot and the watch that follows it, until something breaks.
+async fn follow_once(channel: &Channel, prefix: &str, tx: &watch::Sender<Members>) -> Error {
+    match follow_inner(channel, prefix, tx).await {
+        Ok(never) => match never {},
+        Err(e) => e,
+    }
+}
+
+enum Never {}
+
+async fn follow_inner(
+    channel: &Channel,
+    prefix: &str,
+    tx: &watch::Sender<Members>,
+) -> Result<Never, Error> {
+    let mut kv = KvClient::new(channel.clone());
+    let mut watcher = WatchClient::new(channel.clone());
+    let key = format!("{prefix}shards/").into_bytes();
+    let end = prefix_end(&key);
+    let snapshot = call(kv.range(etcd::RangeRequest {
+        key: key.clone(),
+        range_end: end.clone(),
+        limit: MAX_MEMBERS,
+        revision: 0,
+    }))
+    .await?;
+    let revision = snapshot.header.map_or(0, |h| h.revision);
+    let shards: BTreeMap<String, ShardRecord> = snapshot
+        .kvs
+        .iter()
+        .filter_map(|e| {
+            parse_record(prefix, &e.key, &e.value)
+                .map(|r| (String::from_utf8_lossy(&e.key).into_owned(), r))
+        })
+        .collect();
+    tx.send_replace(Members {
+        shards,
+        connected: true,
+        revision,
+    });
+    let (req_tx, req_rx) = mpsc::channel(1);
+    req_tx
+        .send(etcd::WatchRequest {
+            request_union: Some(etcd::watch_request::RequestUnion::CreateRequest(
+                etcd::WatchCreateRequest {
+                    key,
+                    range_end: end,
+                    start_revision: revision + 1,
+                    progress_notify: true,
+                },
+            )),
+        })
+        .await
+        .map_err(|_| Error("the watch stream closed".into()))?;
+    let mut events = call(watcher.watch(ReceiverStream::new(req_rx))).await?;
+    loop {
+        let Some(r) = events.message().await? else {
+            return Err(Error("the watch stream ended".into()));
+        };
+        if r.canceled || r.compact_revision > 0 {
+            return Err(Error(format!(
+                "the watch was canceled ({}); reading a fresh snapshot",
+                if r.cancel_reason.is_empty() {
+                    "compacted"
+                } else {
+                    &r.cancel_reason
+                }
+            )));
+        }
+        let revision = r.header.map_or(0, |h| h.revision);
+        tx.send_if_modified(|m| {
+            let before = m.clone();
+            for e in &r.events {
+                let Some(kv) = &e.kv else { continue };
+                let k = String::from_utf8_lossy(&kv.key).into_owned();
+                let put = e.r#type == etcd::event::EventType::Put as i32;
+                match put
+                    .then(|| parse_record(prefix, &kv.key, &kv.value))
+                    .flatten()
+                {
+                    Some(rec) => {
+                        m.shards.insert(k, rec);
+                    }
+                    None => {
+                        m.shards.remove(&k);
+                    }
+                }
+            }
+            m.revision = m.revision.max(revision);
+            *m != before
+        });
+        // Keep `req_tx` alive: dropping it would end the watch.
+        let _ = &req_tx;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prefix_range_ends_after_every_key_of_the_prefix() {
+        assert_eq!(prefix_end(b"/strata/shards/"), b"/strata/shards0".to_vec());
+        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+        assert_eq!(prefix_end(b"\xff\xff"), vec![0]);
+    }
+
+    #[test]
+    fn records_are_read_only_under_their_own_key_and_within_bounds() {
+        let r = ShardRecord {
+            address: "127.0.0.1:1".into(),
+            instance: "x".into(),
+            model: "m".into(),
+            digest: "d".into(),
+            layer_start: 0,
+            layer_end: 2,
+            n_layers: 2,
+            recipe: String::new(),
+            kv_budget_bytes: 1,
+            kv_free_bytes: 1,
+            max_sessions: 1,
+            sessions: 0,
+            draining: false,
+        };
+        let v = serde_json::to_vec(&r).unwrap();
+        let key = shard_key("/s/", "127.0.0.1:1");
+        assert_eq!(parse_record("/s/", key.as_bytes(), &v), Some(r.clone()));
+        // Filed under another address: ignored (it could not be validated as that address).
+        assert_eq!(parse_record("/s/", b"/s/shards/10.0.0.1:1", &v), None);
+        assert_eq!(parse_record("/s/", key.as_bytes(), b"{not json"), None);
+        let long = vec![b' '; MAX_RECORD_BYTES + 1];
+        assert_eq!(parse_record("/s/", key.as_bytes(), &long), None);
+    }
+
+    #[test]
+    fn https_endpoints_are_refused_by_name() {
+        let e = channel("https://10.0.0.1:2379").unwrap_err();
+        assert!(e.0.contains("https://10.0.0.1:2379"), "{e}");
+        assert!(channel(" , ").is_err());
+    }
+}

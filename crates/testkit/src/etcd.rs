@@ -1,0 +1,146 @@
+//! A real etcd for tests: one member on free 127.0.0.1 ports with a temporary data directory,
+//! killed (and its directory removed) when the handle drops. The binary is `ETCD_BIN`, else
+//! `etcd` on the PATH (Debian's `etcd-server`; `.ci/run` installs it).
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running (or stopped, to be restarted) etcd.
+pub struct Etcd {
+    child: Option<Child>,
+    dir: PathBuf,
+    client_port: u16,
+    peer_port: u16,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port on 127.0.0.1")
+        .port()
+}
+
+fn binary() -> PathBuf {
+    std::env::var_os("ETCD_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("etcd"))
+}
+
+impl Etcd {
+    /// Starts etcd and waits until it answers.
+    pub fn start() -> Etcd {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("strata-etcd-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("etcd data dir");
+        let mut e = Etcd {
+            child: None,
+            dir,
+            client_port: free_port(),
+            peer_port: free_port(),
+        };
+        e.restart();
+        e
+    }
+
+    /// `http://127.0.0.1:PORT`, what `--registry` takes.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// Kills etcd (SIGKILL), keeping its data for [`Etcd::restart`].
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts etcd again on the same ports and data (after [`Etcd::kill`]) and waits until it
+    /// answers.
+    pub fn restart(&mut self) {
+        self.kill();
+        let client = self.endpoint();
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let child = Command::new(binary())
+            .args([
+                "--name",
+                "strata-test",
+                "--data-dir",
+                &self.dir.join("data").display().to_string(),
+                "--listen-client-urls",
+                &client,
+                "--advertise-client-urls",
+                &client,
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+                "--initial-cluster",
+                &format!("strata-test={peer}"),
+            ])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(self.dir.join("etcd.log")).expect("etcd log"))
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "start etcd ({}): {e}; install Debian's etcd-server or set ETCD_BIN",
+                    binary().display()
+                )
+            });
+        self.child = Some(child);
+        let t0 = Instant::now();
+        let addr = format!("127.0.0.1:{}", self.client_port);
+        loop {
+            let r = client::request("GET", &addr, "/health", None, &[]);
+            if r.is_ok_and(|r| r.status == 200 && r.body.contains("true")) {
+                return;
+            }
+            if t0.elapsed() > Duration::from_secs(30) {
+                let log = std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default();
+                panic!("etcd did not answer within 30 s:\n{log}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The keys under `prefix` (through etcd's JSON gateway), for checks.
+    pub fn keys(&self, prefix: &str) -> Vec<String> {
+        use base64::Engine;
+        let b64 = |s: &[u8]| base64::engine::general_purpose::STANDARD.encode(s);
+        let unbase64 = |s: &str| {
+            base64::engine::general_purpose::STANDARD
+                .decode(s)
+                .ok()
+                .and_then(|b| String::from_utf8(b).ok())
+        };
+        let mut end = prefix.as_bytes().to_vec();
+        if let Some(last) = end.last_mut() {
+            *last += 1;
+        }
+        let body = serde_json::json!({"key": b64(prefix.as_bytes()), "range_end": b64(&end), "keys_only": true});
+        let addr = format!("127.0.0.1:{}", self.client_port);
+        let r =
+            client::request("POST", &addr, "/v3/kv/range", Some(&body), &[]).expect("etcd range");
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
+        v["kvs"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|kv| kv["key"].as_str().and_then(unbase64))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
