@@ -247,14 +247,18 @@ pub fn announce(
             )
             .await;
             let _ = registered_tx.send(false);
-            match ended {
+            let e = match ended {
                 Ok(()) => return,
-                Err(e) => {
-                    tracing::warn!(error = %e, "registry: announcing again shortly");
-                }
-            }
+                Err(e) => e,
+            };
+            // One warning per outage; the retries of the same one are debug.
             if started.elapsed() > Duration::from_secs(10) {
                 backoff = Duration::from_millis(200);
+            }
+            if backoff == Duration::from_millis(200) {
+                tracing::warn!(error = %e, "registry: announcing again shortly");
+            } else {
+                tracing::debug!(error = %e, "registry: announcing again shortly");
             }
             tokio::select! {
                 _ = tokio::time::sleep(backoff) => {}
@@ -384,9 +388,13 @@ pub fn follow(endpoints: &str, prefix: &str) -> Result<watch::Receiver<Members>,
             if tx.is_closed() {
                 return;
             }
-            // Frozen: the last membership stays as it was.
-            tx.send_if_modified(|m| std::mem::replace(&mut m.connected, false));
-            tracing::warn!(error = %e, "registry: watch lost; membership frozen until etcd answers");
+            // Frozen: the last membership stays as it was. One warning per outage.
+            let was_connected = tx.send_if_modified(|m| std::mem::replace(&mut m.connected, false));
+            if was_connected {
+                tracing::warn!(error = %e, "registry: watch lost; membership frozen until etcd answers");
+            } else {
+                tracing::debug!(error = %e, "registry: etcd still away");
+            }
             if started.elapsed() > Duration::from_secs(10) {
                 backoff = Duration::from_millis(200);
             }

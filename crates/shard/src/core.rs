@@ -176,6 +176,9 @@ pub struct ShardCore {
     stopped: watch::Sender<Option<ComputeStopped>>,
     /// Set when the process is shutting down: route streams end with a typed failure.
     shutdown: watch::Sender<bool>,
+    /// Set when the shard is draining (going away): it reports so in its stats, and trackers
+    /// give it no new sessions while its sessions finish or move.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for ShardCore {
@@ -328,7 +331,17 @@ impl ShardCore {
             reply_sinks: Default::default(),
             stopped,
             shutdown,
+            draining: std::sync::atomic::AtomicBool::new(false),
         }))
+    }
+
+    /// Starts draining: no new sessions from now on (trackers read it in the stats).
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
     }
 
     pub fn is_first(&self) -> bool {
@@ -440,6 +453,7 @@ impl ShardCore {
             early_steps_used: c.early_steps_used.load(Ordering::Relaxed),
             early_steps_discarded: c.early_steps_discarded.load(Ordering::Relaxed),
             kernel_thread_moves: c.kernel_thread_moves.load(Ordering::Relaxed),
+            draining: self.is_draining(),
         }
     }
 }

@@ -40,6 +40,33 @@ pub struct ShardArgs {
     tls_ca: Option<PathBuf>,
     #[command(flatten)]
     limits: ShardLimits,
+    #[command(flatten)]
+    membership: ShardMembership,
+}
+
+/// How a shard joins a registry and leaves.
+#[derive(Args, Clone)]
+pub struct ShardMembership {
+    /// etcd endpoints (`http://host:port`, comma separated): the shard announces itself there
+    /// under a lease it keeps alive, and trackers on the same registry build routes from it.
+    #[arg(long, env = "STRATA_REGISTRY")]
+    registry: Option<String>,
+    /// Key prefix of this cluster in the registry (several clusters may share one etcd).
+    #[arg(long, default_value = "/strata/")]
+    registry_prefix: String,
+    /// Seconds the shard's lease lives without a keep-alive: how long a lost shard stays
+    /// announced.
+    #[arg(long, default_value_t = 3)]
+    registry_ttl_s: u64,
+    /// The address trackers reach this shard on, as announced (default: the listen address;
+    /// needed when listening on 0.0.0.0).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// On SIGTERM or Ctrl-C the shard drains: it leaves the registry, says so to trackers
+    /// (which give it no new sessions and move its sessions to other routes where they can),
+    /// and exits once it holds no session or after this many milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    drain_timeout_ms: u64,
 }
 
 /// Per-shard limits shared by `shard` and `serve`.
@@ -148,6 +175,13 @@ pub struct TrackerArgs {
     /// CA certificate (PEM) the shards' certificates must chain to: shard links are then TLS.
     #[arg(long)]
     tls_ca: Option<PathBuf>,
+    /// etcd endpoints (`http://host:port`, comma separated): routes are built from the shards
+    /// announced there, as they join and leave (besides any `--shards` or `--route`).
+    #[arg(long, env = "STRATA_REGISTRY")]
+    registry: Option<String>,
+    /// Key prefix of this cluster in the registry.
+    #[arg(long, default_value = "/strata/")]
+    registry_prefix: String,
     #[command(flatten)]
     route: RouteArgs,
     #[command(flatten)]
@@ -494,20 +528,130 @@ pub fn shard(a: ShardArgs) -> Result<()> {
                 "strata shard: warning: listening on {local} without TLS: the cluster token and every activation cross the network in clear (give --tls-cert and --tls-key)"
             );
         }
-        let addr = local.to_string();
+        let addr = match &a.membership.advertise {
+            Some(adv) => adv.clone(),
+            None if local.ip().is_unspecified() && a.membership.registry.is_some() => bail!(
+                "listening on {local}: give `--advertise HOST:PORT`, the address trackers reach this shard on"
+            ),
+            None => local.to_string(),
+        };
         let config = shard::ShardConfig {
             tls_identity,
             ..shard_config(&a.model, Some(layers), &a.limits, addr.clone(), link)
         };
         let core = tokio::task::spawn_blocking(move || shard::ShardCore::load(config)).await??;
+        let announcer = match &a.membership.registry {
+            Some(endpoints) => Some(announce(&core, endpoints, &a.membership)?),
+            None => None,
+        };
         println!(
             "strata shard listening on {addr} layers {}..{}",
             core.info.layer_start, core.info.layer_end
         );
         std::io::stdout().flush()?;
-        shard::serve(core, listener, shutdown_signal()).await?;
+        let drain = drain(
+            Arc::clone(&core),
+            announcer,
+            Duration::from_millis(a.membership.drain_timeout_ms),
+        );
+        shard::serve(core, listener, drain).await?;
         Ok(())
     })
+}
+
+/// The shard's record in the registry, from what it loaded and its live counters.
+fn shard_record(core: &shard::ShardCore, instance: &str) -> registry::ShardRecord {
+    let info = &core.info;
+    let stats = core.stats();
+    let recipe = info.recipe.as_ref().map_or_else(String::new, |r| {
+        format!("block {} kv {} ctx {}", r.block_size, r.kv_dtype, r.n_ctx)
+    });
+    let budgets = info.budgets.unwrap_or_default();
+    registry::ShardRecord {
+        address: info.listen.clone(),
+        instance: instance.to_string(),
+        model: info.model_name.clone(),
+        digest: info.model_digest.clone(),
+        layer_start: info.layer_start,
+        layer_end: info.layer_end,
+        n_layers: info.n_layers,
+        recipe,
+        kv_budget_bytes: stats.kv_bytes_budget,
+        kv_free_bytes: stats.kv_bytes_budget.saturating_sub(stats.kv_bytes_in_use),
+        max_sessions: budgets.max_sessions,
+        sessions: stats.sessions,
+        draining: stats.draining,
+    }
+}
+
+/// Announces the shard in the registry and keeps its record's load figures current.
+fn announce(
+    core: &Arc<shard::ShardCore>,
+    endpoints: &str,
+    m: &ShardMembership,
+) -> Result<registry::Announcer> {
+    // A restart on the same address is a new member: trackers rebuild its routes.
+    let instance = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
+    let (tx, rx) = tokio::sync::watch::channel(shard_record(core, &instance));
+    let announcer = registry::announce(
+        endpoints,
+        &m.registry_prefix,
+        Duration::from_secs(m.registry_ttl_s.max(1)),
+        rx,
+    )
+    .map_err(|e| anyhow!("{e}"))?;
+    let weak = Arc::downgrade(core);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            let Some(core) = weak.upgrade() else { return };
+            let now = shard_record(&core, &instance);
+            tx.send_if_modified(|r| std::mem::replace(r, now) != *r);
+        }
+    });
+    Ok(announcer)
+}
+
+/// Resolves when the shard may stop: after a signal, once it has drained (withdrawn from
+/// the registry, no session left) or `timeout` after the signal.
+async fn drain(
+    core: Arc<shard::ShardCore>,
+    announcer: Option<registry::Announcer>,
+    timeout: Duration,
+) {
+    shutdown_signal().await;
+    let t0 = std::time::Instant::now();
+    core.drain();
+    if let Some(a) = announcer {
+        a.withdraw(Duration::from_secs(2)).await;
+    }
+    eprintln!(
+        "strata shard: draining ({} sessions, at most {} ms)",
+        core.stats().sessions,
+        timeout.as_millis()
+    );
+    let drained = async {
+        while core.stats().sessions > 0 && t0.elapsed() < timeout {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    // A second signal stops it at once.
+    tokio::select! {
+        _ = drained => {}
+        _ = shutdown_signal() => {}
+    }
+    eprintln!(
+        "strata shard: drained in {} ms, {} sessions left",
+        t0.elapsed().as_millis(),
+        core.stats().sessions
+    );
 }
 
 /// Starts the tracker on `routes` and serves the API on `listen` until a signal or
@@ -569,8 +713,18 @@ pub async fn run_tracker(
 
 pub fn tracker(a: TrackerArgs) -> Result<()> {
     let token = read_token(&a.cluster_token_file)?;
-    let config = tracker_config(&a.route, &a.api)?;
     let link = link(token, a.tls_ca.as_deref())?;
+    let config = tracker::TrackerConfig {
+        registry: a
+            .registry
+            .as_ref()
+            .map(|endpoints| tracker::RegistryConfig {
+                endpoints: endpoints.clone(),
+                prefix: a.registry_prefix.clone(),
+                link: link.clone(),
+            }),
+        ..tracker_config(&a.route, &a.api)?
+    };
     let mut named: Vec<(String, Vec<String>)> = Vec::new();
     if !a.shards.is_empty() {
         named.push(("default".into(), a.shards.clone()));
@@ -584,8 +738,8 @@ pub fn tracker(a: TrackerArgs) -> Result<()> {
         }
         named.push((name.into(), addrs.split(',').map(str::to_string).collect()));
     }
-    if named.is_empty() {
-        bail!("give the shards of at least one route: `--shards A,B` or `--route NAME=A,B`");
+    if named.is_empty() && a.registry.is_none() {
+        bail!("give the shards of at least one route (`--shards A,B` or `--route NAME=A,B`) or a registry to build routes from (`--registry http://HOST:2379`)");
     }
     for (name, addrs) in &named {
         if let Some(twice) = addrs

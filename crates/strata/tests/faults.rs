@@ -364,8 +364,11 @@ fn after_a_shard_restart_while_idle_health_is_ok_only_once_requests_succeed() {
     let _keep: Vec<Proc> = vec![a, b];
 }
 
+/// SIGTERM drains a shard: a stream in progress goes on (no replica to move to, so it would
+/// finish there), the route takes no new request (typed `draining`), and a second SIGTERM
+/// stops the shard at once: the stream then ends with a typed failure naming it.
 #[test]
-fn a_shard_sent_sigterm_while_a_tracker_holds_its_route_exits() {
+fn a_shard_sent_sigterm_drains_and_a_second_sigterm_stops_it() {
     const SIGTERM: i32 = 15;
     let TwoShards {
         a, mut b, tracker, ..
@@ -373,13 +376,41 @@ fn a_shard_sent_sigterm_while_a_tracker_holds_its_route_exits() {
     let b_addr = b.addr.clone();
     let addr = tracker.addr.clone();
     assert_eq!(greedy(&addr, "The capital of France is", 4).0, 200);
-    // A stream in progress when the signal comes ends with a typed failure naming the shard.
-    let (last, _) = stream_through_fault(&addr, || b.signal(SIGTERM));
-    assert_shard_failed(&last, &b_addr);
+    let mut s = SseStream::open(&addr, "/v1/completions", &json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": true, "ignore_eos": true})).unwrap();
+    for _ in 0..3 {
+        s.next_data().expect("tokens before the signal");
+    }
+    b.signal(SIGTERM);
+    // Draining: tokens keep coming, and the shard says so.
+    let t = Instant::now();
+    let mut during = 0;
+    while t.elapsed() < Duration::from_millis(1500) {
+        let d = s
+            .next_data()
+            .expect("the stream goes on while the shard drains");
+        assert!(!d.contains("\"error\""), "{d}");
+        during += 1;
+    }
+    assert!(during > 10, "only {during} tokens while draining");
+    assert!(!b.exited(), "a draining shard with a session exited");
+    assert_eq!(shard_status(&addr, &b_addr), "draining");
+    let (status, body) = greedy(&addr, "The capital of France is", 4);
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["reason"], "draining", "{body}");
+    // The second signal stops it.
+    b.signal(SIGTERM);
+    let mut last = String::new();
+    while let Some(d) = s.next_data() {
+        last = d;
+    }
+    assert_shard_failed(&serde_json::from_str(&last).unwrap_or(Value::Null), &b_addr);
     let exited = wait_until(Duration::from_secs(10), || b.exited());
-    assert!(exited.is_some(), "the shard did not exit after SIGTERM");
+    assert!(
+        exited.is_some(),
+        "the shard did not exit after a second SIGTERM"
+    );
     eprintln!(
-        "SIGTERM: the shard exited {:?} after the stream ended",
+        "SIGTERM: {during} tokens streamed in 1.5 s of draining; the second stopped it {:?} after the stream ended",
         exited.unwrap()
     );
     drop(tracker);

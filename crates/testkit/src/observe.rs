@@ -12,15 +12,19 @@ pub fn tracker_metric(addr: &str, name: &str) -> f64 {
         .sum()
 }
 
-/// A shard metric (labelled with the shard's address) summed over its series.
-pub fn shard_metric(addr: &str, name: &str, shard: &str) -> f64 {
-    let label = format!("shard=\"{shard}\"");
+/// A tracker metric summed over the series whose labels contain `label` (`key="value"`).
+pub fn tracker_metric_with(addr: &str, name: &str, label: &str) -> f64 {
     get(addr, "/metrics")
         .body
         .lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(&label))
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
         .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
         .sum()
+}
+
+/// A shard metric (labelled with the shard's address) summed over its series.
+pub fn shard_metric(addr: &str, name: &str, shard: &str) -> f64 {
+    tracker_metric_with(addr, name, &format!("shard=\"{shard}\""))
 }
 
 /// A numeric field of one shard's entry in `/health` (`None` when the shard or field is

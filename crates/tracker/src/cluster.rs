@@ -47,6 +47,20 @@ impl Health {
         !self.shards.is_empty() && self.shards.iter().all(|s| s.up)
     }
 
+    /// Shards going away (SIGTERM): they take no new sessions.
+    pub fn draining(&self) -> Vec<String> {
+        self.shards
+            .iter()
+            .filter(|s| s.stats.as_ref().is_some_and(|st| st.draining))
+            .map(|s| s.address.clone())
+            .collect()
+    }
+
+    /// Every shard up and none draining: the route takes new sessions.
+    pub fn serving(&self) -> bool {
+        self.all_up() && self.draining().is_empty()
+    }
+
     /// The first shard that answers as something other than what the route was validated
     /// with, said as a refusal message.
     pub fn mismatched(&self) -> Option<String> {

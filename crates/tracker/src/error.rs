@@ -121,6 +121,17 @@ impl ApiError {
     }
 
     /// A model no route of this tracker holds: refused, never loaded on demand.
+    /// No route serves the model now (none joined yet, or all left): retryable, since shards
+    /// join a registry at any time.
+    pub fn no_route(message: impl Into<String>) -> Self {
+        Self::new(503, "no_route", message).retry_in(1)
+    }
+
+    /// A shard is draining (going away): it takes no new session; another route may.
+    pub fn draining(message: impl Into<String>) -> Self {
+        Self::new(503, "draining", message).retry_in(1)
+    }
+
     pub fn not_resident(requested: &str, resident: &str) -> Self {
         Self::new(404, "not_resident", format!(
             "model `{requested}` is not resident on any route of this tracker (resident: {resident}); models are loaded only when their shards start"

@@ -3,63 +3,54 @@
 //! and what it may still generate), which replays the session's known tokens and continues.
 //! The client's stream goes on with no error and no token lost or repeated. A session no route
 //! takes within `wait` fails with the route's own error, as it would have without a replica.
+//! The routes are read from the route table at every try, so a route that joined meanwhile
+//! (a shard announced in the registry) takes sessions too.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot};
 
+use crate::http::RouteHandle;
 use crate::ledger::Ledger;
 use crate::runner::{Command, Moved};
+use crate::table::RouteTable;
 
-/// A route sessions may move to.
-#[derive(Clone)]
-pub struct Target {
-    pub digest: String,
-    pub name: String,
-    pub commands: mpsc::Sender<Command>,
-    pub up: watch::Receiver<bool>,
-    /// An operator evicted the model from it: it takes no sessions.
-    pub evicted: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Target {
-    fn takes_work(&self) -> bool {
-        *self.up.borrow() && !self.evicted.load(std::sync::atomic::Ordering::Acquire)
-    }
+fn takes_work(r: &RouteHandle) -> bool {
+    *r.up.borrow() && r.resident()
 }
 
 /// Places every moved session, each on its own task.
 pub async fn dispatch(
     mut moved: mpsc::UnboundedReceiver<Box<Moved>>,
-    targets: Arc<Vec<Target>>,
+    table: Arc<RouteTable>,
     ledger: Option<Arc<Ledger>>,
     wait: Duration,
 ) {
     while let Some(m) = moved.recv().await {
-        tokio::spawn(place(m, Arc::clone(&targets), ledger.clone(), wait));
+        tokio::spawn(place(m, Arc::clone(&table), ledger.clone(), wait));
     }
 }
 
 async fn place(
     mut m: Box<Moved>,
-    targets: Arc<Vec<Target>>,
+    table: Arc<RouteTable>,
     ledger: Option<Arc<Ledger>>,
     wait: Duration,
 ) {
     let deadline = Instant::now() + wait;
-    // The other routes of the model first; the one it left too, once it is back.
-    let mut others: Vec<&Target> = targets.iter().filter(|t| t.digest == m.digest).collect();
-    others.sort_by_key(|t| t.name == m.from);
-    let replicas = others.iter().filter(|t| t.name != m.from).count();
     loop {
         if m.abandoned() {
             m.fail(ledger.as_deref());
             return;
         }
-        for t in others.iter().filter(|t| t.takes_work()) {
+        // The other routes of the model first; the one it left too, once it is back.
+        let mut routes = table.routes_of(&m.digest);
+        routes.sort_by_key(|r| r.name == m.from);
+        let replicas = routes.iter().filter(|r| r.name != m.from).count();
+        for r in routes.iter().filter(|r| takes_work(r)) {
             let (tx, rx) = oneshot::channel();
-            if let Err(e) = t
+            if let Err(e) = r
                 .commands
                 .send(Command::Resume {
                     moved: m,

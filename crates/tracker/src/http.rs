@@ -26,8 +26,9 @@ use engine::Priority;
 
 /// What the handlers share (all immutable or internally synchronized).
 pub struct AppState {
-    /// The resident models, each with the routes (nodes) that hold it.
-    pub models: Vec<ModelEntry>,
+    /// The resident models, each with the routes (nodes) that hold it; routes join and leave
+    /// while the tracker runs when it follows a registry.
+    pub table: Arc<crate::table::RouteTable>,
     pub metrics: Arc<Metrics>,
     /// `max_tokens` when a chat request gives none.
     pub default_chat_max_tokens: usize,
@@ -48,6 +49,7 @@ pub struct AppState {
 }
 
 /// One resident model: its tokenizer and the routes whose shards hold it.
+#[derive(Clone)]
 pub struct ModelEntry {
     pub id: String,
     pub digest: String,
@@ -58,7 +60,7 @@ pub struct ModelEntry {
     /// The vocabulary request grammars are checked against before they are queued.
     pub grammars: Arc<constrain::LazyVocabulary>,
     pub template: Option<Arc<ChatTemplate>>,
-    pub routes: Vec<RouteHandle>,
+    pub routes: Vec<Arc<RouteHandle>>,
 }
 
 /// One route's scheduling loop.
@@ -88,23 +90,34 @@ impl RouteHandle {
 
 impl ModelEntry {
     pub fn resident(&self) -> bool {
-        self.routes.iter().any(RouteHandle::resident)
+        self.routes.iter().any(|r| r.resident())
     }
 }
 
 impl AppState {
     /// The model a request names (or the only one, when it names none). A model no route
-    /// holds is refused as `not_resident`: nothing is ever loaded to answer a request.
-    pub fn model(&self, requested: Option<&str>) -> Result<&ModelEntry, ApiError> {
+    /// holds is refused as `not_resident`: nothing is ever loaded to answer a request. With
+    /// no route at all (none joined yet, or the model's routes all left), the refusal is a
+    /// retryable `no_route`.
+    pub fn model(&self, requested: Option<&str>) -> Result<Arc<ModelEntry>, ApiError> {
+        let models = self.table.models();
+        let resident: Vec<&Arc<ModelEntry>> = models.iter().filter(|m| m.resident()).collect();
+        let no_route = |what: &str| {
+            ApiError::no_route(format!(
+                "no route serves {what} now; shards join the registry at any time, retry shortly"
+            ))
+        };
         match requested {
-            Some(m) => self
-                .models
-                .iter()
-                .find(|e| (e.id == m || e.digest == m) && e.resident())
-                .ok_or_else(|| ApiError::not_resident(m, &self.residency())),
-            None if self.models.iter().filter(|m| m.resident()).count() == 1 => {
-                Ok(self.models.iter().find(|m| m.resident()).expect("counted"))
-            }
+            Some(m) => match resident.iter().find(|e| e.id == m || e.digest == m) {
+                Some(e) => Ok(Arc::clone(e)),
+                None if resident.is_empty() => Err(no_route(&format!("`{m}`"))),
+                None if models.iter().any(|e| e.id == m || e.digest == m) => {
+                    Err(no_route(&format!("`{m}`")))
+                }
+                None => Err(ApiError::not_resident(m, &self.residency())),
+            },
+            None if resident.len() == 1 => Ok(Arc::clone(resident[0])),
+            None if resident.is_empty() => Err(no_route("any model")),
             None => Err(ApiError::invalid(
                 "model",
                 format!(
@@ -117,7 +130,8 @@ impl AppState {
 
     /// "model on route, route; model on route" for messages.
     pub fn residency(&self) -> String {
-        self.models
+        self.table
+            .models()
             .iter()
             .filter(|m| m.resident())
             .map(|m| {
@@ -542,9 +556,9 @@ async fn admit(
     record.model = model.id.clone();
     let key = s.key(headers)?;
     let n_ctx = model.n_ctx;
-    check_against_model(model, &req)?;
+    check_against_model(&model, &req)?;
     let tools = req.tools.clone().filter(|t| t.active());
-    let grammar = request_grammar(s, model, &req).await?;
+    let grammar = request_grammar(s, &model, &req).await?;
     let echo = match (&req.prompt, req.echo) {
         (_, false) => None,
         (PromptInput::Text(t), true) => Some(t.clone()),
@@ -569,7 +583,7 @@ async fn admit(
         None => {
             tokenize(
                 s,
-                model,
+                &model,
                 prompt,
                 tools.as_ref().map(|t| t.json.clone()),
                 n_ctx,
@@ -643,7 +657,7 @@ async fn admit(
             _ => None,
         };
         let ledger_row = job_i.ledger_row;
-        match submit(model, job_i).await {
+        match submit(&model, job_i).await {
             Ok((route, id, events)) => {
                 let mut c = Choice {
                     events,
@@ -686,24 +700,24 @@ async fn submit(
     job: Job,
 ) -> Result<
     (
-        &RouteHandle,
+        Arc<RouteHandle>,
         engine::SessionId,
         mpsc::UnboundedReceiver<SessionEvent>,
     ),
     ApiError,
 > {
     use std::sync::atomic::Ordering::Relaxed;
-    let mut last = ApiError::unavailable("the model has no route");
+    let mut last = ApiError::no_route("the model has no route now; retry shortly");
     // The least loaded route first (sessions held and requests on their way); the others in
     // turn when it refuses for capacity.
-    let mut routes: Vec<&RouteHandle> = model.routes.iter().filter(|r| r.resident()).collect();
+    let mut routes: Vec<&Arc<RouteHandle>> = model.routes.iter().filter(|r| r.resident()).collect();
     routes.sort_by_key(|r| r.load.load(Relaxed) + r.submitting.load(Relaxed));
     for route in routes {
         route.submitting.fetch_add(1, Relaxed);
         let answer = offer(route, &job).await;
         route.submitting.fetch_sub(1, Relaxed);
         match answer {
-            Ok((id, events)) => return Ok((route, id, events)),
+            Ok((id, events)) => return Ok((Arc::clone(route), id, events)),
             Err(e) if e.status == 503 => last = e,
             Err(e) => return Err(e),
         }

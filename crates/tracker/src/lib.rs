@@ -12,6 +12,7 @@ mod error;
 mod failover;
 mod http;
 pub mod ledger;
+mod membership;
 mod metrics;
 mod ops;
 mod record;
@@ -19,6 +20,7 @@ mod request;
 mod respond;
 mod runner;
 mod server;
+mod table;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,6 +63,17 @@ pub struct TrackerConfig {
     /// How long a session a failed route lost may wait for another route of its model to take
     /// it before it fails with the route's error.
     pub failover_wait: Duration,
+    /// The registry whose shards this tracker builds routes from, besides its static routes.
+    pub registry: Option<RegistryConfig>,
+}
+
+/// Following a registry: where it is, this cluster's prefix in it, and how to reach the shards
+/// it announces.
+#[derive(Debug, Clone)]
+pub struct RegistryConfig {
+    pub endpoints: String,
+    pub prefix: String,
+    pub link: proto::Link,
 }
 
 impl Default for TrackerConfig {
@@ -82,6 +95,7 @@ impl Default for TrackerConfig {
             api_key: None,
             public_metrics: false,
             failover_wait: Duration::from_secs(3),
+            registry: None,
         }
     }
 }
@@ -93,7 +107,8 @@ pub struct Tracker {
 
 impl std::fmt::Debug for Tracker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let ids: Vec<&str> = self.state.models.iter().map(|m| m.id.as_str()).collect();
+        let models = self.state.table.models();
+        let ids: Vec<&str> = models.iter().map(|m| m.id.as_str()).collect();
         write!(f, "Tracker({})", ids.join(", "))
     }
 }
@@ -118,105 +133,51 @@ impl Tracker {
     /// recipes), groups the routes by the model they hold (residency is per route: a model is
     /// served only by the routes whose shards hold it), builds each model's tokenizer from its
     /// first shard's vocabulary and starts one scheduling loop per route. The error says which
-    /// route, shard and range is wrong.
+    /// route, shard and range is wrong. With a registry, routes may also be none at start:
+    /// they are built from the shards announced there as they come and go.
     pub async fn start(config: TrackerConfig, routes: Vec<RouteSpec>) -> Result<Tracker, String> {
-        if routes.is_empty() {
+        if routes.is_empty() && config.registry.is_none() {
             return Err("no route given".into());
         }
         let metrics = Arc::new(Metrics::default());
         metrics::declare(&metrics);
-        let mut models: Vec<http::ModelEntry> = Vec::new();
+        let members = match &config.registry {
+            Some(r) => Some(
+                registry::follow(&r.endpoints, &r.prefix)
+                    .map_err(|e| format!("the registry: {e}"))?,
+            ),
+            None => None,
+        };
+        let table = Arc::new(table::RouteTable::new(members.clone()));
         // Sessions of a failed route go to another route of their model (none: they fail).
         let (moved_tx, moved_rx) = mpsc::unbounded_channel();
-        for spec in routes {
-            let cluster = Arc::new(
-                Cluster::connect(spec.shards, config.startup_wait)
-                    .await
-                    .map_err(|e| format!("route {}: {e}", spec.name))?,
-            );
-            if let Some(m) = models.iter_mut().find(|m| m.digest == cluster.model_digest) {
-                let tokenizer = Arc::clone(&m.tokenizer);
-                let handle = start_route(
-                    &config,
-                    &spec.name,
-                    Arc::clone(&cluster),
-                    tokenizer,
-                    &metrics,
-                    moved_tx.clone(),
-                )
-                .await?;
-                m.n_ctx = m.n_ctx.min(cluster.n_ctx);
-                m.routes.push(handle);
-            } else {
-                if models.iter().any(|m| m.id == cluster.model_name) {
-                    return Err(format!(
-                        "route {}: another model with a different digest is also named `{}`",
-                        spec.name, cluster.model_name
-                    ));
-                }
-                let vocab = cluster.shards[0]
-                    .vocab()
-                    .await
-                    .map_err(|e| format!("fetching the vocabulary: {}", e.message()))?;
-                let vocab = gguf::GgufFile::from_bytes(vocab.gguf)
-                    .map_err(|e| format!("the vocabulary is not valid GGUF: {e}"))?;
-                let tokenizer =
-                    Arc::new(Tokenizer::from_header(vocab.header()).map_err(|e| e.to_string())?);
-                let template = ChatTemplate::from_header(vocab.header(), &tokenizer)
-                    .map_err(|e| e.to_string())?
-                    .map(Arc::new);
-                let handle = start_route(
-                    &config,
-                    &spec.name,
-                    Arc::clone(&cluster),
-                    Arc::clone(&tokenizer),
-                    &metrics,
-                    moved_tx.clone(),
-                )
-                .await?;
-                // Request grammars are compiled here first, so a schema llguidance cannot
-                // take is a 400 before anything is queued; built in the background now.
-                let grammars = constrain::LazyVocabulary::new(Arc::clone(&tokenizer));
-                grammars.warm();
-                models.push(http::ModelEntry {
-                    id: cluster.model_name.clone(),
-                    digest: cluster.model_digest.clone(),
-                    n_layers: cluster.n_layers,
-                    n_ctx: cluster.n_ctx,
-                    tokenizer,
-                    grammars,
-                    template,
-                    routes: vec![handle],
-                });
-            }
-            metrics.set(
-                "strata_model_resident",
-                &[("model", &cluster.model_name), ("route", &spec.name)],
-                1.0,
-            );
-        }
-        let targets: Vec<failover::Target> = models
-            .iter()
-            .flat_map(|m| {
-                m.routes.iter().map(|r| failover::Target {
-                    digest: m.digest.clone(),
-                    name: r.name.clone(),
-                    commands: r.commands.clone(),
-                    up: r.up.clone(),
-                    evicted: Arc::clone(&r.evicted),
-                })
-            })
-            .collect();
-        drop(moved_tx);
         tokio::spawn(failover::dispatch(
             moved_rx,
-            Arc::new(targets),
+            Arc::clone(&table),
             config.ledger.clone(),
             config.failover_wait,
         ));
+        let starter = Arc::new(RouteStarter {
+            config: config.clone(),
+            metrics: Arc::clone(&metrics),
+            moved: moved_tx,
+            table: Arc::clone(&table),
+        });
+        for spec in routes {
+            starter
+                .add(&spec.name, spec.shards, config.startup_wait)
+                .await?;
+        }
+        if let (Some(members), Some(r)) = (members, &config.registry) {
+            tokio::spawn(membership::follow(
+                Arc::clone(&starter),
+                members,
+                r.link.clone(),
+            ));
+        }
         let n_cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let state = Arc::new(http::AppState {
-            models,
+            table,
             metrics,
             default_chat_max_tokens: config.default_chat_max_tokens,
             ledger: config.ledger,
@@ -239,7 +200,7 @@ impl Tracker {
     /// Every route: its name, model, and shards in layer order with their ranges.
     pub fn routes(&self) -> Vec<RouteSummary> {
         let mut out = Vec::new();
-        for m in &self.state.models {
+        for m in self.state.table.models().iter() {
             for r in &m.routes {
                 let shards = r
                     .cluster
@@ -266,6 +227,120 @@ impl Tracker {
         let config = self.state.http.clone();
         server::serve(listener, http::router(self.state), config, shutdown).await
     }
+}
+
+/// Starts routes and puts them in the table: the static ones at start, the registry's as
+/// their shards come.
+pub(crate) struct RouteStarter {
+    config: TrackerConfig,
+    metrics: Arc<Metrics>,
+    moved: mpsc::UnboundedSender<Box<runner::Moved>>,
+    pub(crate) table: Arc<table::RouteTable>,
+}
+
+impl RouteStarter {
+    /// Connects to the shards (waiting at most `wait` for them), validates the route, learns
+    /// its model when it is new (tokenizer and template from the first shard's vocabulary),
+    /// starts its loop and, once it is open, adds it to the table.
+    pub(crate) async fn add(
+        &self,
+        name: &str,
+        shards: Vec<Arc<dyn ShardTransport>>,
+        wait: Duration,
+    ) -> Result<(), String> {
+        let config = &self.config;
+        let cluster = Arc::new(
+            Cluster::connect(shards, wait)
+                .await
+                .map_err(|e| format!("route {name}: {e}"))?,
+        );
+        let entry = match self.table.model(&cluster.model_digest) {
+            Some(m) => m.as_ref().clone(),
+            None => {
+                if self
+                    .table
+                    .models()
+                    .iter()
+                    .any(|m| m.id == cluster.model_name)
+                {
+                    return Err(format!(
+                        "route {name}: another model with a different digest is also named `{}`",
+                        cluster.model_name
+                    ));
+                }
+                model_entry(&cluster).await?
+            }
+        };
+        let handle = start_route(
+            config,
+            name,
+            Arc::clone(&cluster),
+            Arc::clone(&entry.tokenizer),
+            &self.metrics,
+            self.moved.clone(),
+            wait,
+        )
+        .await?;
+        self.metrics.set(
+            "strata_model_resident",
+            &[("model", &cluster.model_name), ("route", name)],
+            1.0,
+        );
+        self.table.add_route(&entry, Arc::new(handle));
+        Ok(())
+    }
+
+    /// Takes a route out of the table and retires its loop: its sessions move to another
+    /// route of the model when one takes work, else finish where they are.
+    pub(crate) async fn retire(&self, name: &str) {
+        let Some(route) = self.table.remove_route(name) else {
+            return;
+        };
+        let move_sessions = self
+            .table
+            .routes_of(&route.cluster.model_digest)
+            .iter()
+            .any(|r| *r.up.borrow() && r.resident());
+        self.metrics.set(
+            "strata_model_resident",
+            &[("model", &route.cluster.model_name), ("route", name)],
+            0.0,
+        );
+        let _ = route
+            .commands
+            .send(runner::Command::Retire { move_sessions })
+            .await;
+    }
+}
+
+/// A model the tracker meets for the first time: its tokenizer and template from the first
+/// shard's vocabulary, and the vocabulary request grammars are checked against (built in the
+/// background now).
+async fn model_entry(cluster: &Cluster) -> Result<http::ModelEntry, String> {
+    let vocab = cluster.shards[0]
+        .vocab()
+        .await
+        .map_err(|e| format!("fetching the vocabulary: {}", e.message()))?;
+    let vocab = gguf::GgufFile::from_bytes(vocab.gguf)
+        .map_err(|e| format!("the vocabulary is not valid GGUF: {e}"))?;
+    let tokenizer = Arc::new(Tokenizer::from_header(vocab.header()).map_err(|e| e.to_string())?);
+    let template = ChatTemplate::from_header(vocab.header(), &tokenizer)
+        .map_err(|e| e.to_string())?
+        .map(Arc::new);
+    // Request grammars are compiled here first, so a schema llguidance cannot take is a 400
+    // before anything is queued.
+    let grammars = constrain::LazyVocabulary::new(Arc::clone(&tokenizer));
+    grammars.warm();
+    Ok(http::ModelEntry {
+        id: cluster.model_name.clone(),
+        digest: cluster.model_digest.clone(),
+        n_layers: cluster.n_layers,
+        n_ctx: cluster.n_ctx,
+        tokenizer,
+        grammars,
+        template,
+        routes: Vec::new(),
+    })
 }
 
 /// The route's scheduler settings: pipeline depth 0 means one micro-batch per shard, and a
@@ -323,6 +398,7 @@ async fn start_route(
     tokenizer: Arc<Tokenizer>,
     metrics: &Arc<Metrics>,
     moved: mpsc::UnboundedSender<Box<runner::Moved>>,
+    wait: Duration,
 ) -> Result<http::RouteHandle, String> {
     let scoped = Arc::new(metrics.scoped(&[("model", &cluster.model_name), ("route", name)]));
     let (health_tx, health_rx) = watch::channel(Health::default());
@@ -385,14 +461,9 @@ async fn start_route(
     );
     tokio::spawn(runner.run(cmd_rx));
     // Ready means the route is open end to end, not just that the shards answered.
-    tokio::time::timeout(config.startup_wait, route_rx.wait_for(|up| *up))
+    tokio::time::timeout(wait, route_rx.wait_for(|up| *up))
         .await
-        .map_err(|_| {
-            format!(
-                "route {name}: the route did not open within {:?}",
-                config.startup_wait
-            )
-        })?
+        .map_err(|_| format!("route {name}: the route did not open within {wait:?}"))?
         .map_err(|_| "the scheduling loop stopped".to_string())?;
     Ok(http::RouteHandle {
         name: name.to_string(),

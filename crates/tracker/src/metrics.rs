@@ -263,7 +263,17 @@ pub fn declare(m: &Metrics) {
         (
             "strata_migrations_total",
             "counter",
-            "sessions moved off a failed route to another route of their model, by the route's failure reason",
+            "sessions moved off a failed, draining or departed route to another route of their model, by reason",
+        ),
+        (
+            "strata_registry_connected",
+            "gauge",
+            "1 while the tracker's watch on the registry is live (0: membership frozen as last seen)",
+        ),
+        (
+            "strata_registry_members",
+            "gauge",
+            "shards announced in the registry, as last seen",
         ),
         (
             "strata_migrated_tokens_total",

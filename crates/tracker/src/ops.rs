@@ -53,8 +53,8 @@ pub async fn evict_route(
         Some(t) if bearer(&headers) == *t => {}
         _ => return ApiError::unauthorized().into_response(),
     }
-    let Some((model, route)) = s
-        .models
+    let models = s.table.models();
+    let Some((model, route)) = models
         .iter()
         .find_map(|m| m.routes.iter().find(|r| r.name == name).map(|r| (m, r)))
     else {
@@ -86,7 +86,7 @@ pub async fn evict_route(
 }
 
 fn model_json(m: &ModelEntry) -> Value {
-    let routes: Vec<&RouteHandle> = m.routes.iter().filter(|r| r.resident()).collect();
+    let routes: Vec<&Arc<RouteHandle>> = m.routes.iter().filter(|r| r.resident()).collect();
     json!({"id": m.id, "object": "model", "created": 0, "owned_by": "strata",
            "digest": m.digest, "n_layers": m.n_layers, "context_length": m.n_ctx,
            "routes": routes.iter().map(|r| r.name.clone()).collect::<Vec<_>>(),
@@ -96,10 +96,11 @@ fn model_json(m: &ModelEntry) -> Value {
 /// The resident models and the routes (nodes) holding each.
 pub async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
     let data: Vec<Value> = s
-        .models
+        .table
+        .models()
         .iter()
         .filter(|m| m.resident())
-        .map(model_json)
+        .map(|m| model_json(m))
         .collect();
     Json(json!({"object": "list", "data": data}))
 }
@@ -107,7 +108,8 @@ pub async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
 /// One resident model (`GET /v1/models/{id}`, by name or digest).
 pub async fn model(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
     match s
-        .models
+        .table
+        .models()
         .iter()
         .find(|m| m.resident() && (m.id == id || m.digest == id))
     {
@@ -117,11 +119,11 @@ pub async fn model(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Re
 }
 
 /// A tokenize or detokenize body: checked fields, the model it names.
-fn text_body<'a>(
-    s: &'a AppState,
+fn text_body(
+    s: &AppState,
     body: &[u8],
     fields: &[&str],
-) -> Result<(Value, &'a ModelEntry), ApiError> {
+) -> Result<(Value, Arc<ModelEntry>), ApiError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::invalid("body", format!("the request body is not valid JSON: {e}"))
     })?;
@@ -243,8 +245,10 @@ pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respo
     }
     let mut shards = Vec::new();
     let mut models = Vec::new();
-    let mut ok = true;
-    for m in &s.models {
+    let table = s.table.models();
+    // No route at all is not healthy either.
+    let mut ok = table.iter().any(|m| !m.routes.is_empty());
+    for m in table.iter() {
         let mut routes = Vec::new();
         for r in &m.routes {
             let h = r.health.borrow().clone();
@@ -269,7 +273,11 @@ pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respo
                     "model": m.id,
                     "route": r.name,
                     "layers": format!("{}..{}", sh.layers.0, sh.layers.1),
-                    "status": if sh.up { "up" } else { "down" },
+                    "status": match (sh.up, sh.stats.as_ref().is_some_and(|st| st.draining)) {
+                        (true, true) => "draining",
+                        (true, false) => "up",
+                        (false, _) => "down",
+                    },
                     "error": sh.last_error,
                     "kv_bytes_in_use": sh.stats.as_ref().map(|st| st.kv_bytes_in_use),
                     "sessions": sh.stats.as_ref().map(|st| st.sessions),
@@ -286,12 +294,14 @@ pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respo
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    let model = (s.models.len() == 1).then(|| s.models[0].id.clone());
-    (
-        status,
-        Json(json!({"status": if ok { "ok" } else { "degraded" }, "model": model, "models": models, "shards": shards})),
-    )
-        .into_response()
+    let model = (table.len() == 1).then(|| table[0].id.clone());
+    let mut body = json!({"status": if ok { "ok" } else { "degraded" }, "model": model, "models": models, "shards": shards});
+    if let Some(r) = &s.table.registry {
+        let m = r.borrow();
+        body["registry"] =
+            json!({"connected": m.connected, "members": m.shards.len(), "revision": m.revision});
+    }
+    (status, Json(body)).into_response()
 }
 
 pub async fn metrics(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {

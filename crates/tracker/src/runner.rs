@@ -79,6 +79,12 @@ pub enum Command {
         accepted: oneshot::Sender<Result<SessionId, Box<Moved>>>,
     },
     Cancel(SessionId),
+    /// The route left the table (a shard left the registry): it takes no new session, moves
+    /// its sessions to other routes when `move_sessions` (another route of the model takes
+    /// work), else lets them finish, then its loop ends.
+    Retire {
+        move_sessions: bool,
+    },
 }
 
 /// A session leaving a failed route for another route of the same model: the client's stream
@@ -187,6 +193,11 @@ pub struct Runner {
     failover: Option<mpsc::UnboundedSender<Box<Moved>>>,
     /// Sessions it holds, published for choosing routes (new work goes to the least loaded).
     load: Arc<std::sync::atomic::AtomicUsize>,
+    /// Retired: no new session; the loop ends once it holds none.
+    retired: bool,
+    /// Nothing can send it commands any more (the route left the table and every handle
+    /// went): retired, and its command channel is no longer read.
+    commands_closed: bool,
     cluster: Arc<Cluster>,
     tokenizer: Arc<Tokenizer>,
     metrics: Arc<Metrics>,
@@ -253,8 +264,13 @@ fn link_error(shard: &str, status: &tonic::Status) -> ApiError {
 /// Why the route refuses work while the health monitor reports some shard down (or holding
 /// something other than what the route was validated with).
 fn health_refusal(health: &Health) -> ApiError {
+    let draining = health.draining();
     match health.mismatched() {
         Some(why) => ApiError::recipe_mismatch(why),
+        None if health.all_up() && !draining.is_empty() => ApiError::draining(format!(
+            "shard {} is draining (going away) and takes no new session",
+            draining.join(", ")
+        )),
         None => ApiError::shard_failed(
             &health.down().join(", "),
             "the shard is down; retry when it is back",
@@ -277,6 +293,8 @@ impl Runner {
         load: Arc<std::sync::atomic::AtomicUsize>,
     ) -> Runner {
         Runner {
+            retired: false,
+            commands_closed: false,
             name,
             failover,
             load,
@@ -313,14 +331,24 @@ impl Runner {
             self.ensure_route().await;
             // Requests that arrived while a step was in flight join before the next plan, so
             // agent work is never planned behind grading work that merely answered first.
-            loop {
+            while !self.commands_closed {
                 match commands.try_recv() {
                     Ok(c) => self.handle(c),
                     Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                    Err(mpsc::error::TryRecvError::Disconnected) => self.close_commands(),
                 }
             }
             self.drop_disconnected();
+            // Retired and empty: stop once the shards were told to release (or the link is
+            // gone, whose close releases everything it opened).
+            if self.retired
+                && self.live.is_empty()
+                && (self.scheduler.is_idle() || self.link.is_none())
+            {
+                tracing::info!(route = %self.name, "retired route stopped");
+                self.metrics.set("strata_route_up", &[], 0.0);
+                return;
+            }
             // Keep up to `pipeline_depth` steps in flight: shards process steps in order and
             // reply in order, so while the last shard finishes one micro-batch the first
             // already computes the next.
@@ -335,7 +363,7 @@ impl Runner {
             self.publish_gauges();
             self.publish_route_state();
             match self.wait(&mut commands).await {
-                Waited::Closed => return,
+                Waited::Closed => self.close_commands(),
                 Waited::Command(c) => self.handle(c),
                 Waited::Idle => {}
                 Waited::Timeout => self.silent_route().await,
@@ -345,11 +373,17 @@ impl Runner {
         }
     }
 
+    /// No handle can send commands any more: the sessions it holds finish, then it stops.
+    fn close_commands(&mut self) {
+        self.commands_closed = true;
+        self.retired = true;
+    }
+
     /// Whether the route can take work: open end to end and every shard answering its
     /// probes as what it was validated to be. `/health`, `strata_route_up` and the start-up
     /// wait all read this one value.
     fn publish_route_state(&self) {
-        let up = self.link.is_some() && self.health.borrow().all_up();
+        let up = self.link.is_some() && self.health.borrow().serving();
         self.metrics
             .set("strata_route_up", &[], if up { 1.0 } else { 0.0 });
         self.route_up
@@ -405,7 +439,7 @@ impl Runner {
             biased;
             reply = next_of(upstream) => Waited::Upstream(reply),
             reply = next_of(direct) => Waited::Direct(reply),
-            cmd = commands.recv() => cmd.map_or(Waited::Closed, Waited::Command),
+            cmd = commands.recv(), if !self.commands_closed => cmd.map_or(Waited::Closed, Waited::Command),
             _ = sleep_until(due) => Waited::Timeout,
             _ = self.health.changed(), if due.is_none() => Waited::Idle,
             _ = tokio::time::sleep(idle_sleep), if due.is_none() => Waited::Idle,
@@ -601,6 +635,13 @@ impl Runner {
                 accepted,
             } => {
                 // Refusals are counted where they are answered (the HTTP handler).
+                if self.retired {
+                    let _ = accepted.send(Err(ApiError::draining(format!(
+                        "route {} has left",
+                        self.name
+                    ))));
+                    return;
+                }
                 if let Some(reason) = &self.down_reason {
                     let _ = accepted.send(Err(reason.clone()));
                     return;
@@ -609,7 +650,7 @@ impl Runner {
                 // replaced by one holding something else): work sent now would only wait for
                 // the route's silence to run out.
                 let health = self.health.borrow().clone();
-                if !health.all_up() {
+                if !health.serving() {
                     let _ = accepted.send(Err(health_refusal(&health)));
                     return;
                 }
@@ -666,7 +707,8 @@ impl Runner {
                 let _ = accepted.send(Ok(id));
             }
             Command::Resume { moved, accepted } => {
-                let refused = self.down_reason.is_some() || !self.health.borrow().all_up();
+                let refused =
+                    self.retired || self.down_reason.is_some() || !self.health.borrow().serving();
                 let id = SessionId(self.next_id);
                 let demand = Demand {
                     n_positions: moved.tokens.len() + moved.max_new,
@@ -697,6 +739,21 @@ impl Runner {
                 let _ = accepted.send(Ok(id));
             }
             Command::Cancel(id) => self.cancel(id),
+            Command::Retire { move_sessions } => {
+                tracing::info!(
+                    route = %self.name,
+                    sessions = self.live.len(),
+                    move_sessions,
+                    "route retired"
+                );
+                self.retired = true;
+                if move_sessions && !self.live.is_empty() {
+                    self.route_failed(ApiError::draining(format!(
+                        "route {} left the registry",
+                        self.name
+                    )));
+                }
+            }
         }
     }
 

@@ -1,0 +1,107 @@
+//! The route table: the resident models and the routes holding each. Readers take a snapshot
+//! (an `Arc` of the whole table, never a lock held across an await); a route joining or
+//! leaving swaps in a new table. The static routes of `--route` are in it from the start;
+//! with a registry, [`crate::membership`] adds and retires routes while the tracker runs.
+
+use std::sync::{Arc, RwLock};
+
+use tokio::sync::watch;
+
+use crate::http::{ModelEntry, RouteHandle};
+
+pub struct RouteTable {
+    models: RwLock<Arc<Vec<Arc<ModelEntry>>>>,
+    /// The registry's membership as last seen, when the tracker follows one.
+    pub registry: Option<watch::Receiver<registry::Members>>,
+}
+
+impl RouteTable {
+    pub fn new(registry: Option<watch::Receiver<registry::Members>>) -> RouteTable {
+        RouteTable {
+            models: RwLock::new(Arc::new(Vec::new())),
+            registry,
+        }
+    }
+
+    /// The table as it is now.
+    pub fn models(&self) -> Arc<Vec<Arc<ModelEntry>>> {
+        Arc::clone(&self.models.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// The model of `digest`, if the tracker knows it (its routes may all have left).
+    pub fn model(&self, digest: &str) -> Option<Arc<ModelEntry>> {
+        self.models().iter().find(|m| m.digest == digest).cloned()
+    }
+
+    fn update(&self, f: impl FnOnce(&mut Vec<Arc<ModelEntry>>)) {
+        let mut guard = self.models.write().unwrap_or_else(|e| e.into_inner());
+        let mut next: Vec<Arc<ModelEntry>> = guard.as_ref().clone();
+        f(&mut next);
+        *guard = Arc::new(next);
+    }
+
+    /// Adds a route to its model, or the model with it (`entry`, whose routes are ignored)
+    /// when the table has none of that digest.
+    pub fn add_route(&self, entry: &ModelEntry, route: Arc<RouteHandle>) {
+        self.update(|models| {
+            let mut m = match models.iter().position(|m| m.digest == entry.digest) {
+                Some(i) => models.remove(i).as_ref().clone(),
+                None => ModelEntry {
+                    routes: Vec::new(),
+                    ..entry.clone()
+                },
+            };
+            m.routes.push(route);
+            m.n_ctx = context_of(&m);
+            models.push(Arc::new(m));
+            models.sort_by(|a, b| a.id.cmp(&b.id));
+        });
+    }
+
+    /// Takes a route out of the table (its model stays known); the route, if it was there.
+    pub fn remove_route(&self, name: &str) -> Option<Arc<RouteHandle>> {
+        let mut removed = None;
+        self.update(|models| {
+            for m in models.iter_mut() {
+                if let Some(i) = m.routes.iter().position(|r| r.name == name) {
+                    let mut next = m.as_ref().clone();
+                    removed = Some(next.routes.remove(i));
+                    if !next.routes.is_empty() {
+                        next.n_ctx = context_of(&next);
+                    }
+                    *m = Arc::new(next);
+                    return;
+                }
+            }
+        });
+        removed
+    }
+
+    /// The routes of a model, as the table holds them now.
+    pub fn routes_of(&self, digest: &str) -> Vec<Arc<RouteHandle>> {
+        self.model(digest)
+            .map(|m| m.routes.clone())
+            .unwrap_or_default()
+    }
+
+    /// Every route's shard addresses (in layer order), by route name.
+    pub fn shard_addresses(&self) -> Vec<(String, Vec<String>)> {
+        self.models()
+            .iter()
+            .flat_map(|m| {
+                m.routes
+                    .iter()
+                    .map(|r| (r.name.clone(), r.cluster.addresses().to_vec()))
+            })
+            .collect()
+    }
+}
+
+/// The smallest context of a model's routes.
+fn context_of(m: &ModelEntry) -> usize {
+    m.routes
+        .iter()
+        .map(|r| r.cluster.n_ctx)
+        .min()
+        .unwrap_or(m.n_ctx)
+}
