@@ -35,7 +35,12 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 /// The longest value read from the registry; longer ones are ignored.
 const MAX_RECORD_BYTES: usize = 64 << 10;
 /// The most entries a snapshot reads (a registry with more is misused).
-const MAX_MEMBERS: i64 = 10_000;
+const MAX_MEMBERS: usize = 10_000;
+/// Entries per range request of a snapshot.
+const PAGE: i64 = 64;
+/// The largest message read from etcd: a snapshot page (64 entries, each at most what etcd
+/// stores, 1.5 MiB by default) or a watch response.
+const MAX_MESSAGE_BYTES: usize = 128 << 20;
 
 /// What a shard says about itself in the registry.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,6 +64,37 @@ pub struct ShardRecord {
     pub sessions: u64,
     /// It is going away: no new sessions.
     pub draining: bool,
+}
+
+/// The most layers a record may claim (no model has nearly this many).
+pub const MAX_LAYERS: u32 = 4096;
+
+impl ShardRecord {
+    /// A layer range that can exist: non-empty, inside a model of at most [`MAX_LAYERS`].
+    pub fn plausible(&self) -> bool {
+        self.n_layers > 0
+            && self.n_layers <= MAX_LAYERS
+            && self.layer_start < self.layer_end
+            && self.layer_end <= self.n_layers
+            && !self.address.is_empty()
+    }
+}
+
+impl ShardRecord {
+    /// Whether `next` says something new enough to write to etcd: anything but the load
+    /// figures, the number of sessions, or free KV moved by a sixteenth of the budget. (Every
+    /// write is a revision etcd keeps until compaction; load that flickers is not worth one.)
+    pub fn worth_announcing(&self, next: &ShardRecord) -> bool {
+        let load = |r: &ShardRecord| ShardRecord {
+            kv_free_bytes: 0,
+            sessions: 0,
+            ..r.clone()
+        };
+        let kv_step = (self.kv_budget_bytes / 16).max(1);
+        load(self) != load(next)
+            || self.sessions != next.sessions
+            || self.kv_free_bytes.abs_diff(next.kv_free_bytes) >= kv_step
+    }
 }
 
 /// The shards a follower sees.
@@ -170,6 +206,10 @@ fn parse_record(prefix: &str, key: &[u8], value: &[u8]) -> Option<ShardRecord> {
         return None;
     }
     match serde_json::from_slice::<ShardRecord>(value) {
+        Ok(r) if !r.plausible() => {
+            tracing::warn!(key = %String::from_utf8_lossy(key), start = r.layer_start, end = r.layer_end, n_layers = r.n_layers, "registry entry with an impossible layer range; ignored");
+            None
+        }
         Ok(r) if shard_key(prefix, &r.address).as_bytes() == key => Some(r),
         Ok(r) => {
             tracing::warn!(key = %String::from_utf8_lossy(key), address = %r.address, "registry entry filed under another address's key; ignored");
@@ -219,7 +259,7 @@ impl Announcer {
 }
 
 /// Announces `record` under its address's key, bound to a lease of `ttl` kept alive, and
-/// re-announces each change of it (at most once a second). Lost connections and lost
+/// re-announces each change of it (at most once every two seconds). Lost connections and lost
 /// leases are recovered by announcing again with a new lease.
 pub fn announce(
     endpoints: &str,
@@ -326,10 +366,11 @@ async fn keep_announced(
     let mut replies = call(lease.lease_keep_alive(ReceiverStream::new(rx))).await?;
     let mut keep = tokio::time::interval((ttl / 3).max(Duration::from_millis(200)));
     keep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut update = tokio::time::interval(Duration::from_secs(1));
+    let mut update = tokio::time::interval(Duration::from_secs(2));
     update.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_heard = Instant::now();
     let mut dirty = false;
+    let mut record_open = true;
     loop {
         tokio::select! {
             _ = keep.tick() => {
@@ -346,12 +387,12 @@ async fn keep_announced(
                 Ok(None) => return Err(Error("the keep-alive stream ended".into())),
                 Err(s) => return Err(s.into()),
             },
-            changed = record.changed() => {
-                if changed.is_err() {
-                    // The shard dropped its record: nothing more to say; stay until stopped.
-                    std::future::pending::<()>().await;
+            changed = record.changed(), if record_open => {
+                // A dropped record has nothing more to say: the last one stays announced.
+                match changed {
+                    Ok(()) => dirty = true,
+                    Err(_) => record_open = false,
                 }
-                dirty = true;
             }
             _ = update.tick(), if dirty => {
                 dirty = false;
@@ -420,26 +461,47 @@ async fn follow_inner(
     prefix: &str,
     tx: &watch::Sender<Members>,
 ) -> Result<Never, Error> {
-    let mut kv = KvClient::new(channel.clone());
-    let mut watcher = WatchClient::new(channel.clone());
+    let mut kv = KvClient::new(channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let mut watcher =
+        WatchClient::new(channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let key = format!("{prefix}shards/").into_bytes();
     let end = prefix_end(&key);
-    let snapshot = call(kv.range(etcd::RangeRequest {
-        key: key.clone(),
-        range_end: end.clone(),
-        limit: MAX_MEMBERS,
-        revision: 0,
-    }))
-    .await?;
-    let revision = snapshot.header.map_or(0, |h| h.revision);
-    let shards: BTreeMap<String, ShardRecord> = snapshot
-        .kvs
-        .iter()
-        .filter_map(|e| {
-            parse_record(prefix, &e.key, &e.value)
-                .map(|r| (String::from_utf8_lossy(&e.key).into_owned(), r))
-        })
-        .collect();
+    // The snapshot in pages, all at one revision (the first page's).
+    let mut shards: BTreeMap<String, ShardRecord> = BTreeMap::new();
+    let mut from = key.clone();
+    let mut revision = 0;
+    let mut read = 0usize;
+    loop {
+        let page = call(kv.range(etcd::RangeRequest {
+            key: from.clone(),
+            range_end: end.clone(),
+            limit: PAGE,
+            revision,
+        }))
+        .await?;
+        if revision == 0 {
+            revision = page.header.map_or(0, |h| h.revision);
+        }
+        read += page.kvs.len();
+        for e in &page.kvs {
+            if let Some(r) = parse_record(prefix, &e.key, &e.value) {
+                shards.insert(String::from_utf8_lossy(&e.key).into_owned(), r);
+            }
+        }
+        match page.kvs.last() {
+            Some(last) if page.more && read < MAX_MEMBERS => {
+                from = last.key.clone();
+                from.push(0);
+            }
+            _ => break,
+        }
+    }
+    if read >= MAX_MEMBERS {
+        tracing::warn!(
+            limit = MAX_MEMBERS,
+            "registry: more entries than a tracker reads; the rest are ignored"
+        );
+    }
     tx.send_replace(Members {
         shards,
         connected: true,
@@ -535,8 +597,59 @@ mod tests {
         // Filed under another address: ignored (it could not be validated as that address).
         assert_eq!(parse_record("/s/", b"/s/shards/10.0.0.1:1", &v), None);
         assert_eq!(parse_record("/s/", key.as_bytes(), b"{not json"), None);
+        // Impossible ranges are not members (a chain search over them could not end).
+        for (a, b, n) in [
+            (0, 0, 0),
+            (0, 2, 0),
+            (2, 2, 4),
+            (3, 2, 4),
+            (0, 5, 4),
+            (0, 1, 1 << 20),
+        ] {
+            let bad = ShardRecord {
+                layer_start: a,
+                layer_end: b,
+                n_layers: n,
+                ..r.clone()
+            };
+            let v = serde_json::to_vec(&bad).unwrap();
+            assert_eq!(
+                parse_record("/s/", key.as_bytes(), &v),
+                None,
+                "{a}..{b} of {n}"
+            );
+        }
         let long = vec![b' '; MAX_RECORD_BYTES + 1];
         assert_eq!(parse_record("/s/", key.as_bytes(), &long), None);
+    }
+
+    #[test]
+    fn only_material_changes_are_announced_again() {
+        let r = ShardRecord {
+            address: "a:1".into(),
+            instance: "1".into(),
+            model: "m".into(),
+            digest: "d".into(),
+            layer_start: 0,
+            layer_end: 1,
+            n_layers: 1,
+            recipe: String::new(),
+            kv_budget_bytes: 1600,
+            kv_free_bytes: 1600,
+            max_sessions: 4,
+            sessions: 0,
+            draining: false,
+        };
+        let with = |f: &dyn Fn(&mut ShardRecord)| {
+            let mut n = r.clone();
+            f(&mut n);
+            n
+        };
+        assert!(!r.worth_announcing(&r));
+        assert!(!r.worth_announcing(&with(&|n| n.kv_free_bytes = 1550)));
+        assert!(r.worth_announcing(&with(&|n| n.kv_free_bytes = 1500)));
+        assert!(r.worth_announcing(&with(&|n| n.sessions = 1)));
+        assert!(r.worth_announcing(&with(&|n| n.draining = true)));
     }
 
     #[test]

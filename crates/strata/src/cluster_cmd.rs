@@ -613,7 +613,13 @@ fn announce(
             tick.tick().await;
             let Some(core) = weak.upgrade() else { return };
             let now = shard_record(&core, &instance);
-            tx.send_if_modified(|r| std::mem::replace(r, now) != *r);
+            tx.send_if_modified(|r| {
+                let worth = r.worth_announcing(&now);
+                if worth {
+                    *r = now;
+                }
+                worth
+            });
         }
     });
     Ok(announcer)

@@ -339,16 +339,15 @@ fn a_session_with_a_grammar_continues_the_same_document_on_another_route() {
 
 /// A shard of SmolLM2 announced in `etcd` (lease of 2 s), on `listen`.
 fn announced(etcd: &Etcd, range: &str, listen: &str) -> Proc {
+    announced_with(etcd, range, listen, &[])
+}
+
+fn announced_with(etcd: &Etcd, range: &str, listen: &str, extra: &[&str]) -> Proc {
     let token = procs::token_file(TOKEN);
     let ep = etcd.endpoint();
-    procs::shard_on(
-        exe(),
-        &testkit::real_model(),
-        range,
-        &token,
-        listen,
-        &["--threads", "1", "--registry", &ep, "--registry-ttl-s", "2"],
-    )
+    let mut args = vec!["--threads", "1", "--registry", &ep, "--registry-ttl-s", "2"];
+    args.extend_from_slice(extra);
+    procs::shard_on(exe(), &testkit::real_model(), range, &token, listen, &args)
 }
 
 /// A tracker with no route of its own, building its routes from `etcd`.
@@ -471,6 +470,16 @@ fn on_a_registry_shards_join_share_the_load_and_fail_over() {
     within(Duration::from_secs(20), "route back", || {
         route_names(&addr).len() == 2 && metric(&addr, "strata_route_up") == 2.0
     });
+    // Frozen (SIGSTOP): the route's liveness (1 s) moves its sessions; the frozen shard's
+    // lease runs out and its route leaves; thawed, it announces itself again and rejoins.
+    survive(&tracker, &shards, 2, 19, &want);
+    within(Duration::from_secs(10), "frozen route left", || {
+        route_names(&addr).len() == 1
+    });
+    shards[2].signal(18);
+    within(Duration::from_secs(20), "thawed route back", || {
+        route_names(&addr).len() == 2 && metric(&addr, "strata_route_up") == 2.0
+    });
     // One route only (the other's shard drained away), then its shard killed: the stream
     // fails typed, as without a registry.
     shards[3].signal(15);
@@ -578,6 +587,9 @@ fn an_etcd_outage_freezes_membership_and_two_trackers_share_the_shards() {
             || route_names(&t.addr).len() == 2 && metric(&t.addr, "strata_route_up") == 2.0,
         );
     }
+    // The first pair's leases came back with etcd: all four are members.
+    assert_eq!(etcd.keys("/strata/shards/").len(), 4);
+    assert_eq!(metric(&one.addr, "strata_registry_members"), 4.0);
     // Both trackers stream through the same shards; one is killed mid-way.
     let base: Vec<Vec<u64>> = all_streams(&two.addr)
         .into_iter()
@@ -598,4 +610,31 @@ fn an_etcd_outage_freezes_membership_and_two_trackers_share_the_shards() {
         let _ = h.join();
     }
     let _ = one.exited();
+}
+
+/// Each shard enforces its own limits whoever sends the work: two trackers on one registry
+/// share a shard that holds one session; while one tracker's session runs there, the other's
+/// request gets the shard's refusal as the same typed, retryable `capacity` a tracker gives.
+#[test]
+fn two_trackers_on_one_registry_get_a_full_shards_typed_capacity_refusal() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let etcd = Etcd::start();
+    let _shard = announced_with(&etcd, "0..30", "127.0.0.1:0", &["--max-sessions", "1"]);
+    let (one, two) = (registry_tracker(&etcd), registry_tracker(&etcd));
+    for t in [&one, &two] {
+        within(Duration::from_secs(20), "a route on each tracker", || {
+            greedy_ids(&t.addr).0 == 200
+        });
+    }
+    let mut s = SseStream::open(&one.addr, "/v1/completions", &json!({"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": true, "stream": true})).unwrap();
+    for _ in 0..3 {
+        s.next_data().expect("the first tracker's session runs");
+    }
+    let (status, body) = greedy_ids(&two.addr);
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["reason"], "capacity", "{body}");
+    assert_eq!(body["error"]["retryable"], true, "{body}");
+    assert_eq!(body["error"]["limit"], "max_sessions", "{body}");
+    eprintln!("the other tracker's refusal: {body}");
+    drop(s);
 }

@@ -56,6 +56,19 @@ impl Health {
             .collect()
     }
 
+    /// Free KV bytes on the route's tightest shard, as last probed (0 when unknown).
+    pub fn kv_headroom(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| {
+                s.stats.as_ref().map_or(0, |st| {
+                    st.kv_bytes_budget.saturating_sub(st.kv_bytes_in_use)
+                })
+            })
+            .min()
+            .unwrap_or(0)
+    }
+
     /// Every shard up and none draining: the route takes new sessions.
     pub fn serving(&self) -> bool {
         self.all_up() && self.draining().is_empty()

@@ -120,7 +120,6 @@ impl ApiError {
         .closing()
     }
 
-    /// A model no route of this tracker holds: refused, never loaded on demand.
     /// No route serves the model now (none joined yet, or all left): retryable, since shards
     /// join a registry at any time.
     pub fn no_route(message: impl Into<String>) -> Self {
@@ -132,6 +131,7 @@ impl ApiError {
         Self::new(503, "draining", message).retry_in(1)
     }
 
+    /// A model no route of this tracker holds: refused, never loaded on demand.
     pub fn not_resident(requested: &str, resident: &str) -> Self {
         Self::new(404, "not_resident", format!(
             "model `{requested}` is not resident on any route of this tracker (resident: {resident}); models are loaded only when their shards start"
@@ -264,7 +264,20 @@ impl ApiError {
     /// A refusal a shard sent for one fragment.
     pub fn from_shard_refusal(reason: &str, message: &str) -> Self {
         match reason {
-            "capacity" => Self::new(503, "capacity", message).retry_in(1),
+            // A shard's capacity refusal starts with the limit it hit (`kv_budget on shard
+            // ...`), named as the tracker's own refusals name theirs.
+            "capacity" => {
+                let err = Self::new(503, "capacity", message).retry_in(1);
+                match message.split_once(" on shard ") {
+                    Some((limit, _))
+                        if !limit.is_empty()
+                            && limit.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') =>
+                    {
+                        err.limit(limit)
+                    }
+                    _ => err,
+                }
+            }
             "budget" => Self::new(429, "budget", message).retry_in(1),
             "stale_epoch" => Self::new(409, "stale_epoch", message).retry_in(0),
             "cache_miss" => Self::new(503, "cache_miss", message).retry_in(0),
@@ -332,6 +345,16 @@ mod tests {
             ("recipe_mismatch", false, None)
         );
         assert_eq!(e.body()["error"]["retryable"], false);
+        let full = ApiError::from_shard_refusal(
+            "capacity",
+            "max_sessions on shard 127.0.0.1:1: 1 sessions held",
+        );
+        assert_eq!(
+            (full.status, full.limit.as_deref()),
+            (503, Some("max_sessions"))
+        );
+        let odd = ApiError::from_shard_refusal("capacity", "Something else on shard x");
+        assert_eq!(odd.limit, None);
         let lost = ApiError::from_route_status("a", &tonic::Status::unavailable("gone"));
         assert_eq!((lost.reason, lost.retryable), ("shard_failed", true));
     }

@@ -107,17 +107,25 @@ impl AppState {
                 "no route serves {what} now; shards join the registry at any time, retry shortly"
             ))
         };
+        // Known, but every route of it left (an evicted route is still there: that model is
+        // not resident, which only an operator changes).
+        let departed = |e: &ModelEntry| e.routes.is_empty();
         match requested {
             Some(m) => match resident.iter().find(|e| e.id == m || e.digest == m) {
                 Some(e) => Ok(Arc::clone(e)),
-                None if resident.is_empty() => Err(no_route(&format!("`{m}`"))),
-                None if models.iter().any(|e| e.id == m || e.digest == m) => {
+                None if models.is_empty() => Err(no_route(&format!("`{m}`"))),
+                None if models
+                    .iter()
+                    .any(|e| (e.id == m || e.digest == m) && departed(e)) =>
+                {
                     Err(no_route(&format!("`{m}`")))
                 }
                 None => Err(ApiError::not_resident(m, &self.residency())),
             },
             None if resident.len() == 1 => Ok(Arc::clone(resident[0])),
-            None if resident.is_empty() => Err(no_route("any model")),
+            None if resident.is_empty() && models.iter().all(|e| departed(e)) => {
+                Err(no_route("any model"))
+            }
             None => Err(ApiError::invalid(
                 "model",
                 format!(
@@ -708,10 +716,16 @@ async fn submit(
 > {
     use std::sync::atomic::Ordering::Relaxed;
     let mut last = ApiError::no_route("the model has no route now; retry shortly");
-    // The least loaded route first (sessions held and requests on their way); the others in
-    // turn when it refuses for capacity.
+    // The least loaded route first (sessions held and requests on their way; between equals,
+    // the one whose tightest shard has the most free KV); the others in turn when it refuses
+    // for capacity.
     let mut routes: Vec<&Arc<RouteHandle>> = model.routes.iter().filter(|r| r.resident()).collect();
-    routes.sort_by_key(|r| r.load.load(Relaxed) + r.submitting.load(Relaxed));
+    routes.sort_by_key(|r| {
+        (
+            r.load.load(Relaxed) + r.submitting.load(Relaxed),
+            std::cmp::Reverse(r.health.borrow().kv_headroom()),
+        )
+    });
     for route in routes {
         route.submitting.fetch_add(1, Relaxed);
         let answer = offer(route, &job).await;

@@ -24,23 +24,155 @@ const RETRY_AFTER: Duration = Duration::from_secs(3);
 /// A route's members: (address, instance) in layer order.
 type Chain = Vec<(String, String)>;
 
+/// A join in progress or done: the chain, its route's name, and how it went.
+type Joined = (Chain, String, Result<(), String>);
+
 pub(crate) async fn follow(
     starter: Arc<RouteStarter>,
     mut members: watch::Receiver<Members>,
     link: proto::Link,
 ) {
-    let mut built: BTreeMap<String, Chain> = BTreeMap::new();
-    let mut failed: HashMap<Chain, Instant> = HashMap::new();
+    let mut state = State::default();
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<Joined>();
     loop {
         let now = members.borrow_and_update().clone();
         publish(&starter, &now);
-        reconcile(&starter, &now, &link, &mut built, &mut failed).await;
+        state.retire_departed(&starter, &now).await;
+        state.start_joins(&starter, &now, &link, &done_tx);
         tokio::select! {
             changed = members.changed() => if changed.is_err() { return },
+            Some((chain, name, result)) = done_rx.recv() => state.joined(chain, name, result),
             // Chains that failed are tried again.
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
     }
+}
+
+#[derive(Default)]
+struct State {
+    /// Routes built from the registry, by name.
+    built: BTreeMap<String, Chain>,
+    /// Chains being connected and opened (each on its own task, so a slow or unreachable
+    /// shard never holds up anything else).
+    joining: HashSet<Chain>,
+    /// Chains that failed to become a route, and when: tried again after [`RETRY_AFTER`].
+    failed: HashMap<Chain, Instant>,
+    /// Numbers route names: a shard restarted on its address makes a new route, never one
+    /// named like the route it left (whose loop may still be finishing sessions).
+    next: u64,
+}
+
+impl State {
+    /// Routes with a member gone (withdrawn, lease run out, or restarted as another instance)
+    /// leave the table.
+    async fn retire_departed(&mut self, starter: &RouteStarter, m: &Members) {
+        let alive = alive(m);
+        let gone: Vec<String> = self
+            .built
+            .iter()
+            .filter(|(_, chain)| {
+                chain
+                    .iter()
+                    .any(|(a, i)| alive.get(a.as_str()).is_none_or(|r| r.instance != *i))
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in gone {
+            tracing::info!(route = %name, "a shard of the route left the registry: retiring it");
+            self.built.remove(&name);
+            starter.retire(&name).await;
+        }
+    }
+
+    /// Shards no route uses (static routes and joins in progress included) form new chains;
+    /// each is joined on a task of its own.
+    fn start_joins(
+        &mut self,
+        starter: &Arc<RouteStarter>,
+        m: &Members,
+        link: &proto::Link,
+        done: &tokio::sync::mpsc::UnboundedSender<Joined>,
+    ) {
+        let alive = alive(m);
+        let used: HashSet<String> = starter
+            .table
+            .shard_addresses()
+            .into_iter()
+            .flat_map(|(_, a)| a)
+            .chain(self.built.values().flatten().map(|(a, _)| a.clone()))
+            .chain(self.joining.iter().flatten().map(|(a, _)| a.clone()))
+            .collect();
+        let mut by_model: BTreeMap<(&str, u32), Vec<&ShardRecord>> = BTreeMap::new();
+        for r in alive.values().filter(|r| !used.contains(&r.address)) {
+            by_model
+                .entry((r.digest.as_str(), r.n_layers))
+                .or_default()
+                .push(r);
+        }
+        self.failed.retain(|_, at| at.elapsed() < RETRY_AFTER);
+        for free in by_model.into_values() {
+            for chain in chains(free) {
+                let key: Chain = chain
+                    .iter()
+                    .map(|r| (r.address.clone(), r.instance.clone()))
+                    .collect();
+                if self.failed.contains_key(&key) {
+                    continue;
+                }
+                self.next += 1;
+                let addrs: Vec<&str> = key.iter().map(|(a, _)| a.as_str()).collect();
+                let name = format!("{}~{}", addrs.join("+"), self.next);
+                self.joining.insert(key.clone());
+                let (starter, link, done) = (Arc::clone(starter), link.clone(), done.clone());
+                tokio::spawn(async move {
+                    let result = join(&starter, &name, &key, &link).await;
+                    let _ = done.send((key, name, result));
+                });
+            }
+        }
+    }
+
+    fn joined(&mut self, chain: Chain, name: String, result: Result<(), String>) {
+        self.joining.remove(&chain);
+        match result {
+            Ok(()) => {
+                tracing::info!(route = %name, "route joined from the registry");
+                // If a member left meanwhile, the next pass retires it.
+                self.built.insert(name, chain);
+            }
+            Err(e) => {
+                tracing::warn!(route = %name, error = %e, "shards announced in the registry do not make a route (yet)");
+                self.failed.insert(chain, Instant::now());
+            }
+        }
+    }
+}
+
+/// The members that take work, by address.
+fn alive(m: &Members) -> HashMap<&str, &ShardRecord> {
+    m.shards
+        .values()
+        .filter(|r| !r.draining)
+        .map(|r| (r.address.as_str(), r))
+        .collect()
+}
+
+/// Connects to a chain's shards and makes it a route.
+async fn join(
+    starter: &RouteStarter,
+    name: &str,
+    chain: &Chain,
+    link: &proto::Link,
+) -> Result<(), String> {
+    let shards = chain
+        .iter()
+        .map(|(a, _)| {
+            proto::connect(a, link)
+                .map(|s| Arc::new(s) as Arc<dyn ShardTransport>)
+                .map_err(|e| e.message().to_string())
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    starter.add(name, shards, JOIN_WAIT).await
 }
 
 fn publish(starter: &RouteStarter, m: &Members) {
@@ -51,87 +183,6 @@ fn publish(starter: &RouteStarter, m: &Members) {
         if m.connected { 1.0 } else { 0.0 },
     );
     metrics.set("strata_registry_members", &[], m.shards.len() as f64);
-}
-
-async fn reconcile(
-    starter: &RouteStarter,
-    m: &Members,
-    link: &proto::Link,
-    built: &mut BTreeMap<String, Chain>,
-    failed: &mut HashMap<Chain, Instant>,
-) {
-    let alive: HashMap<&str, &ShardRecord> = m
-        .shards
-        .values()
-        .filter(|r| !r.draining)
-        .map(|r| (r.address.as_str(), r))
-        .collect();
-    // Routes with a member gone (or restarted as another instance) leave.
-    let gone: Vec<String> = built
-        .iter()
-        .filter(|(_, chain)| {
-            chain
-                .iter()
-                .any(|(a, i)| alive.get(a.as_str()).is_none_or(|r| r.instance != *i))
-        })
-        .map(|(name, _)| name.clone())
-        .collect();
-    for name in gone {
-        tracing::info!(route = %name, "a shard of the route left the registry: retiring it");
-        built.remove(&name);
-        starter.retire(&name).await;
-    }
-    // Shards no route uses (static routes included) form new chains.
-    let used: HashSet<String> = starter
-        .table
-        .shard_addresses()
-        .into_iter()
-        .flat_map(|(_, a)| a)
-        .chain(built.values().flatten().map(|(a, _)| a.clone()))
-        .collect();
-    let mut by_model: BTreeMap<&str, Vec<&ShardRecord>> = BTreeMap::new();
-    for r in alive.values().filter(|r| !used.contains(&r.address)) {
-        by_model.entry(r.digest.as_str()).or_default().push(r);
-    }
-    failed.retain(|_, at| at.elapsed() < RETRY_AFTER);
-    for free in by_model.into_values() {
-        for chain in chains(free) {
-            let key: Chain = chain
-                .iter()
-                .map(|r| (r.address.clone(), r.instance.clone()))
-                .collect();
-            if failed.contains_key(&key) {
-                continue;
-            }
-            let name = key
-                .iter()
-                .map(|(a, _)| a.as_str())
-                .collect::<Vec<_>>()
-                .join("+");
-            let shards: Result<Vec<Arc<dyn ShardTransport>>, String> = key
-                .iter()
-                .map(|(a, _)| {
-                    proto::connect(a, link)
-                        .map(|s| Arc::new(s) as Arc<dyn ShardTransport>)
-                        .map_err(|e| e.message().to_string())
-                })
-                .collect();
-            let added = match shards {
-                Ok(shards) => starter.add(&name, shards, JOIN_WAIT).await,
-                Err(e) => Err(e),
-            };
-            match added {
-                Ok(()) => {
-                    tracing::info!(route = %name, "route joined from the registry");
-                    built.insert(name, key);
-                }
-                Err(e) => {
-                    tracing::warn!(route = %name, error = %e, "shards announced in the registry do not make a route (yet)");
-                    failed.insert(key, Instant::now());
-                }
-            }
-        }
-    }
 }
 
 /// Disjoint chains of `free` shards (one model's) that each cover `[0, n_layers)` exactly

@@ -596,7 +596,8 @@ impl Runner {
 
     /// Opens the route when it is down and every shard answers again.
     async fn ensure_route(&mut self) {
-        if self.link.is_some() || Instant::now() < self.next_attempt {
+        // A retired route is never reopened: it only finishes what it holds.
+        if self.retired || self.link.is_some() || Instant::now() < self.next_attempt {
             return;
         }
         let health = self.health.borrow().clone();
