@@ -70,19 +70,14 @@ fn body(i: usize) -> Value {
     b
 }
 
-/// One streamed request: its token ids and the longest wait between two of them, or the
-/// error event it got.
-fn stream_ids(addr: &str, i: usize) -> Result<(Vec<u64>, Duration), String> {
+/// One streamed request: its token ids and when each event with tokens arrived, or the error
+/// event it got.
+fn stream_ids(addr: &str, i: usize) -> Result<(Vec<u64>, Vec<Instant>), String> {
     let mut s = SseStream::open(addr, "/v1/completions", &body(i)).map_err(|e| e.to_string())?;
-    let mut ids = Vec::new();
-    let (mut last, mut longest) = (None::<Instant>, Duration::ZERO);
+    let (mut ids, mut at) = (Vec::new(), Vec::new());
     while let Some(d) = s.next_data() {
-        if let Some(t) = last {
-            longest = longest.max(t.elapsed());
-        }
-        last = Some(Instant::now());
         if d == "[DONE]" {
-            return Ok((ids, longest));
+            return Ok((ids, at));
         }
         let v: Value = serde_json::from_str(&d).map_err(|e| format!("{e}: {d}"))?;
         if v.get("error").is_some() {
@@ -90,12 +85,13 @@ fn stream_ids(addr: &str, i: usize) -> Result<(Vec<u64>, Duration), String> {
         }
         if let Some(t) = v["choices"][0]["token_ids"].as_array() {
             ids.extend(t.iter().filter_map(Value::as_u64));
+            at.push(Instant::now());
         }
     }
     Err("the stream ended without [DONE]".into())
 }
 
-type Streamed = Result<(Vec<u64>, Duration), String>;
+type Streamed = Result<(Vec<u64>, Vec<Instant>), String>;
 
 fn all_streams(addr: &str) -> Vec<std::thread::JoinHandle<Streamed>> {
     (0..N)
@@ -120,10 +116,14 @@ fn survive(tracker: &Proc, shards: &[Proc], victim: usize, signal: i32, want: &[
         std::thread::sleep(Duration::from_millis(10));
     }
     std::thread::sleep(Duration::from_millis(100));
+    let hurt = Instant::now();
     shards[victim].signal(signal);
-    let mut stalls = Vec::new();
+    // Per stream: from the fault to its next token (on a moved session, the first token on
+    // its new route).
+    let mut next_token = Vec::new();
+    let mut arrivals = Vec::new();
     for (i, h) in handles.into_iter().enumerate() {
-        let (got, stall) = h
+        let (got, at) = h
             .join()
             .unwrap()
             .unwrap_or_else(|e| panic!("stream {i} saw an error: {e}"));
@@ -131,18 +131,29 @@ fn survive(tracker: &Proc, shards: &[Proc], victim: usize, signal: i32, want: &[
             got, want[i],
             "stream {i} after the fault differs from the fault-free run"
         );
-        stalls.push(stall);
+        if let Some(t) = at.iter().find(|&&t| t > hurt) {
+            next_token.push(*t - hurt);
+        }
+        arrivals.extend(at);
     }
-    let took = started.elapsed();
-    stalls.sort();
+    let end = Instant::now();
+    assert!(!next_token.is_empty(), "no stream was running at the fault");
+    next_token.sort();
+    let recovered = hurt + *next_token.last().unwrap_or(&Duration::ZERO);
+    let rate = |from: Instant, to: Instant| {
+        let n = arrivals.iter().filter(|&&t| t > from && t <= to).count();
+        n as f64 / to.saturating_duration_since(from).as_secs_f64().max(1e-3)
+    };
     let moved = metric(addr, "strata_migrations_total") - before;
     eprintln!(
-        "signal {signal} on shard {victim}: {moved} sessions moved; longest wait between tokens per stream: p50 {:?}, max {:?}; {} tokens in {:.2?} ({:.0} tokens/s over the run)",
-        stalls[N / 2],
-        stalls[N - 1],
+        "signal {signal} on shard {victim}: {moved} sessions moved; fault to each stream's next token: p50 {:?}, p99 {:?}; token events/s: {:.0} before the fault, {:.0} until every stream had a token again, {:.0} after; {} tokens in {:.2?}",
+        next_token[next_token.len() / 2],
+        next_token[(next_token.len() * 99 / 100).min(next_token.len() - 1)],
+        rate(started, hurt),
+        rate(hurt, recovered),
+        rate(recovered, end),
         N * want[0].len(),
-        took,
-        (N * want[0].len()) as f64 / took.as_secs_f64()
+        end - started,
     );
     assert!(moved >= 1.0, "sessions of the hurt route should have moved");
     assert!(metric(addr, "strata_migrated_tokens_total") > 0.0);
