@@ -278,6 +278,7 @@ impl RouteStarter {
             Arc::clone(&entry.tokenizer),
             &self.metrics,
             self.moved.clone(),
+            Arc::clone(&self.table),
             wait,
         )
         .await?;
@@ -398,6 +399,7 @@ async fn start_route(
     tokenizer: Arc<Tokenizer>,
     metrics: &Arc<Metrics>,
     moved: mpsc::UnboundedSender<Box<runner::Moved>>,
+    table: Arc<table::RouteTable>,
     wait: Duration,
 ) -> Result<http::RouteHandle, String> {
     let scoped = Arc::new(metrics.scoped(&[("model", &cluster.model_name), ("route", name)]));
@@ -457,6 +459,7 @@ async fn start_route(
         config.ledger.clone(),
         name.to_string(),
         Some(moved),
+        table,
         Arc::clone(&load),
     );
     tokio::spawn(runner.run(cmd_rx));

@@ -191,6 +191,9 @@ pub struct Runner {
     /// The route's name, and where its sessions go when it fails (`None`: they fail).
     name: String,
     failover: Option<mpsc::UnboundedSender<Box<Moved>>>,
+    /// The route table: whether another route of the model could take this one's sessions
+    /// when a shard of it drains.
+    table: Arc<crate::table::RouteTable>,
     /// Sessions it holds, published for choosing routes (new work goes to the least loaded).
     load: Arc<std::sync::atomic::AtomicUsize>,
     /// Retired: no new session; the loop ends once it holds none.
@@ -290,9 +293,11 @@ impl Runner {
         ledger: Option<Arc<crate::ledger::Ledger>>,
         name: String,
         failover: Option<mpsc::UnboundedSender<Box<Moved>>>,
+        table: Arc<crate::table::RouteTable>,
         load: Arc<std::sync::atomic::AtomicUsize>,
     ) -> Runner {
         Runner {
+            table,
             retired: false,
             commands_closed: false,
             name,
@@ -339,6 +344,7 @@ impl Runner {
                 }
             }
             self.drop_disconnected();
+            self.leave_draining_shard();
             // Retired and empty: stop once the shards were told to release (or the link is
             // gone, whose close releases everything it opened).
             if self.retired
@@ -370,6 +376,29 @@ impl Runner {
                 Waited::Upstream(reply) => self.on_upstream(reply),
                 Waited::Direct(reply) => self.on_direct(reply),
             }
+        }
+    }
+
+    /// A shard of the route drains (SIGTERM): while another route of the model takes work,
+    /// the sessions move there now instead of holding the shard until they finish.
+    fn leave_draining_shard(&mut self) {
+        if self.live.is_empty() || self.failover.is_none() {
+            return;
+        }
+        let draining = self.health.borrow().draining();
+        if draining.is_empty() {
+            return;
+        }
+        let elsewhere = self
+            .table
+            .routes_of(&self.cluster.model_digest)
+            .iter()
+            .any(|r| r.name != self.name && *r.up.borrow() && r.resident());
+        if elsewhere {
+            self.route_failed(ApiError::draining(format!(
+                "shard {} is draining",
+                draining.join(", ")
+            )));
         }
     }
 
