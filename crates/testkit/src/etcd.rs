@@ -39,11 +39,20 @@ impl Etcd {
         let mut e = Etcd {
             child: None,
             dir,
-            client_port: free_port(),
-            peer_port: free_port(),
+            client_port: 0,
+            peer_port: 0,
         };
-        e.restart();
-        e
+        // A port found free may be taken before etcd binds it: then other ports.
+        for attempt in 1..=3 {
+            e.client_port = free_port();
+            e.peer_port = free_port();
+            match e.launch() {
+                Ok(()) => return e,
+                Err(why) if attempt < 3 => eprintln!("etcd did not start ({why}); other ports"),
+                Err(why) => panic!("{why}"),
+            }
+        }
+        unreachable!("the last attempt returns or panics")
     }
 
     /// `http://127.0.0.1:PORT`, what `--registry` takes.
@@ -62,6 +71,13 @@ impl Etcd {
     /// Starts etcd again on the same ports and data (after [`Etcd::kill`]) and waits until it
     /// answers.
     pub fn restart(&mut self) {
+        if let Err(why) = self.launch() {
+            panic!("{why}");
+        }
+    }
+
+    /// Starts etcd on this handle's ports and data and waits until it answers.
+    fn launch(&mut self) -> Result<(), String> {
         self.kill();
         let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
@@ -98,11 +114,15 @@ impl Etcd {
         loop {
             let r = client::request("GET", &addr, "/health", None, &[]);
             if r.is_ok_and(|r| r.status == 200 && r.body.contains("true")) {
-                return;
+                return Ok(());
+            }
+            let log = || std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default();
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                self.child = None;
+                return Err(format!("etcd exited ({status}):\n{}", log()));
             }
             if t0.elapsed() > Duration::from_secs(30) {
-                let log = std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default();
-                panic!("etcd did not answer within 30 s:\n{log}");
+                return Err(format!("etcd did not answer within 30 s:\n{}", log()));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
