@@ -446,35 +446,41 @@ pub fn follow(endpoints: &str, prefix: &str) -> Result<watch::Receiver<Members>,
     Ok(rx)
 }
 
-/// A snapshot and the watch that follows it, until something breaks.
+/// A snapshot and the watch that follows it, until something breaks: why it broke.
 async fn follow_once(channel: &Channel, prefix: &str, tx: &watch::Sender<Members>) -> Error {
-    match follow_inner(channel, prefix, tx).await {
+    let key = format!("{prefix}shards/").into_bytes();
+    let end = prefix_end(&key);
+    let (shards, revision) = match snapshot(channel, prefix, &key, &end).await {
+        Ok(s) => s,
+        Err(e) => return e,
+    };
+    tx.send_replace(Members {
+        shards,
+        connected: true,
+        revision,
+    });
+    match watch_from(channel, prefix, key, end, revision, tx).await {
         Ok(never) => match never {},
         Err(e) => e,
     }
 }
 
-enum Never {}
-
-async fn follow_inner(
+/// Every record under the prefix, read in pages all at one revision (the first page's).
+async fn snapshot(
     channel: &Channel,
     prefix: &str,
-    tx: &watch::Sender<Members>,
-) -> Result<Never, Error> {
+    key: &[u8],
+    end: &[u8],
+) -> Result<(BTreeMap<String, ShardRecord>, i64), Error> {
     let mut kv = KvClient::new(channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES);
-    let mut watcher =
-        WatchClient::new(channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES);
-    let key = format!("{prefix}shards/").into_bytes();
-    let end = prefix_end(&key);
-    // The snapshot in pages, all at one revision (the first page's).
-    let mut shards: BTreeMap<String, ShardRecord> = BTreeMap::new();
-    let mut from = key.clone();
+    let mut shards = BTreeMap::new();
+    let mut from = key.to_vec();
     let mut revision = 0;
     let mut read = 0usize;
     loop {
         let page = call(kv.range(etcd::RangeRequest {
             key: from.clone(),
-            range_end: end.clone(),
+            range_end: end.to_vec(),
             limit: PAGE,
             revision,
         }))
@@ -502,11 +508,21 @@ async fn follow_inner(
             "registry: more entries than a tracker reads; the rest are ignored"
         );
     }
-    tx.send_replace(Members {
-        shards,
-        connected: true,
-        revision,
-    });
+    Ok((shards, revision))
+}
+
+/// Watches `[key, end)` from just after `revision`, applying every event to the membership.
+async fn watch_from(
+    channel: &Channel,
+    prefix: &str,
+    key: Vec<u8>,
+    end: Vec<u8>,
+    revision: i64,
+    tx: &watch::Sender<Members>,
+) -> Result<std::convert::Infallible, Error> {
+    let mut watcher =
+        WatchClient::new(channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES);
+    // The request stream stays open as long as `req_tx` lives: dropping it ends the watch.
     let (req_tx, req_rx) = mpsc::channel(1);
     req_tx
         .send(etcd::WatchRequest {
@@ -527,40 +543,42 @@ async fn follow_inner(
             return Err(Error("the watch stream ended".into()));
         };
         if r.canceled || r.compact_revision > 0 {
+            let reason = if r.cancel_reason.is_empty() {
+                "compacted"
+            } else {
+                &r.cancel_reason
+            };
             return Err(Error(format!(
-                "the watch was canceled ({}); reading a fresh snapshot",
-                if r.cancel_reason.is_empty() {
-                    "compacted"
-                } else {
-                    &r.cancel_reason
-                }
+                "the watch was canceled ({reason}); reading a fresh snapshot"
             )));
         }
         let revision = r.header.map_or(0, |h| h.revision);
         tx.send_if_modified(|m| {
-            let before = m.clone();
-            for e in &r.events {
-                let Some(kv) = &e.kv else { continue };
-                let k = String::from_utf8_lossy(&kv.key).into_owned();
-                let put = e.r#type == etcd::event::EventType::Put as i32;
-                match put
-                    .then(|| parse_record(prefix, &kv.key, &kv.value))
-                    .flatten()
-                {
-                    Some(rec) => {
-                        m.shards.insert(k, rec);
-                    }
-                    None => {
-                        m.shards.remove(&k);
-                    }
-                }
-            }
+            let changed = apply(m, prefix, &r.events);
+            let newer = revision > m.revision;
             m.revision = m.revision.max(revision);
-            *m != before
+            changed || newer
         });
-        // Keep `req_tx` alive: dropping it would end the watch.
-        let _ = &req_tx;
     }
+}
+
+/// Applies watch events to the membership; whether a record changed.
+fn apply(m: &mut Members, prefix: &str, events: &[etcd::Event]) -> bool {
+    let mut changed = false;
+    for e in events {
+        let Some(kv) = &e.kv else { continue };
+        let k = String::from_utf8_lossy(&kv.key).into_owned();
+        let put = e.r#type == etcd::event::EventType::Put as i32;
+        // A put of something that is not a record takes the key out, as a delete does.
+        match put
+            .then(|| parse_record(prefix, &kv.key, &kv.value))
+            .flatten()
+        {
+            Some(rec) => changed |= m.shards.insert(k, rec.clone()).as_ref() != Some(&rec),
+            None => changed |= m.shards.remove(&k).is_some(),
+        }
+    }
+    changed
 }
 
 #[cfg(test)]

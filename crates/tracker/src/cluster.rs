@@ -49,6 +49,9 @@ impl Health {
 
     /// Shards going away (SIGTERM): they take no new sessions.
     pub fn draining(&self) -> Vec<String> {
+        if !self.any_draining() {
+            return Vec::new();
+        }
         self.shards
             .iter()
             .filter(|s| s.stats.as_ref().is_some_and(|st| st.draining))
@@ -71,7 +74,14 @@ impl Health {
 
     /// Every shard up and none draining: the route takes new sessions.
     pub fn serving(&self) -> bool {
-        self.all_up() && self.draining().is_empty()
+        self.all_up() && !self.any_draining()
+    }
+
+    /// Whether a shard drains (read every pass of the route's loop: allocates nothing).
+    pub fn any_draining(&self) -> bool {
+        self.shards
+            .iter()
+            .any(|s| s.stats.as_ref().is_some_and(|st| st.draining))
     }
 
     /// The first shard that answers as something other than what the route was validated

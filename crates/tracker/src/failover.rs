@@ -11,14 +11,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::http::RouteHandle;
 use crate::ledger::Ledger;
 use crate::runner::{Command, Moved};
 use crate::table::RouteTable;
-
-fn takes_work(r: &RouteHandle) -> bool {
-    *r.up.borrow() && r.resident()
-}
 
 /// Places every moved session, each on its own task.
 pub async fn dispatch(
@@ -48,7 +43,7 @@ async fn place(
         let mut routes = table.routes_of(&m.digest);
         routes.sort_by_key(|r| r.name == m.from);
         let replicas = routes.iter().filter(|r| r.name != m.from).count();
-        for r in routes.iter().filter(|r| takes_work(r)) {
+        for r in routes.iter().filter(|r| r.takes_work()) {
             let (tx, rx) = oneshot::channel();
             if let Err(e) = r
                 .commands

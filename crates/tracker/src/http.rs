@@ -86,6 +86,11 @@ impl RouteHandle {
     pub fn resident(&self) -> bool {
         !self.evicted.load(std::sync::atomic::Ordering::Acquire)
     }
+
+    /// Open, serving and resident: it takes new sessions and moved ones.
+    pub fn takes_work(&self) -> bool {
+        *self.up.borrow() && self.resident()
+    }
 }
 
 impl ModelEntry {

@@ -297,11 +297,10 @@ impl RouteStarter {
         let Some(route) = self.table.remove_route(name) else {
             return;
         };
+        // It is out of the table already: any route of the model left is another one.
         let move_sessions = self
             .table
-            .routes_of(&route.cluster.model_digest)
-            .iter()
-            .any(|r| *r.up.borrow() && r.resident());
+            .another_takes_work(&route.cluster.model_digest, name);
         self.metrics.set(
             "strata_model_resident",
             &[("model", &route.cluster.model_name), ("route", name)],

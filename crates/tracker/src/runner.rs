@@ -382,19 +382,14 @@ impl Runner {
     /// A shard of the route drains (SIGTERM): while another route of the model takes work,
     /// the sessions move there now instead of holding the shard until they finish.
     fn leave_draining_shard(&mut self) {
-        if self.live.is_empty() || self.failover.is_none() {
+        if self.live.is_empty() || self.failover.is_none() || !self.health.borrow().any_draining() {
             return;
         }
-        let draining = self.health.borrow().draining();
-        if draining.is_empty() {
-            return;
-        }
-        let elsewhere = self
+        if self
             .table
-            .routes_of(&self.cluster.model_digest)
-            .iter()
-            .any(|r| r.name != self.name && *r.up.borrow() && r.resident());
-        if elsewhere {
+            .another_takes_work(&self.cluster.model_digest, &self.name)
+        {
+            let draining = self.health.borrow().draining();
             self.route_failed(ApiError::draining(format!(
                 "shard {} is draining",
                 draining.join(", ")

@@ -84,6 +84,13 @@ impl RouteTable {
             .unwrap_or_default()
     }
 
+    /// Whether a route of the model other than `name` takes work now.
+    pub fn another_takes_work(&self, digest: &str, name: &str) -> bool {
+        self.routes_of(digest)
+            .iter()
+            .any(|r| r.name != name && r.takes_work())
+    }
+
     /// Every route's shard addresses (in layer order), by route name.
     pub fn shard_addresses(&self) -> Vec<(String, Vec<String>)> {
         self.models()
