@@ -194,7 +194,7 @@ fn attention(c: &mut Criterion) {
 /// 128 positions (GFLOP/s: 2 per multiply-add of Q.K and of the weighted sum of V).
 fn fused_attention(c: &mut Criterion) {
     let k = Kernels::detect();
-    let (g, n_pos, hd) = (3, 128, attn::FUSED_HEAD_DIM);
+    let (g, n_pos, hd) = (3, 128, attn::FUSED_HEAD_DIMS[0]);
     let q = values(g * hd, 9);
     let row = |seed| -> Vec<f16> { values(hd, seed).into_iter().map(f16::from_f32).collect() };
     let ks: Vec<Vec<f16>> = (0..n_pos).map(|t| row(100 + t as u32)).collect();

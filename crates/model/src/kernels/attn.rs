@@ -88,44 +88,50 @@ pub mod f16c {
     }
 }
 
-/// Head width of the fused attention kernel.
+/// Head widths the fused attention kernel takes (SmolLM2 and Qwen2.5-0.5B: 64; Qwen2.5-1.5B:
+/// 128; Gemma 3: 256).
 #[cfg(target_arch = "x86_64")]
-pub const FUSED_HEAD_DIM: usize = 64;
+pub const FUSED_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Most query heads per KV head the fused attention kernel takes in one call.
+#[cfg(target_arch = "x86_64")]
+pub const FUSED_MAX_GROUP: usize = 8;
 
 #[cfg(target_arch = "x86_64")]
 pub mod fused {
-    //! One attention task — `G` query heads of width 64 sharing one KV head — in one function,
-    //! with exactly the arithmetic of [`super::dot_f16`], the softmax of the generic path and
-    //! [`super::axpy_f16`]: each K and V row is decoded once for all `G` heads, and the `G`
-    //! output rows stay in registers across every position (32 vector registers with
-    //! AVX-512VL), so nothing is called, loaded or stored per position and head.
+    //! One attention task — `G` query heads of width `8 * CH` sharing one KV head — in one
+    //! function, with exactly the arithmetic of [`super::dot_f16`], the softmax of the generic
+    //! path and [`super::axpy_f16`]: each K and V row is decoded once for all `G` heads, and
+    //! nothing is called per position and head. With width 64 and few heads the `G` output
+    //! rows stay in registers across every position (32 vector registers with AVX-512VL);
+    //! wider heads keep them in the task's stack frame, in L1.
 
     use std::arch::x86_64::*;
 
     use half::f16;
 
-    const HD: usize = super::FUSED_HEAD_DIM;
-    const CH: usize = HD / 8;
-
-    /// Converts 64 f16 values to 8 registers of f32.
+    /// Converts `8 * CH` f16 values to `CH` registers of f32.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-    unsafe fn load_row(r: &[f16]) -> [__m256; CH] {
-        assert!(r.len() >= HD);
-        // SAFETY: 64 values asserted above.
-        std::array::from_fn(|ch| unsafe {
-            _mm256_cvtph_ps(_mm_loadu_si128(r.as_ptr().add(8 * ch) as *const __m128i))
-        })
+    unsafe fn load_row<const CH: usize>(r: &[f16]) -> [__m256; CH] {
+        assert!(r.len() >= 8 * CH);
+        let mut out = [_mm256_setzero_ps(); CH];
+        for (ch, o) in out.iter_mut().enumerate() {
+            // SAFETY: `8 * CH` values asserted above.
+            *o = _mm256_cvtph_ps(unsafe {
+                _mm_loadu_si128(r.as_ptr().add(8 * ch) as *const __m128i)
+            });
+        }
+        out
     }
 
-    /// Hints the two cache lines of a 64-value f16 row.
+    /// Hints the cache lines of a row of `8 * CH` f16 values.
     #[inline]
-    fn prefetch_row(r: &[f16]) {
+    fn prefetch_row<const CH: usize>(r: &[f16]) {
         let p = r.as_ptr() as *const i8;
-        // SAFETY: prefetching is a hint; both addresses are within or at the end of the row.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(p);
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64));
+        for line in 0..CH.div_ceil(4) {
+            // SAFETY: prefetching is a hint; every address is within or at the end of the row.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * line)) };
         }
     }
 
@@ -156,7 +162,7 @@ pub mod fused {
     /// # Safety
     /// The CPU must have AVX2, FMA, F16C and AVX-512 F/VL.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-    pub unsafe fn heads<'a, const G: usize>(
+    pub unsafe fn heads<'a, const G: usize, const CH: usize>(
         q: &[f32],
         n_pos: usize,
         scale: f32,
@@ -165,15 +171,18 @@ pub mod fused {
         scores: &mut [f32],
         out: &mut [f32],
     ) {
-        assert!(q.len() >= G * HD && out.len() >= G * HD && scores.len() >= G * n_pos);
+        let hd = 8 * CH;
+        assert!(q.len() >= G * hd && out.len() >= G * hd && scores.len() >= G * n_pos);
         // Q rounded to f16 values, as llama.cpp multiplies it by an f16 K (round to nearest
         // even, as `f16::from_f32`). SAFETY: lengths asserted above.
-        let qv: [[__m256; CH]; G] = std::array::from_fn(|h| {
-            std::array::from_fn(|ch| unsafe {
-                let x = _mm256_loadu_ps(q.as_ptr().add(h * HD + 8 * ch));
-                _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
-            })
-        });
+        let mut qv = [[_mm256_setzero_ps(); CH]; G];
+        for (h, qh) in qv.iter_mut().enumerate() {
+            for (ch, x) in qh.iter_mut().enumerate() {
+                // SAFETY: lengths asserted above.
+                let v = unsafe { _mm256_loadu_ps(q.as_ptr().add(h * hd + 8 * ch)) };
+                *x = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
+            }
+        }
         // K and V rows of one session are scattered over its blocks (and a step's sessions do
         // not fit in cache together): ask for the rows a few positions ahead.
         const AHEAD: usize = 4;
@@ -188,18 +197,17 @@ pub mod fused {
             }
             for (p, kp) in kf.iter_mut().enumerate().take(n) {
                 if t0 + p + 2 * AHEAD < n_pos {
-                    prefetch_row(k(t0 + p + 2 * AHEAD));
+                    prefetch_row::<CH>(k(t0 + p + 2 * AHEAD));
                 }
-                *kp = unsafe { load_row(k(t0 + p)) };
+                *kp = unsafe { load_row::<CH>(k(t0 + p)) };
             }
             for h in 0..G {
-                let acc: [__m256; 8] = std::array::from_fn(|p| {
-                    let mut acc = _mm256_setzero_ps();
+                let mut acc = [_mm256_setzero_ps(); 8];
+                for (a, kp) in acc.iter_mut().zip(&kf) {
                     for ch in 0..CH {
-                        acc = _mm256_fmadd_ps(qv[h][ch], kf[p][ch], acc);
+                        *a = _mm256_fmadd_ps(qv[h][ch], kp[ch], *a);
                     }
-                    acc
-                });
+                }
                 // Then `dot_f16`'s (empty) tail, and the scale.
                 let sums = _mm256_add_ps(reduce8(acc), _mm256_setzero_ps());
                 // SAFETY: `h * n_pos + t0 + n <= G * n_pos`, asserted above; the mask keeps to
@@ -235,9 +243,9 @@ pub mod fused {
         let mut o = [[_mm256_setzero_ps(); CH]; G];
         for t in 0..n_pos {
             if t + AHEAD < n_pos {
-                prefetch_row(v(t + AHEAD));
+                prefetch_row::<CH>(v(t + AHEAD));
             }
-            let vr = unsafe { load_row(v(t)) };
+            let vr = unsafe { load_row::<CH>(v(t)) };
             for h in 0..G {
                 let p = _mm256_set1_ps(scores[h * n_pos + t]);
                 for ch in 0..CH {
@@ -248,7 +256,7 @@ pub mod fused {
         for h in 0..G {
             for ch in 0..CH {
                 // SAFETY: length asserted above.
-                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(h * HD + 8 * ch), o[h][ch]) };
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(h * hd + 8 * ch), o[h][ch]) };
             }
         }
     }
@@ -261,7 +269,8 @@ mod tests {
     /// The generic path's attention of `g` heads: Q rounded to f16, dot, softmax, rounded
     /// weights, axpy.
     fn generic(q: &[f32], ks: &[Vec<f16>], vs: &[Vec<f16>], scale: f32, g: usize) -> Vec<f32> {
-        let (hd, n_pos) = (FUSED_HEAD_DIM, ks.len());
+        let n_pos = ks.len();
+        let hd = q.len() / g;
         let q: Vec<f32> = q.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
         let mut scores = vec![0f32; g * n_pos];
         for t in 0..n_pos {
@@ -290,34 +299,35 @@ mod tests {
         }
         let mut uniform = crate::kernels::tests::uniform(0x1234_5679);
         let mut next = || uniform(6.0);
-        let hd = FUSED_HEAD_DIM;
-        for g in 1..=4 {
-            for n_pos in [1, 7, 8, 16, 17, 100, 128] {
-                let q: Vec<f32> = (0..g * hd).map(|_| next()).collect();
-                let row = |next: &mut dyn FnMut() -> f32| -> Vec<f16> {
-                    (0..hd).map(|_| f16::from_f32(next())).collect()
-                };
-                let ks: Vec<Vec<f16>> = (0..n_pos).map(|_| row(&mut next)).collect();
-                let vs: Vec<Vec<f16>> = (0..n_pos).map(|_| row(&mut next)).collect();
-                let want = generic(&q, &ks, &vs, 0.125, g);
-                let mut scores = vec![0f32; g * n_pos];
-                let mut got = vec![0f32; g * hd];
-                let k = crate::kernels::Kernels::detect();
-                assert!(k.fused_attention(
-                    hd,
-                    &q,
-                    n_pos,
-                    0.125,
-                    |t| &ks[t][..],
-                    |t| &vs[t][..],
-                    &mut scores,
-                    &mut got
-                ));
-                assert_eq!(
-                    want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    "g = {g}, n_pos = {n_pos}"
-                );
+        for hd in FUSED_HEAD_DIMS {
+            for g in 1..=FUSED_MAX_GROUP {
+                for n_pos in [1, 7, 8, 17, 100] {
+                    let q: Vec<f32> = (0..g * hd).map(|_| next()).collect();
+                    let row = |next: &mut dyn FnMut() -> f32| -> Vec<f16> {
+                        (0..hd).map(|_| f16::from_f32(next())).collect()
+                    };
+                    let ks: Vec<Vec<f16>> = (0..n_pos).map(|_| row(&mut next)).collect();
+                    let vs: Vec<Vec<f16>> = (0..n_pos).map(|_| row(&mut next)).collect();
+                    let want = generic(&q, &ks, &vs, 0.125, g);
+                    let mut scores = vec![0f32; g * n_pos];
+                    let mut got = vec![0f32; g * hd];
+                    let k = crate::kernels::Kernels::detect();
+                    assert!(k.fused_attention(
+                        hd,
+                        &q,
+                        n_pos,
+                        0.125,
+                        |t| &ks[t][..],
+                        |t| &vs[t][..],
+                        &mut scores,
+                        &mut got
+                    ));
+                    assert_eq!(
+                        want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        "hd = {hd}, g = {g}, n_pos = {n_pos}"
+                    );
+                }
             }
         }
     }

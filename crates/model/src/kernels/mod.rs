@@ -238,7 +238,8 @@ impl Kernels {
 
 impl Kernels {
     /// One attention task in one call where a fused kernel exists for this isa and shape (head
-    /// width [`attn::FUSED_HEAD_DIM`], up to 4 query heads per KV head): `q` holds the query
+    /// widths [`attn::FUSED_HEAD_DIMS`], up to [`attn::FUSED_MAX_GROUP`] query heads per KV
+    /// head): `q` holds the query
     /// heads' rows (the kernel rounds them to f16 values, as the generic path does),
     /// `k(t)` / `v(t)` the KV head's rows at position `t`.
     /// Bitwise the generic path's result; returns false (nothing done) where there is no such
@@ -256,17 +257,30 @@ impl Kernels {
         out: &mut [f32],
     ) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if self.isa == Isa::Avx512Vnni && head_dim == attn::FUSED_HEAD_DIM {
+        if self.isa == Isa::Avx512Vnni && attn::FUSED_HEAD_DIMS.contains(&head_dim) {
             use attn::fused::heads;
+            macro_rules! by_group {
+                ($ch:literal) => {
+                    match q.len() / head_dim {
+                        1 => heads::<1, $ch>(q, n_pos, scale, k, v, scores, out),
+                        2 => heads::<2, $ch>(q, n_pos, scale, k, v, scores, out),
+                        3 => heads::<3, $ch>(q, n_pos, scale, k, v, scores, out),
+                        4 => heads::<4, $ch>(q, n_pos, scale, k, v, scores, out),
+                        5 => heads::<5, $ch>(q, n_pos, scale, k, v, scores, out),
+                        6 => heads::<6, $ch>(q, n_pos, scale, k, v, scores, out),
+                        7 => heads::<7, $ch>(q, n_pos, scale, k, v, scores, out),
+                        8 => heads::<8, $ch>(q, n_pos, scale, k, v, scores, out),
+                        _ => return false,
+                    }
+                };
+            }
             // SAFETY: the isa (AVX-512 F/VL with AVX2, FMA, F16C) was checked when these
             // kernels were made; lengths are asserted inside.
             unsafe {
-                match q.len() / head_dim {
-                    1 => heads::<1>(q, n_pos, scale, k, v, scores, out),
-                    2 => heads::<2>(q, n_pos, scale, k, v, scores, out),
-                    3 => heads::<3>(q, n_pos, scale, k, v, scores, out),
-                    4 => heads::<4>(q, n_pos, scale, k, v, scores, out),
-                    _ => return false,
+                match head_dim {
+                    64 => by_group!(8),
+                    128 => by_group!(16),
+                    _ => by_group!(32),
                 }
             }
             return true;
@@ -309,9 +323,15 @@ impl Kernels {
     /// Quantizes one activation row for a packed matrix ([`packed::quantize_act_row`]'s bytes).
     pub fn quantize_packed_act(&self, layout: &packed::Layout, x: &[f32], out: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
-        if self.isa == Isa::Avx512Vnni && !layout.kind.is_k() {
+        if self.isa == Isa::Avx512Vnni {
             // SAFETY: the isa was checked when these kernels were made.
-            return unsafe { packed::vnni::quantize_act_row(layout, x, out) };
+            return unsafe {
+                if layout.kind.is_k() {
+                    packed::vnni::quantize_k_act_row(layout, x, out)
+                } else {
+                    packed::vnni::quantize_act_row(layout, x, out)
+                }
+            };
         }
         packed::quantize_act_row(layout, x, out)
     }

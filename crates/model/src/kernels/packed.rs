@@ -724,8 +724,13 @@ mod tests {
         if !super::super::Isa::Avx512Vnni.is_supported() {
             return;
         }
-        // 48 blocks (three groups of sixteen), 18 (one and a part), 7 (a part only).
-        for (kind, n) in LEGACY.iter().flat_map(|&k| [(k, 1536), (k, 576), (k, 224)]) {
+        // 48 blocks (three groups of sixteen), 18 (one and a part), 7 (a part only); the
+        // K-quants' blocks of 256: six, and one.
+        let legacy = LEGACY.iter().flat_map(|&k| [(k, 1536), (k, 576), (k, 224)]);
+        let k_quants = [PackKind::Q4K, PackKind::Q5K, PackKind::Q6K]
+            .into_iter()
+            .flat_map(|k| [(k, 1536), (k, 256)]);
+        for (kind, n) in legacy.chain(k_quants) {
             let layout = Layout::new(kind, n);
             let mut x = data(n, 7);
             x[32..64].fill(0.0);
@@ -734,13 +739,27 @@ mod tests {
             }
             x[100] = 3.0e4;
             x[200] = -1.0e-30;
+            if kind.is_k() && n > 256 {
+                // A block of 256 with a NaN and with its largest magnitude twice, of both
+                // signs (the first is the signed maximum).
+                x[300] = f32::NAN;
+                x[320] = -2.5e3;
+                x[400] = 2.5e3;
+                x[512..768].fill(0.0);
+            }
             let (mut want, mut got) = (
                 vec![0u8; layout.a_row_bytes()],
                 vec![1u8; layout.a_row_bytes()],
             );
             quantize_act_row(&layout, &x, &mut want);
             // SAFETY: support checked above.
-            unsafe { vnni::quantize_act_row(&layout, &x, &mut got) };
+            unsafe {
+                if kind.is_k() {
+                    vnni::quantize_k_act_row(&layout, &x, &mut got)
+                } else {
+                    vnni::quantize_act_row(&layout, &x, &mut got)
+                }
+            };
             assert_eq!(want, got, "{kind:?} {n}");
         }
     }

@@ -146,6 +146,93 @@ pub unsafe fn quantize_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
     }
 }
 
+/// [`super::quantize_act_row`] for the K-quants (Q8_K blocks of 256), sixteen values per
+/// instruction and bitwise equal to it: the first value of the largest magnitude is the
+/// signed maximum (NaN skipped, as the reference's comparison skips it), the same scale and
+/// rounding as [`quantize_act_row`], and the sums taken from the stored bytes.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/VL/VNNI, AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+pub unsafe fn quantize_k_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
+    assert!(layout.kind.is_k());
+    assert_eq!(x.len(), layout.n_cols);
+    assert!(out.len() >= layout.a_row_bytes());
+    let q6 = layout.kind == PackKind::Q6K;
+    let offset = layout.kind.offset();
+    let (half, minus_half, one, top) = (
+        _mm512_set1_ps(0.5),
+        _mm512_set1_ps(-0.5),
+        _mm512_set1_epi32(1),
+        _mm512_set1_epi32(127),
+    );
+    for (b, xb) in x.chunks_exact(QK_K).enumerate() {
+        // SAFETY (loads): sixteen chunks of sixteen floats make the block.
+        let chunk = |c: usize| unsafe { _mm512_loadu_ps(xb.as_ptr().add(16 * c)) };
+        // The running maximum is the second operand, so a NaN is skipped.
+        let mut m = _mm512_setzero_ps();
+        for c in 0..QK_K / 16 {
+            m = _mm512_max_ps(_mm512_abs_ps(chunk(c)), m);
+        }
+        let amax = _mm512_reduce_max_ps(m);
+        let mut sums16 = [0i32; QK_K / 16];
+        let mut d = 0f32;
+        if amax == 0.0 {
+            out[QK_K * b..QK_K * (b + 1)].fill(0);
+        } else {
+            let first = (0..QK_K / 16)
+                .find_map(|c| {
+                    let eq = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(
+                        _mm512_abs_ps(chunk(c)),
+                        _mm512_set1_ps(amax),
+                    );
+                    (eq != 0).then(|| 16 * c + eq.trailing_zeros() as usize)
+                })
+                .expect("the maximum is one of the block's magnitudes");
+            let iscale = -127.0 / xb[first];
+            d = 1.0 / iscale;
+            let is = _mm512_set1_ps(iscale);
+            for (c, sum) in sums16.iter_mut().enumerate() {
+                let y = _mm512_mul_ps(chunk(c), is);
+                let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+                let frac = _mm512_sub_ps(y, t);
+                let q = _mm512_cvttps_epi32(t);
+                let q =
+                    _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half), q, one);
+                let q = _mm512_mask_sub_epi32(
+                    q,
+                    _mm512_cmp_ps_mask::<_CMP_LE_OQ>(frac, minus_half),
+                    q,
+                    one,
+                );
+                // The stored byte is the low byte of `min(q, 127)`, as `as i8` keeps it.
+                let bytes = _mm512_cvtepi32_epi8(_mm512_min_epi32(q, top));
+                // SAFETY: value `16c` of block `b` of `out`, in bounds by the assertions.
+                unsafe {
+                    _mm_storeu_si128(
+                        out.as_mut_ptr().add(QK_K * b + 16 * c) as *mut __m128i,
+                        bytes,
+                    )
+                };
+                *sum = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(bytes));
+            }
+        }
+        out[layout.a_d() + 4 * b..][..4].copy_from_slice(&d.to_le_bytes());
+        if q6 {
+            for (g, sum) in sums16.iter().enumerate() {
+                let at = layout.a_corr() + layout.corr_bytes() * b + 4 * g;
+                out[at..at + 4].copy_from_slice(&(-offset * sum).to_le_bytes());
+            }
+        }
+        if layout.kind.has_k_mins() {
+            for (s, pair) in sums16.chunks_exact(2).enumerate() {
+                let at = layout.a_sums() + layout.sums_bytes() * b + 2 * s;
+                out[at..at + 2].copy_from_slice(&((pair[0] + pair[1]) as i16).to_le_bytes());
+            }
+        }
+    }
+}
+
 /// The values `8h + j` (`lo`) and `8h + 4 + j` (`hi`) of every lane of a sub-block, from
 /// its nibble chunk `h` and, for `HIGH` bits above the nibble, its planes.
 #[inline]
