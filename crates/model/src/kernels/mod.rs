@@ -239,8 +239,8 @@ impl Kernels {
 impl Kernels {
     /// One attention task in one call where a fused kernel exists for this isa and shape (head
     /// widths [`attn::FUSED_HEAD_DIMS`], up to [`attn::FUSED_MAX_GROUP`] query heads per KV
-    /// head): `q` holds the query
-    /// heads' rows (the kernel rounds them to f16 values, as the generic path does),
+    /// head): `q` holds the query heads' rows (the kernel rounds them to f16 values, as the
+    /// generic path does),
     /// `k(t)` / `v(t)` the KV head's rows at position `t`.
     /// Bitwise the generic path's result; returns false (nothing done) where there is no such
     /// kernel.
@@ -257,7 +257,7 @@ impl Kernels {
         out: &mut [f32],
     ) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if self.isa == Isa::Avx512Vnni && attn::FUSED_HEAD_DIMS.contains(&head_dim) {
+        if self.isa == Isa::Avx512Vnni {
             use attn::fused::heads;
             macro_rules! by_group {
                 ($ch:literal) => {
@@ -280,7 +280,8 @@ impl Kernels {
                 match head_dim {
                     64 => by_group!(8),
                     128 => by_group!(16),
-                    _ => by_group!(32),
+                    256 => by_group!(32),
+                    _ => return false,
                 }
             }
             return true;

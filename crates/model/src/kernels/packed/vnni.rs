@@ -39,6 +39,30 @@ unsafe fn bcast4(a: *const u8, at: usize) -> __m512i {
     _mm512_set1_epi32(unsafe { (a.add(at) as *const i32).read_unaligned() })
 }
 
+/// `v * scale` rounded half away from zero, as the scalar quantizers round: truncation plus a
+/// step where the (exact) remainder reaches one half.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+fn round_scaled(v: __m512, scale: __m512) -> __m512i {
+    let y = _mm512_mul_ps(v, scale);
+    let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+    let frac = _mm512_sub_ps(y, t);
+    let one = _mm512_set1_epi32(1);
+    let q = _mm512_cvttps_epi32(t);
+    let q = _mm512_mask_add_epi32(
+        q,
+        _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, _mm512_set1_ps(0.5)),
+        q,
+        one,
+    );
+    _mm512_mask_sub_epi32(
+        q,
+        _mm512_cmp_ps_mask::<_CMP_LE_OQ>(frac, _mm512_set1_ps(-0.5)),
+        q,
+        one,
+    )
+}
+
 /// [`super::quantize_act_row`], 16 values per instruction and bitwise equal to it: the
 /// same maximum, scale and reciprocal; rounding half away from zero as truncation plus a
 /// step where the (exact) remainder reaches one half.
@@ -54,11 +78,6 @@ pub unsafe fn quantize_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
     assert_eq!(x.len(), layout.n_cols);
     assert!(out.len() >= layout.a_row_bytes());
     let offset = layout.kind.offset();
-    let (half, minus_half, one) = (
-        _mm512_set1_ps(0.5),
-        _mm512_set1_ps(-0.5),
-        _mm512_set1_epi32(1),
-    );
     // Sixteen blocks at a time: their maxima first, then their scales and reciprocals in
     // one vector division each (the same IEEE operations as one block at a time), then
     // the quants, then the per-block sums and corrections in vectors again.
@@ -97,21 +116,7 @@ pub unsafe fn quantize_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
                 )
             };
             let id = _mm512_set1_ps(ids[i]);
-            let round = |v: __m512| {
-                let y = _mm512_mul_ps(v, id);
-                let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
-                let frac = _mm512_sub_ps(y, t);
-                let q = _mm512_cvttps_epi32(t);
-                let q =
-                    _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half), q, one);
-                _mm512_mask_sub_epi32(
-                    q,
-                    _mm512_cmp_ps_mask::<_CMP_LE_OQ>(frac, minus_half),
-                    q,
-                    one,
-                )
-            };
-            let (q0, q1) = (round(x0), round(x1));
+            let (q0, q1) = (round_scaled(x0, id), round_scaled(x1, id));
             // SAFETY: as above.
             unsafe {
                 _mm_storeu_si128(
@@ -149,7 +154,7 @@ pub unsafe fn quantize_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
 /// [`super::quantize_act_row`] for the K-quants (Q8_K blocks of 256), sixteen values per
 /// instruction and bitwise equal to it: the first value of the largest magnitude is the
 /// signed maximum (NaN skipped, as the reference's comparison skips it), the same scale and
-/// rounding as [`quantize_act_row`], and the sums taken from the stored bytes.
+/// rounding ([`round_scaled`]), and the sums taken from the stored bytes.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/VL/VNNI, AVX2, FMA and F16C.
@@ -160,12 +165,7 @@ pub unsafe fn quantize_k_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
     assert!(out.len() >= layout.a_row_bytes());
     let q6 = layout.kind == PackKind::Q6K;
     let offset = layout.kind.offset();
-    let (half, minus_half, one, top) = (
-        _mm512_set1_ps(0.5),
-        _mm512_set1_ps(-0.5),
-        _mm512_set1_epi32(1),
-        _mm512_set1_epi32(127),
-    );
+    let top = _mm512_set1_epi32(127);
     for (b, xb) in x.chunks_exact(QK_K).enumerate() {
         // SAFETY (loads): sixteen chunks of sixteen floats make the block.
         let chunk = |c: usize| unsafe { _mm512_loadu_ps(xb.as_ptr().add(16 * c)) };
@@ -193,18 +193,7 @@ pub unsafe fn quantize_k_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
             d = 1.0 / iscale;
             let is = _mm512_set1_ps(iscale);
             for (c, sum) in sums16.iter_mut().enumerate() {
-                let y = _mm512_mul_ps(chunk(c), is);
-                let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
-                let frac = _mm512_sub_ps(y, t);
-                let q = _mm512_cvttps_epi32(t);
-                let q =
-                    _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half), q, one);
-                let q = _mm512_mask_sub_epi32(
-                    q,
-                    _mm512_cmp_ps_mask::<_CMP_LE_OQ>(frac, minus_half),
-                    q,
-                    one,
-                );
+                let q = round_scaled(chunk(c), is);
                 // The stored byte is the low byte of `min(q, 127)`, as `as i8` keeps it.
                 let bytes = _mm512_cvtepi32_epi8(_mm512_min_epi32(q, top));
                 // SAFETY: value `16c` of block `b` of `out`, in bounds by the assertions.
@@ -413,11 +402,14 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
 const PREFETCH: usize = 4096;
 
 /// How far ahead a stream of few activation rows also asks for weights in L2. With one row the
-/// kernel is bound by memory, and this took Qwen2.5-1.5B's decode from about 18.3 to 21.9
+/// kernel is bound by memory, and this took Qwen2.5-1.5B's decode from 16.9-18.9 to 20.3-20.9
 /// tokens/s (three alternating pairs, 2 threads): about the host's streaming bandwidth. With
 /// many rows the kernel is bound by compute and the extra hints cost more than they bring
 /// (pp512 6-10% lower), so it is not asked for there.
 const PREFETCH_L2: usize = 4 * PREFETCH;
+
+/// Fewer activation rows than this per call make a stream that [`PREFETCH_L2`] serves.
+const FAR_PREFETCH_ROWS: usize = 4;
 
 /// Prefetches the cache lines of `len` bytes at [`PREFETCH`] bytes past `at`, and if `far`
 /// at [`PREFETCH_L2`] into L2 (hints: an address past the matrix is harmless, and it is never
@@ -480,6 +472,7 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
         layout.m_at(),
     );
     let ap = a.map(|a| a.as_ptr());
+    let far = RA < FAR_PREFETCH_ROWS;
     for p in 0..n_panels {
         // SAFETY: panel `p` is in bounds by the assertion above.
         let wp = unsafe { w.as_ptr().add(p * layout.panel_bytes()) };
@@ -492,7 +485,7 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
             let mut total = [_mm512_setzero_si512(); RA];
             for s in 0..SUBS {
                 let sub = unsafe { blk.add(s * sub_bytes) };
-                prefetch_ahead(sub, sub_bytes, RA < 4);
+                prefetch_ahead(sub, sub_bytes, far);
                 // Q6_K: the sums of values 0..16 and 16..32 (each has its scale), from
                 // their offset corrections; else two chains of one sum.
                 let mut g = [[_mm512_setzero_si512(); RA]; 2];
@@ -556,7 +549,7 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
             prefetch_ahead(
                 blk.wrapping_add(SUBS * sub_bytes),
                 bb - SUBS * sub_bytes,
-                RA < 4,
+                far,
             );
             let d = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(blk.add(d_at) as *const __m256i) });
             let ad = ap.map(|a| unsafe {
