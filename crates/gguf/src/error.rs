@@ -83,8 +83,6 @@ pub enum Error {
     },
     #[error("tensor `{name}` not found")]
     MissingTensor { name: String },
-    #[error("{ty} cannot be {op} by the reference codec")]
-    UnsupportedCodec { ty: &'static str, op: &'static str },
     #[error("{what}: length {len} is not a multiple of {multiple}")]
     BadLength {
         what: &'static str,

@@ -151,52 +151,42 @@ fn dequantize_block(ty: GgmlType, b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// The 256 unsigned 2-bit values of a Q2_K block, in element order; element `i` is
+/// `d * (scales[i / 16] & 0xF) * q - dmin * (scales[i / 16] >> 4)` (`scales` the bytes 0..16,
+/// `d` and `dmin` the f16 at bytes 80 and 82).
+pub fn q2k_values(b: &[u8]) -> [u8; QK_K] {
+    // Element 128n + 32k + l sits in bits 2k of byte 16 + 32n + l.
+    std::array::from_fn(|i| (b[16 + 32 * (i / 128) + i % 32] >> (2 * ((i % 128) / 32))) & 3)
+}
+
 fn dequant_q2k(b: &[u8], y: &mut [f32]) {
-    let scales = &b[0..16];
-    let qs = &b[16..80];
     let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
-    let mut out = 0;
-    let mut is = 0;
-    for n in 0..2 {
-        let q = &qs[32 * n..];
-        for shift in [0, 2, 4, 6] {
-            for half in 0..2 {
-                let sc = scales[is];
-                is += 1;
-                let (dl, ml) = (d * (sc & 0xF) as f32, dmin * (sc >> 4) as f32);
-                for l in 0..16 {
-                    y[out] = dl * ((q[l + 16 * half] >> shift) & 3) as f32 - ml;
-                    out += 1;
-                }
-            }
-        }
+    for (i, q) in q2k_values(b).into_iter().enumerate() {
+        let sc = b[i / 16];
+        let (dl, ml) = (d * (sc & 0xF) as f32, dmin * (sc >> 4) as f32);
+        y[i] = dl * q as f32 - ml;
     }
 }
 
+/// The 256 signed 3-bit values (-4..=3) of a Q3_K block, in element order; element `i` is
+/// scaled by `q3k_scales[i / 16] - 32` times `d` (the f16 at byte 108).
+pub fn q3k_values(b: &[u8]) -> [i8; QK_K] {
+    // Element 128n + 32k + l: bits 2k of byte 32 + 32n + l, and bit 4n + k of hmask byte l
+    // (clear means 4 is subtracted).
+    std::array::from_fn(|i| {
+        let (n, k, l) = (i / 128, (i % 128) / 32, i % 32);
+        let lo = ((b[32 + 32 * n + l] >> (2 * k)) & 3) as i8;
+        let high = (b[l] >> (4 * n + k)) & 1;
+        lo - if high != 0 { 0 } else { 4 }
+    })
+}
+
 fn dequant_q3k(b: &[u8], y: &mut [f32]) {
-    let hmask = &b[0..32];
-    let qs = &b[32..96];
     let scales = q3k_scales(&b[96..108]);
     let d = f16_at(b, 108);
-    let mut out = 0;
-    let mut is = 0;
-    let mut m = 1u8;
-    for n in 0..2 {
-        let q = &qs[32 * n..];
-        for shift in [0, 2, 4, 6] {
-            for half in 0..2 {
-                let dl = d * (scales[is] as i32 - 32) as f32;
-                is += 1;
-                for l in 0..16 {
-                    let idx = l + 16 * half;
-                    let lo = ((q[idx] >> shift) & 3) as i32;
-                    let hi = if hmask[idx] & m != 0 { 0 } else { 4 };
-                    y[out] = dl * (lo - hi) as f32;
-                    out += 1;
-                }
-            }
-            m <<= 1;
-        }
+    for (i, q) in q3k_values(b).into_iter().enumerate() {
+        let dl = d * (scales[i / 16] as i32 - 32) as f32;
+        y[i] = dl * q as f32;
     }
 }
 
@@ -217,26 +207,23 @@ fn dequant_q4k(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// The 256 unsigned 5-bit values of a Q5_K block, in element order; sub-block `s` (values
+/// `32s..32s + 32`) has the scale and min [`scale_min_k4`]`(s, &b[4..16])`.
+pub fn q5k_values(b: &[u8]) -> [u8; QK_K] {
+    let (qh, qs) = (&b[16..48], &b[48..176]);
+    // Element 64j + 32h + l: nibble h of qs[32j + l], fifth bit 2j + h of qh[l].
+    std::array::from_fn(|i| {
+        let (j, h, l) = (i / 64, (i % 64) / 32, i % 32);
+        let nib = (qs[32 * j + l] >> (4 * h)) & 0xF;
+        nib | (((qh[l] >> (2 * j + h)) & 1) << 4)
+    })
+}
+
 fn dequant_q5k(b: &[u8], y: &mut [f32]) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-    let scales = &b[4..16];
-    let qh = &b[16..48];
-    let qs = &b[48..176];
-    let (mut u1, mut u2) = (1u8, 2u8);
-    for j in 0..4 {
-        let (sc1, m1) = scale_min_k4(2 * j, scales);
-        let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
-        let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
-        let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
-        let ql = &qs[32 * j..32 * j + 32];
-        for l in 0..32 {
-            let h1 = if qh[l] & u1 != 0 { 16 } else { 0 };
-            let h2 = if qh[l] & u2 != 0 { 16 } else { 0 };
-            y[64 * j + l] = d1 * ((ql[l] & 0xF) + h1) as f32 - min1;
-            y[64 * j + 32 + l] = d2 * ((ql[l] >> 4) + h2) as f32 - min2;
-        }
-        u1 <<= 2;
-        u2 <<= 2;
+    for (i, q) in q5k_values(b).into_iter().enumerate() {
+        let (sc, m) = scale_min_k4(i / 32, &b[4..16]);
+        y[i] = d * sc as f32 * q as f32 - dmin * m as f32;
     }
 }
 
@@ -335,9 +322,18 @@ pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, Error> {
                 out.extend(q.iter().map(|&v| v as u8));
             }
         }
+        GgmlType::Q2K => src
+            .chunks_exact(QK_K)
+            .for_each(|x| quantize_q2k(x, &mut out)),
+        GgmlType::Q3K => src
+            .chunks_exact(QK_K)
+            .for_each(|x| quantize_q3k(x, &mut out)),
         GgmlType::Q4K => src
             .chunks_exact(QK_K)
-            .for_each(|x| quantize_q4k(x, &mut out)),
+            .for_each(|x| quantize_q45k(x, 15, &mut out)),
+        GgmlType::Q5K => src
+            .chunks_exact(QK_K)
+            .for_each(|x| quantize_q45k(x, 31, &mut out)),
         GgmlType::Q6K => src
             .chunks_exact(QK_K)
             .for_each(|x| quantize_q6k(x, &mut out)),
@@ -359,12 +355,6 @@ pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, Error> {
                 }
             }
         }
-        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q5K => {
-            return Err(Error::UnsupportedCodec {
-                ty: ty.name(),
-                op: "quantized",
-            })
-        }
     }
     Ok(out)
 }
@@ -384,34 +374,119 @@ fn pack_low_bits(out: &mut Vec<u8>, q: &[u8], five_bits: bool) {
     }
 }
 
-fn quantize_q4k(x: &[f32], out: &mut Vec<u8>) {
-    // Per sub-block of 32: x ~= scale * q - min, q in 0..=15, min >= 0.
-    let mut scales = [0f32; 8];
-    let mut mins = [0f32; 8];
-    for (j, sub) in x.chunks_exact(32).enumerate() {
+/// The signed value of largest magnitude in `x` (the first, on a tie); 0 for an empty slice.
+fn signed_max(x: &[f32]) -> f32 {
+    x.iter()
+        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
+}
+
+/// Unsigned values with a per-group min, `x ~= scale * q - min` with `q` in `0..=levels` and
+/// `min >= 0`: the integer scales and mins (`0..=top` each, of `d` and `dmin`), the two
+/// super-block scales as stored (f16) and the values. `groups` is the number of groups.
+struct MinQuant {
+    ls: Vec<u8>,
+    lm: Vec<u8>,
+    d: f32,
+    dmin: f32,
+    q: [u8; QK_K],
+}
+
+fn quantize_with_mins(x: &[f32], groups: usize, levels: u8, top: u8) -> MinQuant {
+    let size = QK_K / groups;
+    let (mut scales, mut mins) = (vec![0f32; groups], vec![0f32; groups]);
+    for (j, sub) in x.chunks_exact(size).enumerate() {
         let lo = sub.iter().copied().fold(f32::INFINITY, f32::min).min(0.0);
         let hi = sub.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        scales[j] = (hi - lo) / 15.0;
+        scales[j] = (hi - lo) / levels as f32;
         mins[j] = -lo;
     }
-    let max_scale = scales.iter().copied().fold(0f32, f32::max);
-    let max_min = mins.iter().copied().fold(0f32, f32::max);
-    let d = max_scale / 63.0;
-    let dmin = max_min / 63.0;
-    let mut ls = [0u8; 8];
-    let mut lm = [0u8; 8];
-    for j in 0..8 {
-        ls[j] = if d > 0.0 {
-            (scales[j] / d).round().min(63.0) as u8
+    let d = scales.iter().copied().fold(0f32, f32::max) / top as f32;
+    let dmin = mins.iter().copied().fold(0f32, f32::max) / top as f32;
+    let int = |v: f32, of: f32| {
+        if of > 0.0 {
+            (v / of).round().min(top as f32) as u8
         } else {
             0
-        };
-        lm[j] = if dmin > 0.0 {
-            (mins[j] / dmin).round().min(63.0) as u8
-        } else {
-            0
-        };
+        }
+    };
+    let ls: Vec<u8> = scales.iter().map(|&s| int(s, d)).collect();
+    let lm: Vec<u8> = mins.iter().map(|&m| int(m, dmin)).collect();
+    let (d16, dmin16) = (f16::from_f32(d).to_f32(), f16::from_f32(dmin).to_f32());
+    let mut q = [0u8; QK_K];
+    for j in 0..groups {
+        let (sc, m) = (d16 * ls[j] as f32, dmin16 * lm[j] as f32);
+        for l in 0..size {
+            let v = if sc > 0.0 {
+                ((x[size * j + l] + m) / sc).round()
+            } else {
+                0.0
+            };
+            q[size * j + l] = v.clamp(0.0, levels as f32) as u8;
+        }
     }
+    MinQuant { ls, lm, d, dmin, q }
+}
+
+fn quantize_q2k(x: &[f32], out: &mut Vec<u8>) {
+    // Sixteen groups of 16 values, x ~= d * sc * q - dmin * m with q in 0..=3 and 4-bit sc, m.
+    let mq = quantize_with_mins(x, 16, 3, 15);
+    out.extend((0..16).map(|j| mq.ls[j] | (mq.lm[j] << 4)));
+    // Value 128n + 32k + l sits in bits 2k of byte 32n + l.
+    for n in 0..2 {
+        for l in 0..32 {
+            let v = |k: usize| mq.q[128 * n + 32 * k + l] << (2 * k);
+            out.push(v(0) | v(1) | v(2) | v(3));
+        }
+    }
+    put_f16(out, mq.d);
+    put_f16(out, mq.dmin);
+}
+
+fn quantize_q3k(x: &[f32], out: &mut Vec<u8>) {
+    // Sixteen groups of 16 values, x ~= d * sc * q with q in -4..=3 and sc in -32..=31.
+    let mut sub_scales = [0f32; 16];
+    for (j, sub) in x.chunks_exact(16).enumerate() {
+        sub_scales[j] = signed_max(sub) / -4.0;
+    }
+    let d = signed_max(&sub_scales) / -32.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let sc: [i8; 16] = sub_scales.map(|s| (s * id).round().clamp(-32.0, 31.0) as i8);
+    let d16 = f16::from_f32(d).to_f32();
+    // Stored as q + 4: two low bits in `qs`, the third in `hmask`.
+    let mut l = [0u8; QK_K];
+    for j in 0..16 {
+        let s = d16 * sc[j] as f32;
+        for i in 16 * j..16 * j + 16 {
+            let v = if s != 0.0 { (x[i] / s).round() } else { 0.0 };
+            l[i] = (v.clamp(-4.0, 3.0) as i32 + 4) as u8;
+        }
+    }
+    // Value i = 128n + 32k + idx: bit 4n + k of hmask[idx], bits 2k of qs[32n + idx].
+    let mut hmask = [0u8; 32];
+    let mut qs = [0u8; 64];
+    for (i, &v) in l.iter().enumerate() {
+        let (n, k, idx) = (i / 128, (i % 128) / 32, i % 32);
+        hmask[idx] |= (v >> 2) << (4 * n + k);
+        qs[32 * n + idx] |= (v & 3) << (2 * k);
+    }
+    // The 6-bit scales (sc + 32): low nibbles in bytes 0..8, top two bits in bytes 8..12.
+    let mut packed = [0u8; 12];
+    for (j, &s) in sc.iter().enumerate() {
+        let u = (s as i32 + 32) as u8;
+        packed[j % 8] |= (u & 0xF) << (4 * (j / 8));
+        packed[8 + j % 4] |= (u >> 4) << (2 * (j / 4));
+    }
+    out.extend_from_slice(&hmask);
+    out.extend_from_slice(&qs);
+    out.extend_from_slice(&packed);
+    put_f16(out, d);
+}
+
+/// Q4_K (`levels` 15) or Q5_K (31): eight sub-blocks of 32 values, x ~= d * sc * q - dmin * m
+/// with 6-bit sc and m.
+fn quantize_q45k(x: &[f32], levels: u8, out: &mut Vec<u8>) {
+    let mq = quantize_with_mins(x, 8, levels, 63);
+    let (ls, lm) = (&mq.ls, &mq.lm);
     let mut packed = [0u8; 12];
     for j in 0..8 {
         if j < 4 {
@@ -423,27 +498,21 @@ fn quantize_q4k(x: &[f32], out: &mut Vec<u8>) {
             packed[j] |= (lm[j] >> 4) << 6;
         }
     }
-    let d16 = f16::from_f32(d).to_f32();
-    let dmin16 = f16::from_f32(dmin).to_f32();
-    let mut q = [0u8; QK_K];
-    for j in 0..8 {
-        let sc = d16 * ls[j] as f32;
-        let m = dmin16 * lm[j] as f32;
-        for l in 0..32 {
-            let v = if sc > 0.0 {
-                ((x[32 * j + l] + m) / sc).round()
-            } else {
-                0.0
-            };
-            q[32 * j + l] = v.clamp(0.0, 15.0) as u8;
-        }
-    }
-    put_f16(out, d);
-    put_f16(out, dmin);
+    put_f16(out, mq.d);
+    put_f16(out, mq.dmin);
     out.extend_from_slice(&packed);
+    let q = &mq.q;
+    if levels > 15 {
+        // Fifth bits: value 64j + l at bit 2j of qh[l], value 64j + 32 + l at bit 2j + 1.
+        out.extend((0..32).map(|l| {
+            (0..4).fold(0u8, |h, j| {
+                h | ((q[64 * j + l] >> 4) << (2 * j)) | ((q[64 * j + 32 + l] >> 4) << (2 * j + 1))
+            })
+        }));
+    }
     for j in 0..4 {
         for l in 0..32 {
-            out.push(q[64 * j + l] | (q[64 * j + 32 + l] << 4));
+            out.push((q[64 * j + l] & 0xF) | ((q[64 * j + 32 + l] & 0xF) << 4));
         }
     }
 }
@@ -452,15 +521,9 @@ fn quantize_q6k(x: &[f32], out: &mut Vec<u8>) {
     // Sixteen sub-blocks of 16 values, each with an i8 scale; x ~= d * scale * (q - 32).
     let mut sub_scales = [0f32; 16];
     for (j, sub) in x.chunks_exact(16).enumerate() {
-        let max = sub
-            .iter()
-            .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-        sub_scales[j] = max / -32.0;
+        sub_scales[j] = signed_max(sub) / -32.0;
     }
-    let max_scale = sub_scales
-        .iter()
-        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-    let d = max_scale / -128.0;
+    let d = signed_max(&sub_scales) / -128.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     let mut sc = [0i8; 16];
     for j in 0..16 {
@@ -526,7 +589,10 @@ mod tests {
             (GgmlType::Q5_1, 2.0 * amax / 31.0),
             (GgmlType::Q4_0, amax / 7.0),
             (GgmlType::Q4_1, 2.0 * amax / 15.0),
+            (GgmlType::Q2K, 2.0 * amax / 3.0 * 1.2),
+            (GgmlType::Q3K, amax / 4.0 * 1.2),
             (GgmlType::Q4K, 2.0 * amax / 15.0 * 1.2),
+            (GgmlType::Q5K, 2.0 * amax / 31.0 * 1.2),
             (GgmlType::Q6K, amax / 31.0 * 1.2),
         ] {
             let bytes = quantize(ty, &x).unwrap();
@@ -546,9 +612,6 @@ mod tests {
         let mut y = vec![0f32; 32];
         assert!(dequantize(GgmlType::Q4_0, &[0u8; 17], &mut y).is_err());
         assert!(quantize(GgmlType::Q4_0, &[0.0; 31]).is_err());
-        assert!(matches!(
-            quantize(GgmlType::Q2K, &[0.0; 256]),
-            Err(Error::UnsupportedCodec { .. })
-        ));
+        assert!(quantize(GgmlType::Q2K, &[0.0; 255]).is_err());
     }
 }

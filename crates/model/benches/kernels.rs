@@ -5,7 +5,7 @@
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use gguf::GgmlType;
 use half::f16;
-use model::kernels::{attn, packed, Kernels, PANEL_ACTS};
+use model::kernels::{act, attn, packed, Kernels, PANEL_ACTS};
 use model::matmul::{matmul, ActScratch, Product, QMatrix};
 use model::pool::ThreadPool;
 
@@ -23,23 +23,7 @@ fn values(n: usize, seed: u32) -> Vec<f32> {
 }
 
 fn matrix(ty: GgmlType, rows: usize, cols: usize, pack: bool) -> QMatrix {
-    let data = gguf::quant::quantize(ty, &values(rows * cols, 7)).unwrap_or_else(|_| {
-        // No reference quantizer (Q5_K): arbitrary bytes with moderate f16 scales.
-        let mut s = 0x9e37_79b9u32;
-        let mut bytes: Vec<u8> = (0..rows * ty.row_bytes(cols))
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                s as u8
-            })
-            .collect();
-        for blk in bytes.chunks_exact_mut(ty.row_bytes(ty.block_size())) {
-            blk[0..2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
-            blk[2..4].copy_from_slice(&f16::from_f32(0.003).to_le_bytes());
-        }
-        bytes
-    });
+    let data = gguf::quant::quantize(ty, &values(rows * cols, 7)).expect("a quantizable type");
     QMatrix::new(ty, rows, cols, data, pack)
 }
 
@@ -54,6 +38,48 @@ const TYPES: [GgmlType; 8] = [
     GgmlType::Q5K,
     GgmlType::Q6K,
 ];
+
+/// Every quantized weight type with an integer kernel: the panel types, then those with only
+/// the one-row kernel.
+const ALL_TYPES: [GgmlType; 10] = [
+    TYPES[0],
+    TYPES[1],
+    TYPES[2],
+    TYPES[3],
+    TYPES[4],
+    TYPES[5],
+    TYPES[6],
+    TYPES[7],
+    GgmlType::Q2K,
+    GgmlType::Q3K,
+];
+
+/// The one-row kernel of each type (ggml's block layout, one thread: the path of CPUs without
+/// AVX-512 and of types without panels), 256 rows of 1536 values (cache-resident, 100-400 KB),
+/// in GB/s of weights.
+fn row_dot(c: &mut Criterion) {
+    let k = Kernels::detect();
+    let mut g = c.benchmark_group("row_dot_256x1536");
+    let (rows, cols) = (256, 1536);
+    for ty in ALL_TYPES {
+        let w = matrix(ty, rows, cols, false);
+        let at = act::act_type(ty);
+        let mut a = vec![0u8; at.row_bytes(cols)];
+        act::quantize_row(at, &values(cols, 11), &mut a);
+        g.throughput(Throughput::Bytes(w.data.len() as u64));
+        g.bench_function(BenchmarkId::from_parameter(format!("{ty:?}")), |b| {
+            let mut scratch = Vec::new();
+            b.iter(|| {
+                let mut s = 0f32;
+                for r in 0..rows {
+                    s += k.dot(ty, cols, black_box(w.row(r)), black_box(&a), &mut scratch);
+                }
+                black_box(s)
+            })
+        });
+    }
+    g.finish();
+}
 
 /// Four panels (64 packed weight rows, 36-104 KB: cache-resident) against 8 activation rows,
 /// Qwen2.5-1.5B's width (1536): the inner kernel of every product.
@@ -97,35 +123,47 @@ fn panel(c: &mut Criterion) {
     g.finish();
 }
 
-/// The batched product on an 8960 x 1536 matrix (Qwen2.5-1.5B's FFN up projection, 7-15 MB:
-/// beyond the caches) of each type, with all threads: one row is memory-bound (GB/s of
-/// weights), 16 rows compute-bound (GFLOP/s).
+/// The batched product on 8960 x 1536 matrices (Qwen2.5-1.5B's FFN up projection) of each
+/// type, with all threads, packed where the type has panels. One activation row is bound by
+/// memory: it goes round enough matrices (at least 256 MiB) that each is read from memory, not
+/// from the last-level cache, as a decode step reads a model's weights (GB/s of weights). 16 rows
+/// are bound by compute: one matrix, cache-resident (GFLOP/s).
 fn product(c: &mut Criterion) {
     let k = Kernels::detect();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pool = ThreadPool::new(threads);
     let (n_out, n_in) = (8960, 1536);
-    for ty in TYPES {
+    for ty in ALL_TYPES {
         let w = matrix(ty, n_out, n_in, k.packs_weights());
+        let copies: Vec<QMatrix> = (1..(256 << 20) / w.data.len() + 1)
+            .map(|_| QMatrix {
+                data: w.data.iter().copied().collect(),
+                ..w.clone()
+            })
+            .collect();
         let mut g = c.benchmark_group(format!("matmul_8960x1536_{ty:?}"));
         g.sample_size(20);
         for rows in [1usize, 16] {
             let x = values(rows * n_in, 3);
             let mut out = vec![0f32; rows * n_out];
             let mut scratch = ActScratch::default();
-            if rows == 1 {
+            let mats = if rows == 1 {
                 g.throughput(Throughput::Bytes(w.data.len() as u64));
+                &copies[..]
             } else {
                 g.throughput(Throughput::Elements((2 * rows * n_out * n_in) as u64));
-            }
+                std::slice::from_ref(&w)
+            };
+            let mut turn = 0;
             g.bench_function(BenchmarkId::from_parameter(format!("{rows} rows")), |b| {
                 b.iter(|| {
+                    turn = (turn + 1) % mats.len();
                     matmul(
                         &k,
                         &pool,
                         black_box(&x),
                         &mut [Product {
-                            w: &w,
+                            w: &mats[turn],
                             out: &mut out,
                         }],
                         &mut scratch,
@@ -221,6 +259,7 @@ fn fused_attention(c: &mut Criterion) {
 
 criterion_group!(
     benches,
+    row_dot,
     panel,
     product,
     quantize,

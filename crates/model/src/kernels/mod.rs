@@ -85,7 +85,10 @@ pub struct Kernels {
     q8_0: DotFn,
     q5_0: DotFn,
     q5_1: DotFn,
+    q2k: DotFn,
+    q3k: DotFn,
     q4k: DotFn,
+    q5k: DotFn,
     q6k: DotFn,
     q4_0_x4: Dot4Fn,
     q4_1_x4: Dot4Fn,
@@ -114,7 +117,10 @@ impl Kernels {
                 q8_0: scalar::dot_q8_0_q8_0,
                 q5_0: scalar::dot_q5_0_q8_0,
                 q5_1: scalar::dot_q5_1_q8_1,
+                q2k: scalar::dot_q2k_q8k,
+                q3k: scalar::dot_q3k_q8k,
                 q4k: scalar::dot_q4k_q8k,
+                q5k: scalar::dot_q5k_q8k,
                 q6k: scalar::dot_q6k_q8k,
                 q4_0_x4: |n, w, a| rows_of(scalar::dot_q4_0_q8_0, n, w, a),
                 q4_1_x4: |n, w, a| rows_of(scalar::dot_q4_1_q8_1, n, w, a),
@@ -136,7 +142,10 @@ impl Kernels {
                 q5_1: |n, w, a| unsafe { x86::avx2::dot_q5_1_q8_1::<1>(n, w, [a])[0] },
                 q5_0_x4: |n, w, a| unsafe { x86::avx2::dot_q5_0_q8_0::<4>(n, w, a) },
                 q5_1_x4: |n, w, a| unsafe { x86::avx2::dot_q5_1_q8_1::<4>(n, w, a) },
+                q2k: |n, w, a| unsafe { x86::avx2::dot_q2k_q8k(n, w, a) },
+                q3k: |n, w, a| unsafe { x86::avx2::dot_q3k_q8k(n, w, a) },
                 q4k: |n, w, a| unsafe { x86::avx2::dot_q4k_q8k(n, w, a) },
+                q5k: |n, w, a| unsafe { x86::avx2::dot_q5k_q8k(n, w, a) },
                 q6k: |n, w, a| unsafe { x86::avx2::dot_q6k_q8k(n, w, a) },
             },
             #[cfg(target_arch = "x86_64")]
@@ -152,7 +161,10 @@ impl Kernels {
                 q5_1: |n, w, a| unsafe { x86::vnni::dot_q5_1_q8_1::<1>(n, w, [a])[0] },
                 q5_0_x4: |n, w, a| unsafe { x86::vnni::dot_q5_0_q8_0::<4>(n, w, a) },
                 q5_1_x4: |n, w, a| unsafe { x86::vnni::dot_q5_1_q8_1::<4>(n, w, a) },
+                q2k: |n, w, a| unsafe { x86::vnni::dot_q2k_q8k(n, w, a) },
+                q3k: |n, w, a| unsafe { x86::vnni::dot_q3k_q8k(n, w, a) },
                 q4k: |n, w, a| unsafe { x86::vnni::dot_q4k_q8k(n, w, a) },
+                q5k: |n, w, a| unsafe { x86::vnni::dot_q5k_q8k(n, w, a) },
                 q6k: |n, w, a| unsafe { x86::vnni::dot_q6k_q8k(n, w, a) },
             },
             #[cfg(not(target_arch = "x86_64"))]
@@ -170,20 +182,21 @@ impl Kernels {
     }
 
     /// Dot product of one weight row (`n` values of `ty`) with one activation row quantized as
-    /// [`act::act_type`]`(ty)`. `scratch` is used only by the dequantizing fallback.
+    /// [`act::act_type`]`(ty)`. `scratch` is used only by the dequantizing fallback (types
+    /// without an integer kernel: F32, F16, BF16).
     #[inline]
     pub fn dot(&self, ty: GgmlType, n: usize, w: &[u8], a: &[u8], scratch: &mut Vec<f32>) -> f32 {
         match ty {
             GgmlType::Q4_0 => (self.q4_0)(n, w, a),
             GgmlType::Q4_1 => (self.q4_1)(n, w, a),
             GgmlType::Q8_0 => (self.q8_0)(n, w, a),
+            GgmlType::Q2K => (self.q2k)(n, w, a),
+            GgmlType::Q3K => (self.q3k)(n, w, a),
             GgmlType::Q4K => (self.q4k)(n, w, a),
+            GgmlType::Q5K => (self.q5k)(n, w, a),
             GgmlType::Q6K => (self.q6k)(n, w, a),
             GgmlType::Q5_0 => (self.q5_0)(n, w, a),
             GgmlType::Q5_1 => (self.q5_1)(n, w, a),
-            GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q5K => {
-                dot_dequant_quantized(ty, n, w, a, scratch)
-            }
             _ => scalar::dot_dequant_f32(ty, n, w, a, scratch),
         }
     }
@@ -421,22 +434,6 @@ impl Kernels {
     }
 }
 
-/// Types without a dedicated kernel but with a quantized activation: decode both sides.
-fn dot_dequant_quantized(
-    ty: GgmlType,
-    n: usize,
-    w: &[u8],
-    a: &[u8],
-    scratch: &mut Vec<f32>,
-) -> f32 {
-    let at = act::act_type(ty);
-    scratch.resize(2 * n, 0.0);
-    let (wf, af) = scratch.split_at_mut(n);
-    gguf::quant::dequantize(ty, &w[..ty.row_bytes(n)], wf).expect("row length checked at load");
-    gguf::quant::dequantize(at, &a[..at.row_bytes(n)], af).expect("activation row length");
-    wf.iter().zip(af.iter()).map(|(x, y)| x * y).sum()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -478,7 +475,10 @@ mod tests {
             GgmlType::Q4_0,
             GgmlType::Q4_1,
             GgmlType::Q8_0,
+            GgmlType::Q2K,
+            GgmlType::Q3K,
             GgmlType::Q4K,
+            GgmlType::Q5K,
             GgmlType::Q6K,
             GgmlType::Q5_0,
             GgmlType::Q5_1,
@@ -512,6 +512,57 @@ mod tests {
                     (got - reference).abs() <= 1e-4 * (1.0 + reference.abs()),
                     "{ty} {isa:?}: {got} vs scalar {reference}"
                 );
+            }
+        }
+    }
+
+    /// The K-quant kernels sum each block exactly in integers and then take the scalar
+    /// reference's float steps, so every instruction set gives its result bitwise: on weight
+    /// blocks of arbitrary bytes (every bit pattern of values, scales and mins) and on full-scale
+    /// activations, whose integer sums are the largest.
+    #[test]
+    fn k_quant_kernels_equal_the_scalar_reference_bitwise() {
+        let scalar = Kernels::new(Isa::Scalar).unwrap();
+        let mut scratch = Vec::new();
+        let mut next = uniform(0x1234_5678);
+        for (ty, f16_at) in [
+            (GgmlType::Q2K, &[80, 82][..]),
+            (GgmlType::Q3K, &[108]),
+            (GgmlType::Q4K, &[0, 2]),
+            (GgmlType::Q5K, &[0, 2]),
+            (GgmlType::Q6K, &[208]),
+        ] {
+            for n in [256, 1536] {
+                let mut w: Vec<u8> = (0..ty.row_bytes(n))
+                    .map(|_| next(65536.0) as i32 as u8)
+                    .collect();
+                for blk in w.chunks_exact_mut(ty.type_size()) {
+                    for &at in f16_at {
+                        let d = half::f16::from_f32(next(0.02));
+                        blk[at..at + 2].copy_from_slice(&d.to_le_bytes());
+                    }
+                }
+                for full_scale in [false, true] {
+                    let x: Vec<f32> = (0..n)
+                        .map(|_| match full_scale {
+                            true => next(2.0).signum(),
+                            false => next(2.0),
+                        })
+                        .collect();
+                    let mut a = vec![0u8; GgmlType::Q8K.row_bytes(n)];
+                    act::quantize_row(GgmlType::Q8K, &x, &mut a);
+                    let want = scalar.dot(ty, n, &w, &a, &mut scratch);
+                    assert!(want.is_finite(), "{ty} n={n}");
+                    for isa in [Isa::Avx2, Isa::Avx512Vnni] {
+                        let Some(k) = Kernels::new(isa) else { continue };
+                        let got = k.dot(ty, n, &w, &a, &mut scratch);
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "{ty} {isa:?} n={n}: {got} vs {want}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -615,28 +615,9 @@ mod tests {
         }
     }
 
-    /// One ggml row of `kind`: quantized from test values where the reference codec can, else
-    /// (Q5_K) arbitrary bytes with moderate f16 scales.
+    /// One ggml row of `kind`, quantized from test values.
     fn ggml_row(kind: PackKind, n: usize, seed: u32) -> Vec<u8> {
-        let ty = kind.ggml_type();
-        if let Ok(row) = gguf::quant::quantize(ty, &data(n, seed)) {
-            return row;
-        }
-        let mut s = seed.wrapping_mul(2654435761).wrapping_add(7);
-        let mut row: Vec<u8> = (0..ty.row_bytes(n))
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                s as u8
-            })
-            .collect();
-        for blk in row.chunks_exact_mut(ty.row_bytes(QK_K)) {
-            let d = 1e-3 * (1 + blk[5] % 16) as f32;
-            blk[0..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
-            blk[2..4].copy_from_slice(&f16::from_f32(d / 3.0).to_le_bytes());
-        }
-        row
+        gguf::quant::quantize(kind.ggml_type(), &data(n, seed)).unwrap()
     }
 
     /// `n_rows` ggml rows of `kind` and the panel they pack into.

@@ -2,7 +2,8 @@
 //! reference every SIMD path is tested against. Integer sums are exact, so only the order of
 //! the per-block float multiply-adds is fixed here.
 
-use gguf::quant::{f16_at, q6k_values, scale_min_k4, QK_K};
+use gguf::quant::{f16_at, q2k_values, q3k_scales, q3k_values, q5k_values, q6k_values};
+use gguf::quant::{scale_min_k4, QK_K};
 use gguf::GgmlType;
 
 pub fn dot_q4_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
@@ -84,28 +85,73 @@ fn q8k_parts(ab: &[u8]) -> (f32, &[u8], [i16; 16]) {
     (d, &ab[4..260], bsums)
 }
 
+/// Q4_K and Q5_K blocks: eight sub-blocks of 32 unsigned values `q`, each with a 6-bit scale
+/// and min in `scales` (the 12 bytes after `d` and `dmin`).
+fn dot_k_mins_block(wb: &[u8], q: &[u8; QK_K], ab: &[u8]) -> f32 {
+    let (ad, q8, bsums) = q8k_parts(ab);
+    let scales = &wb[4..16];
+    let (mut isum, mut msum) = (0i32, 0i32);
+    for s in 0..8 {
+        let (sc, m) = scale_min_k4(s, scales);
+        let sub: i32 = (32 * s..32 * s + 32)
+            .map(|i| q[i] as i32 * q8[i] as i8 as i32)
+            .sum();
+        isum += sub * sc as i32;
+        msum += m as i32 * (bsums[2 * s] as i32 + bsums[2 * s + 1] as i32);
+    }
+    f16_at(wb, 0) * ad * isum as f32 - f16_at(wb, 2) * ad * msum as f32
+}
+
 pub fn dot_q4k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
     let mut sum = 0f32;
     for (wb, ab) in w.chunks_exact(144).zip(a.chunks_exact(292)).take(n / QK_K) {
-        let (ad, q8, bsums) = q8k_parts(ab);
-        let scales = &wb[4..16];
         let qs = &wb[16..144];
-        let mut isum = 0i32;
-        let mut msum = 0i32;
-        for j in 0..4 {
-            let (sc1, m1) = scale_min_k4(2 * j, scales);
-            let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
-            let (mut s1, mut s2) = (0i32, 0i32);
-            for l in 0..32 {
-                let q = qs[32 * j + l];
-                s1 += (q & 0xF) as i32 * q8[64 * j + l] as i8 as i32;
-                s2 += (q >> 4) as i32 * q8[64 * j + 32 + l] as i8 as i32;
-            }
-            isum += s1 * sc1 as i32 + s2 * sc2 as i32;
-            msum += m1 as i32 * (bsums[4 * j] as i32 + bsums[4 * j + 1] as i32)
-                + m2 as i32 * (bsums[4 * j + 2] as i32 + bsums[4 * j + 3] as i32);
+        let q =
+            std::array::from_fn(|i| (qs[32 * (i / 64) + i % 32] >> (4 * ((i % 64) / 32))) & 0xF);
+        sum += dot_k_mins_block(wb, &q, ab);
+    }
+    sum
+}
+
+pub fn dot_q5k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0f32;
+    for (wb, ab) in w.chunks_exact(176).zip(a.chunks_exact(292)).take(n / QK_K) {
+        sum += dot_k_mins_block(wb, &q5k_values(wb), ab);
+    }
+    sum
+}
+
+pub fn dot_q2k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0f32;
+    for (wb, ab) in w.chunks_exact(84).zip(a.chunks_exact(292)).take(n / QK_K) {
+        let (ad, q8, bsums) = q8k_parts(ab);
+        let q = q2k_values(wb);
+        let (mut isum, mut msum) = (0i32, 0i32);
+        for g in 0..16 {
+            let sub: i32 = (16 * g..16 * g + 16)
+                .map(|i| q[i] as i32 * q8[i] as i8 as i32)
+                .sum();
+            isum += sub * (wb[g] & 0xF) as i32;
+            msum += (wb[g] >> 4) as i32 * bsums[g] as i32;
         }
-        sum += f16_at(wb, 0) * ad * isum as f32 - f16_at(wb, 2) * ad * msum as f32;
+        sum += f16_at(wb, 80) * ad * isum as f32 - f16_at(wb, 82) * ad * msum as f32;
+    }
+    sum
+}
+
+pub fn dot_q3k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0f32;
+    for (wb, ab) in w.chunks_exact(110).zip(a.chunks_exact(292)).take(n / QK_K) {
+        let (ad, q8, _) = q8k_parts(ab);
+        let (q, scales) = (q3k_values(wb), q3k_scales(&wb[96..108]));
+        let mut isum = 0i32;
+        for g in 0..16 {
+            let sub: i32 = (16 * g..16 * g + 16)
+                .map(|i| q[i] as i32 * q8[i] as i8 as i32)
+                .sum();
+            isum += sub * (scales[g] as i32 - 32);
+        }
+        sum += f16_at(wb, 108) * ad * isum as f32;
     }
     sum
 }

@@ -242,13 +242,39 @@ macro_rules! int_kernels {
             /// The CPU must have the module's features; `w`, `a` hold `n / 256` blocks.
             #[target_feature(enable = $features)]
             pub unsafe fn dot_q4k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+                // SAFETY: the caller's contract.
+                unsafe { dot_q45k_q8k::<false>(n, w, a) }
+            }
+
+            /// # Safety
+            /// As for [`dot_q4k_q8k`] (`w` holds Q5_K blocks).
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q5k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+                // SAFETY: the caller's contract.
+                unsafe { dot_q45k_q8k::<true>(n, w, a) }
+            }
+
+            /// Q4_K, or Q5_K where `FIVE`: eight sub-blocks of 32 values with 6-bit scales and
+            /// mins; Q5_K's fifth bits (32 bytes before the nibbles) are or-ed in per pair of
+            /// sub-blocks.
+            #[target_feature(enable = $features)]
+            unsafe fn dot_q45k_q8k<const FIVE: bool>(n: usize, w: &[u8], a: &[u8]) -> f32 {
+                let (bs, qs_at) = if FIVE { (176, 48) } else { (144, 16) };
                 let nb = n / 256;
-                assert!(w.len() >= nb * 144 && a.len() >= nb * 292);
+                assert!(w.len() >= nb * bs && a.len() >= nb * 292);
                 let mut sum = 0f32;
+                let mask = _mm256_set1_epi8(0x0F);
+                let bit = _mm256_set1_epi8(0x01);
                 for i in 0..nb {
-                    let (wb, ab) = (&w[i * 144..], &a[i * 292..]);
+                    let (wb, ab) = (&w[i * bs..], &a[i * 292..]);
                     let ad = f32::from_le_bytes([ab[0], ab[1], ab[2], ab[3]]);
                     let scales = &wb[4..16];
+                    // SAFETY: bounds asserted above (Q4_K reads no fifth bits).
+                    let qh = if FIVE {
+                        unsafe { _mm256_loadu_si256(wb.as_ptr().add(16) as *const __m256i) }
+                    } else {
+                        _mm256_setzero_si256()
+                    };
                     let mut isum = _mm256_setzero_si256();
                     let mut msum = 0i32;
                     for j in 0..4 {
@@ -257,16 +283,29 @@ macro_rules! int_kernels {
                         // SAFETY: bounds asserted above.
                         let (q, y1, y2) = unsafe {
                             (
-                                _mm256_loadu_si256(wb.as_ptr().add(16 + 32 * j) as *const __m256i),
+                                _mm256_loadu_si256(
+                                    wb.as_ptr().add(qs_at + 32 * j) as *const __m256i
+                                ),
                                 _mm256_loadu_si256(ab.as_ptr().add(4 + 64 * j) as *const __m256i),
                                 _mm256_loadu_si256(
                                     ab.as_ptr().add(4 + 64 * j + 32) as *const __m256i
                                 ),
                             )
                         };
-                        let mask = _mm256_set1_epi8(0x0F);
-                        let lo = _mm256_and_si256(q, mask);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                        let mut lo = _mm256_and_si256(q, mask);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                        if FIVE {
+                            // Fifth bits 2j and 2j + 1 of each byte, moved to bit 4 (masked to
+                            // one bit per byte first, so no bit crosses into the next byte).
+                            let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j as i32));
+                            let h_lo = _mm256_slli_epi16(_mm256_and_si256(h, bit), 4);
+                            let h_hi = _mm256_slli_epi16(
+                                _mm256_and_si256(_mm256_srli_epi16(h, 1), bit),
+                                4,
+                            );
+                            lo = _mm256_or_si256(lo, h_lo);
+                            hi = _mm256_or_si256(hi, h_hi);
+                        }
                         let s1 =
                             _mm256_mullo_epi32(dot_u8i8(lo, y1), _mm256_set1_epi32(sc1 as i32));
                         let s2 =
@@ -280,6 +319,105 @@ macro_rules! int_kernels {
                     }
                     let isum = hsum_i32(isum);
                     sum += f16(wb, 0) * ad * isum as f32 - f16(wb, 2) * ad * msum as f32;
+                }
+                sum
+            }
+
+            /// The exact integer sum of 256 two-bit values (`n`, `k`: bits `2k` of bytes
+            /// `32n..32n + 32` of `qs`, plus their third bit from `high` when given) times a
+            /// Q8_K block's values, each group of 16 times its scale from `scale(g)`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn k_groups_of_16(
+                qs: *const u8,
+                high: Option<__m256i>,
+                q8: *const u8,
+                scale: impl Fn(usize) -> i32,
+            ) -> i32 {
+                let two = _mm256_set1_epi8(0x03);
+                let bit = _mm256_set1_epi8(0x01);
+                let mut isum = _mm256_setzero_si256();
+                for n in 0..2 {
+                    // SAFETY: the caller keeps 64 bytes at `qs` and 256 at `q8` readable.
+                    let q = unsafe { _mm256_loadu_si256(qs.add(32 * n) as *const __m256i) };
+                    for k in 0..4 {
+                        let mut v = _mm256_and_si256(
+                            _mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * k as i32)),
+                            two,
+                        );
+                        if let Some(h) = high {
+                            // Bit 4n + k of each byte, moved to bit 2 (masked to one bit per
+                            // byte first, so no bit crosses into the next byte).
+                            let b = _mm256_srl_epi16(h, _mm_cvtsi32_si128((4 * n + k) as i32));
+                            v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(b, bit), 2));
+                        }
+                        // SAFETY: as above.
+                        let y = unsafe {
+                            _mm256_loadu_si256(q8.add(128 * n + 32 * k) as *const __m256i)
+                        };
+                        // Lanes 0..4 sum group g's 16 values, lanes 4..8 group g + 1's.
+                        let g = 8 * n + 2 * k;
+                        let (s0, s1) = (scale(g), scale(g + 1));
+                        let scales = _mm256_setr_epi32(s0, s0, s0, s0, s1, s1, s1, s1);
+                        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(dot_u8i8(v, y), scales));
+                    }
+                }
+                hsum_i32(isum)
+            }
+
+            /// # Safety
+            /// As for [`dot_q4k_q8k`] (`w` holds Q2_K blocks).
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q2k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+                let nb = n / 256;
+                assert!(w.len() >= nb * 84 && a.len() >= nb * 292);
+                let mut sum = 0f32;
+                for i in 0..nb {
+                    let (wb, ab) = (&w[i * 84..], &a[i * 292..]);
+                    let ad = f32::from_le_bytes([ab[0], ab[1], ab[2], ab[3]]);
+                    // SAFETY: bounds asserted above.
+                    let isum = unsafe {
+                        k_groups_of_16(wb.as_ptr().add(16), None, ab.as_ptr().add(4), |g| {
+                            (wb[g] & 0xF) as i32
+                        })
+                    };
+                    let msum: i32 = (0..16)
+                        .map(|g| {
+                            (wb[g] >> 4) as i32
+                                * i16::from_le_bytes([ab[260 + 2 * g], ab[261 + 2 * g]]) as i32
+                        })
+                        .sum();
+                    sum += f16(wb, 80) * ad * isum as f32 - f16(wb, 82) * ad * msum as f32;
+                }
+                sum
+            }
+
+            /// # Safety
+            /// As for [`dot_q4k_q8k`] (`w` holds Q3_K blocks).
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q3k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+                let nb = n / 256;
+                assert!(w.len() >= nb * 110 && a.len() >= nb * 292);
+                let mut sum = 0f32;
+                for i in 0..nb {
+                    let (wb, ab) = (&w[i * 110..], &a[i * 292..]);
+                    let ad = f32::from_le_bytes([ab[0], ab[1], ab[2], ab[3]]);
+                    let sc = gguf::quant::q3k_scales(&wb[96..108]).map(|s| s as i32 - 32);
+                    // Values are summed as stored (value + 4, with the third bit from hmask),
+                    // and 4 times each group's activation sum taken off.
+                    // SAFETY: bounds asserted above.
+                    let stored = unsafe {
+                        let hmask = _mm256_loadu_si256(wb.as_ptr() as *const __m256i);
+                        k_groups_of_16(wb.as_ptr().add(32), Some(hmask), ab.as_ptr().add(4), |g| {
+                            sc[g]
+                        })
+                    };
+                    let corr: i32 = (0..16)
+                        .map(|g| {
+                            sc[g] * i16::from_le_bytes([ab[260 + 2 * g], ab[261 + 2 * g]]) as i32
+                        })
+                        .sum();
+                    sum += f16(wb, 108) * ad * (stored - 4 * corr) as f32;
                 }
                 sum
             }

@@ -308,6 +308,7 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
     let bb = layout.block_bytes();
     let (a_d, a_corr, a_sums) = (layout.a_d(), layout.a_corr(), layout.a_sums());
     let ap = a.map(|a| a.as_ptr());
+    let far = RA < FAR_PREFETCH_ROWS;
     for p in 0..n_panels {
         // SAFETY: panel `p` is in bounds by the assertion above.
         let wp = unsafe { w.as_ptr().add(p * layout.panel_bytes()) };
@@ -317,6 +318,7 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
             // SAFETY (every read below): block `b` of the panel and of each activation row
             // is in bounds by the length assertions above.
             let blk = unsafe { wp.add(b * bb) };
+            prefetch_ahead(blk, bb, far);
             // Two independent integer sums per row (exact, so splitting cannot change the
             // result) keep the dependency chains short.
             let mut even = [_mm512_setzero_si512(); RA];
@@ -398,7 +400,9 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
 
 /// How far ahead of the bytes being multiplied the kernels ask for weights in L1: a single
 /// stream of weights (a decode step) is otherwise read faster than the hardware prefetcher
-/// brings it in.
+/// brings it in. The legacy kinds' kernel asks too since it took their one-row product on
+/// matrices read from memory from 20-21 to 24-28 GiB/s (Q4_1) and 20-23 to 21-29 (Q5_0), four
+/// alternating runs of `cargo bench -p model --bench kernels -- "matmul_8960x1536_Q4_1/1"`.
 const PREFETCH: usize = 4096;
 
 /// How far ahead a stream of few activation rows also asks for weights in L2. With one row the
