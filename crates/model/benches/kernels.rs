@@ -27,41 +27,29 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize, pack: bool) -> QMatrix {
     QMatrix::new(ty, rows, cols, data, pack)
 }
 
-/// The weight types with a panel kernel, Q4_1 first (the reference point).
-const TYPES: [GgmlType; 8] = [
+/// The quantized weight types, each with a one-row kernel and a panel kernel, Q4_1 first (the
+/// reference point).
+const TYPES: [GgmlType; 10] = [
     GgmlType::Q4_1,
     GgmlType::Q4_0,
     GgmlType::Q5_0,
     GgmlType::Q5_1,
     GgmlType::Q8_0,
+    GgmlType::Q2K,
+    GgmlType::Q3K,
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
 ];
 
-/// Every quantized weight type with an integer kernel: the panel types, then those with only
-/// the one-row kernel.
-const ALL_TYPES: [GgmlType; 10] = [
-    TYPES[0],
-    TYPES[1],
-    TYPES[2],
-    TYPES[3],
-    TYPES[4],
-    TYPES[5],
-    TYPES[6],
-    TYPES[7],
-    GgmlType::Q2K,
-    GgmlType::Q3K,
-];
-
 /// The one-row kernel of each type (ggml's block layout, one thread: the path of CPUs without
-/// AVX-512 and of types without panels), 256 rows of 1536 values (cache-resident, 100-400 KB),
+/// AVX-512 VNNI), 256 rows of 1536 values (cache-resident, 100-400 KB),
 /// in GB/s of weights.
 fn row_dot(c: &mut Criterion) {
     let k = Kernels::detect();
     let mut g = c.benchmark_group("row_dot_256x1536");
     let (rows, cols) = (256, 1536);
-    for ty in ALL_TYPES {
+    for ty in TYPES {
         let w = matrix(ty, rows, cols, false);
         let at = act::act_type(ty);
         let mut a = vec![0u8; at.row_bytes(cols)];
@@ -124,7 +112,7 @@ fn panel(c: &mut Criterion) {
 }
 
 /// The batched product on 8960 x 1536 matrices (Qwen2.5-1.5B's FFN up projection) of each
-/// type, with all threads, packed where the type has panels. One activation row is bound by
+/// type, with all threads, packed when the CPU has the panel kernels. One activation row is bound by
 /// memory: it goes round enough matrices (at least 256 MiB) that each is read from memory, not
 /// from the last-level cache, as a decode step reads a model's weights (GB/s of weights). 16 rows
 /// are bound by compute: one matrix, cache-resident (GFLOP/s).
@@ -133,7 +121,7 @@ fn product(c: &mut Criterion) {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pool = ThreadPool::new(threads);
     let (n_out, n_in) = (8960, 1536);
-    for ty in ALL_TYPES {
+    for ty in TYPES {
         let w = matrix(ty, n_out, n_in, k.packs_weights());
         let copies: Vec<QMatrix> = (1..(256 << 20) / w.data.len() + 1)
             .map(|_| QMatrix {

@@ -371,7 +371,7 @@ impl Kernels {
         #[cfg(target_arch = "x86_64")]
         if self.isa == Isa::Avx512Vnni {
             use packed::vnni::{kind_id, panels, panels_k};
-            use packed::vnni::{Q40, Q41, Q4K, Q50, Q51, Q5K, Q6K, Q8};
+            use packed::vnni::{Q2K, Q3K, Q40, Q41, Q4K, Q50, Q51, Q5K, Q6K, Q8};
             macro_rules! by_rows {
                 ($run:ident, $k:expr) => {{
                     const K: u8 = $k;
@@ -409,6 +409,8 @@ impl Kernels {
                 Q50 => by_rows!(panels, Q50),
                 Q51 => by_rows!(panels, Q51),
                 Q8 => by_rows!(panels, Q8),
+                Q2K => by_rows!(panels_k, Q2K),
+                Q3K => by_rows!(panels_k, Q3K),
                 Q4K => by_rows!(panels_k, Q4K),
                 Q5K => by_rows!(panels_k, Q5K),
                 _ => by_rows!(panels_k, Q6K),

@@ -18,6 +18,9 @@
 //!   is bit 4 of value `4t + j`.
 //! * Q6_K adds two 64-byte planes of the top two bits: plane `c` byte `4r + j` bits `2t, 2t + 1`
 //!   are bits 4 and 5 of value `16c + 4t + j`.
+//! * 2-bit kinds and the low two bits of Q3_K: two 64-byte chunks; chunk `c` byte `4r + j` bits
+//!   `2t, 2t + 1` hold row `r` value `16c + 4t + j`. Q3_K adds one plane of third bits: byte
+//!   `4r + j` bit `t` is bit 2 of value `4t + j`.
 //! * Q8_0: eight 64-byte chunks; chunk `g` byte `4r + j` is row `r` value `4g + j` plus 128.
 //!
 //! A *block* is the unit of one activation scale: 32 values for the legacy kinds, 256 (eight
@@ -27,13 +30,19 @@
 //! * Q4_K, Q5_K: the eight 6-bit sub-block scales (8 x 16 u8, sub-block `s` lane `r` at
 //!   `16s + r`), the eight 6-bit mins in pairs (4 x 32 u8, pair `k` lane `r` at `32k + 2r`,
 //!   `32k + 2r + 1`), `d` and `dmin` (16 f16 each);
-//! * Q6_K: the sixteen signed scales of 16 values (16 x 16 i8), then `d` (16 f16).
+//! * Q3_K, Q6_K: the sixteen signed scales of 16 values (16 x 16 i8), then `d` (16 f16);
+//! * Q2_K: its sixteen bytes of a 4-bit scale and a 4-bit min per 16 values as the file has
+//!   them, in pairs (8 x 32 u8, as Q4_K's mins), `d` and `dmin` (16 f16 each).
+//!
+//! So every kind keeps the file's bytes, but Q3_K, Q4_K and Q5_K, whose 6-bit scales take 16
+//! bytes per row and block instead of 12.
 //!
 //! The activation row: `[quants: i8 per value][d: f32 per block][corrections][sums]`, where the
 //! corrections (`-offset · Σq`, undoing a stored offset) are one i32 per block for the legacy
-//! kinds and one per 16 values for Q6_K, and the sums are `Σq · d` as f32 per block (Q4_1, Q5_1)
-//! or the integer sum of each sub-block as i16 (Q4_K, Q5_K). Legacy kinds quantize activations
-//! as Q8_0 / Q8_1 blocks, K-quants as Q8_K blocks.
+//! kinds and one per 16 values for Q3_K and Q6_K, and the sums are `Σq · d` as f32 per block
+//! (Q4_1, Q5_1) or the integer sum of the values under each integer min as i16 (Q2_K: 16 values,
+//! Q4_K, Q5_K: 32). Legacy kinds quantize activations as Q8_0 / Q8_1 blocks, K-quants as Q8_K
+//! blocks.
 //!
 //! Per row and block the kernel computes an exact integer sum (for the K-quants, each
 //! sub-block's sum times its integer scale, and the mins times the activation sums, all in i32),
@@ -60,18 +69,22 @@ pub enum PackKind {
     Q5_0,
     Q5_1,
     Q8_0,
+    Q2K,
+    Q3K,
     Q4K,
     Q5K,
     Q6K,
 }
 
 impl PackKind {
-    pub const ALL: [PackKind; 8] = [
+    pub const ALL: [PackKind; 10] = [
         PackKind::Q4_0,
         PackKind::Q4_1,
         PackKind::Q5_0,
         PackKind::Q5_1,
         PackKind::Q8_0,
+        PackKind::Q2K,
+        PackKind::Q3K,
         PackKind::Q4K,
         PackKind::Q5K,
         PackKind::Q6K,
@@ -88,6 +101,8 @@ impl PackKind {
             PackKind::Q5_0 => GgmlType::Q5_0,
             PackKind::Q5_1 => GgmlType::Q5_1,
             PackKind::Q8_0 => GgmlType::Q8_0,
+            PackKind::Q2K => GgmlType::Q2K,
+            PackKind::Q3K => GgmlType::Q3K,
             PackKind::Q4K => GgmlType::Q4K,
             PackKind::Q5K => GgmlType::Q5K,
             PackKind::Q6K => GgmlType::Q6K,
@@ -96,7 +111,32 @@ impl PackKind {
 
     /// A K-quant: blocks of 256 values with integer sub-block scales.
     pub fn is_k(self) -> bool {
-        matches!(self, PackKind::Q4K | PackKind::Q5K | PackKind::Q6K)
+        self.scale_groups() > 0
+    }
+
+    /// K-quants: how many integer scales a block has (each for `256 / scale_groups` values);
+    /// 0 for the legacy kinds.
+    pub fn scale_groups(self) -> usize {
+        match self {
+            PackKind::Q4K | PackKind::Q5K => SUBS,
+            PackKind::Q2K | PackKind::Q3K | PackKind::Q6K => 2 * SUBS,
+            _ => 0,
+        }
+    }
+
+    /// Values under one integer scale (K-quants).
+    pub fn group_values(self) -> usize {
+        QK_K / self.scale_groups()
+    }
+
+    /// Bits of each value kept in the chunks of a sub-block: whole bytes (Q8_0), crumbs of two
+    /// bits (Q2_K, Q3_K) or nibbles.
+    pub fn low_bits(self) -> usize {
+        match self {
+            PackKind::Q8_0 => 8,
+            PackKind::Q2K | PackKind::Q3K => 2,
+            _ => 4,
+        }
     }
 
     /// Values per block (one activation scale).
@@ -108,22 +148,23 @@ impl PackKind {
         }
     }
 
-    /// Bits above the low nibble that each value stores in planes (0 for Q8_0, whose bytes are
-    /// whole values).
+    /// Bits above the [`PackKind::low_bits`] that each value stores in planes.
     pub fn high_bits(self) -> usize {
         match self {
-            PackKind::Q5_0 | PackKind::Q5_1 | PackKind::Q5K => 1,
+            PackKind::Q5_0 | PackKind::Q5_1 | PackKind::Q5K | PackKind::Q3K => 1,
             PackKind::Q6K => 2,
             _ => 0,
         }
     }
 
-    /// Bytes of quants per sub-block (32 values) of a panel.
+    /// Bytes of quants per sub-block (32 values) of a panel: its chunks, then its planes.
     pub fn sub_bytes(self) -> usize {
-        match self {
-            PackKind::Q8_0 => PANEL * QK,
-            _ => PANEL * QK / 2 + 64 * self.high_bits(),
-        }
+        self.chunk_bytes() + 64 * self.high_bits()
+    }
+
+    /// Bytes of a sub-block's chunks (the low bits of its values).
+    fn chunk_bytes(self) -> usize {
+        PANEL * QK * self.low_bits() / 8
     }
 
     /// Bytes of quants per block of a panel.
@@ -137,6 +178,7 @@ impl PackKind {
             PackKind::Q8_0 => 128,
             PackKind::Q4_0 => 8,
             PackKind::Q5_0 => 16,
+            PackKind::Q3K => 4,
             PackKind::Q6K => 32,
             _ => 0,
         }
@@ -147,9 +189,10 @@ impl PackKind {
         matches!(self, PackKind::Q4_1 | PackKind::Q5_1)
     }
 
-    /// K-quants with 6-bit sub-block mins (Q4_K, Q5_K).
+    /// K-quants with integer mins beside their scales (Q2_K, Q4_K, Q5_K), paired with the
+    /// activation's integer sums.
     pub fn has_k_mins(self) -> bool {
-        matches!(self, PackKind::Q4K | PackKind::Q5K)
+        matches!(self, PackKind::Q2K | PackKind::Q4K | PackKind::Q5K)
     }
 }
 
@@ -176,21 +219,40 @@ impl Layout {
         }
     }
 
-    /// Offset in a block of the sub-block scales (K-quants: u8, or i8 per 16 values for Q6_K).
+    /// Offset in a block of the integer scales (K-quants: u8 for Q4_K and Q5_K, i8 for Q3_K and
+    /// Q6_K; Q2_K's share their bytes with its mins).
     pub fn sc_at(&self) -> usize {
         self.kind.quant_bytes()
     }
 
-    /// Offset in a block of the K-quant mins (pairs of u8).
+    /// Offset in a block of the K-quant mins, in pairs of u8 (Q2_K: its scale and min bytes
+    /// as ggml stores them, the scale in the low nibble, in pairs too).
     pub fn mins_at(&self) -> usize {
-        self.sc_at() + PANEL * SUBS
+        match self.kind {
+            PackKind::Q2K => self.sc_at(),
+            _ => self.sc_at() + PANEL * SUBS,
+        }
+    }
+
+    /// Offset in a block of the byte holding integer scale `g` of lane `r` (K-quants).
+    pub fn scale_byte_at(&self, g: usize, r: usize) -> usize {
+        match self.kind {
+            PackKind::Q2K => self.min_byte_at(g, r),
+            _ => self.sc_at() + PANEL * g + r,
+        }
+    }
+
+    /// Offset in a block of the byte holding min `g` of lane `r` (K-quants with mins): pairs
+    /// of groups side by side, so one widening load gives a lane's pair.
+    pub fn min_byte_at(&self, g: usize, r: usize) -> usize {
+        self.mins_at() + 32 * (g / 2) + 2 * r + g % 2
     }
 
     /// Offset in a block of the 16 f16 `d`.
     pub fn d_at(&self) -> usize {
         match self.kind {
             PackKind::Q4K | PackKind::Q5K => self.mins_at() + PANEL * SUBS,
-            PackKind::Q6K => self.sc_at() + PANEL * 2 * SUBS,
+            PackKind::Q2K | PackKind::Q3K | PackKind::Q6K => self.sc_at() + PANEL * 2 * SUBS,
             _ => self.kind.quant_bytes(),
         }
     }
@@ -212,7 +274,8 @@ impl Layout {
 
     /// Offsets in an activation row: quants (one byte per value), d (one f32 per block),
     /// corrections (i32: one per block for legacy kinds with an offset, one per 16 values for
-    /// Q6_K), sums (Q4_1, Q5_1: one f32 per block; Q4_K, Q5_K: one i16 per sub-block).
+    /// Q3_K and Q6_K), sums (Q4_1, Q5_1: one f32 per block; Q2_K, Q4_K, Q5_K: one i16 per
+    /// integer scale).
     pub fn a_d(&self) -> usize {
         self.n_cols
     }
@@ -223,9 +286,9 @@ impl Layout {
 
     pub fn corr_bytes(&self) -> usize {
         match self.kind {
-            PackKind::Q6K => 4 * 2 * SUBS,
-            k if !k.is_k() && k.offset() != 0 => 4,
-            _ => 0,
+            k if k.offset() == 0 => 0,
+            k if k.is_k() => 4 * k.scale_groups(),
+            _ => 4,
         }
     }
 
@@ -237,7 +300,7 @@ impl Layout {
         if self.kind.has_mins() {
             4
         } else if self.kind.has_k_mins() {
-            2 * SUBS
+            2 * self.kind.scale_groups()
         } else {
             0
         }
@@ -265,8 +328,9 @@ fn get_i32(b: &[u8], at: usize) -> i32 {
 }
 
 /// One block of a ggml row, decoded: the stored (unsigned) values, the f16 bits of `d` and of
-/// `m` / `dmin`, and for K-quants the integer sub-block scales (Q6_K: per 16 values, as i8
-/// bits) and mins.
+/// `m` / `dmin`, and for K-quants the integer scales (Q3_K and Q6_K: per 16 values, as i8 bits;
+/// Q2_K: per 16 values, each byte scale and min as the file has them) and Q4_K's and Q5_K's
+/// mins.
 struct GgmlBlock {
     q: [u8; QK_K],
     d: [u8; 2],
@@ -344,26 +408,39 @@ fn ggml_block(kind: PackKind, row: &[u8], b: usize) -> GgmlBlock {
             }
             out.sc.copy_from_slice(&blk[192..208]);
         }
+        PackKind::Q3K => {
+            // [hmask: 32][qs: 64][scales: 12, 6-bit, biased by 32][d]
+            out.d = [blk[108], blk[109]];
+            for (o, v) in q.iter_mut().zip(gguf::quant::q3k_values(blk)) {
+                *o = (v + 4) as u8;
+            }
+            let scales = gguf::quant::q3k_scales(&blk[96..108]);
+            out.sc = scales.map(|s| (s - 32) as u8);
+        }
+        PackKind::Q2K => {
+            // [scales: 16, scale | min << 4][qs: 64][d][dmin]
+            (out.d, out.m) = ([blk[80], blk[81]], [blk[82], blk[83]]);
+            q.copy_from_slice(&gguf::quant::q2k_values(blk));
+            out.sc.copy_from_slice(&blk[0..16]);
+        }
     }
     out
 }
 
-/// Where value `k` (0..32) of lane `r` of a sub-block's quants lives: byte index, and whether
-/// it is the high nibble (nibble kinds).
-fn quant_at(kind: PackKind, r: usize, k: usize) -> (usize, bool) {
-    match kind {
-        PackKind::Q8_0 => (64 * (k / 4) + 4 * r + k % 4, false),
-        _ => {
-            let (h, within) = (k / 8, k % 8);
-            (64 * h + 4 * r + within % 4, within >= 4)
-        }
-    }
+/// Where the low bits of value `k` (0..32) of lane `r` of a sub-block live: byte index, and
+/// the shift of their lowest bit.
+fn quant_at(kind: PackKind, r: usize, k: usize) -> (usize, usize) {
+    // A 64-byte chunk holds four values of each lane per bit position, so it spans 4 * 8 /
+    // low_bits values.
+    let per_chunk = 32 / kind.low_bits();
+    let (c, within) = (k / per_chunk, k % per_chunk);
+    (64 * c + 4 * r + within % 4, kind.low_bits() * (within / 4))
 }
 
-/// Where the bits above the nibble of value `k` (0..32) of lane `r` of a sub-block live: byte
-/// index in the sub-block and the shift of its lowest bit.
+/// Where the bits above the low bits of value `k` (0..32) of lane `r` of a sub-block live:
+/// byte index in the sub-block and the shift of its lowest bit.
 fn high_at(kind: PackKind, r: usize, k: usize) -> (usize, usize) {
-    let base = PANEL * QK / 2;
+    let base = kind.chunk_bytes();
     match kind.high_bits() {
         1 => (base + 4 * r + k % 4, k / 4),
         _ => (base + 64 * (k / 16) + 4 * r + k % 4, 2 * ((k % 16) / 4)),
@@ -377,42 +454,40 @@ pub fn pack_panel(layout: &Layout, rows: &[&[u8]], out: &mut [u8]) {
     let kind = layout.kind;
     out.fill(0);
     let bb = layout.block_bytes();
-    let (sub, high_mask) = (kind.sub_bytes(), (1u8 << kind.high_bits()) - 1);
+    let sub = kind.sub_bytes();
+    let (low_mask, high_mask) = (low_mask(kind), (1u8 << kind.high_bits()) - 1);
     for b in 0..layout.n_blocks {
         let blk = &mut out[b * bb..(b + 1) * bb];
         for (r, row) in rows.iter().enumerate() {
             let g = ggml_block(kind, row, b);
             for (i, &v) in g.q[..kind.block_values()].iter().enumerate() {
                 let (s, k) = (i / QK, i % QK);
-                let (at, high) = quant_at(kind, r, k);
-                let nib = if kind == PackKind::Q8_0 { v } else { v & 0x0F };
-                blk[s * sub + at] |= if high { nib << 4 } else { nib };
+                let (at, shift) = quant_at(kind, r, k);
+                blk[s * sub + at] |= (v & low_mask) << shift;
                 if kind.high_bits() > 0 {
                     let (at, shift) = high_at(kind, r, k);
-                    blk[s * sub + at] |= ((v >> 4) & high_mask) << shift;
+                    blk[s * sub + at] |= ((v >> kind.low_bits()) & high_mask) << shift;
                 }
             }
             blk[layout.d_at() + 2 * r..][..2].copy_from_slice(&g.d);
             if kind.has_mins() || kind.has_k_mins() {
                 blk[layout.m_at() + 2 * r..][..2].copy_from_slice(&g.m);
             }
-            if kind.is_k() {
-                let n_sc = if kind == PackKind::Q6K {
-                    2 * SUBS
-                } else {
-                    SUBS
-                };
-                for (s, &v) in g.sc[..n_sc].iter().enumerate() {
-                    blk[layout.sc_at() + PANEL * s + r] = v;
-                }
+            for (s, &v) in g.sc[..kind.scale_groups()].iter().enumerate() {
+                blk[layout.scale_byte_at(s, r)] = v;
             }
-            if kind.has_k_mins() {
+            if matches!(kind, PackKind::Q4K | PackKind::Q5K) {
                 for (s, &v) in g.mins.iter().enumerate() {
-                    blk[layout.mins_at() + 32 * (s / 2) + 2 * r + s % 2] = v;
+                    blk[layout.min_byte_at(s, r)] = v;
                 }
             }
         }
     }
+}
+
+/// The mask of a value's low bits (all of a Q8_0 byte).
+fn low_mask(kind: PackKind) -> u8 {
+    (((1u16 << kind.low_bits()) - 1) & 0xFF) as u8
 }
 
 /// The stored (unsigned) value `i` of block `b`, lane `r` of a panel.
@@ -420,19 +495,15 @@ fn stored(layout: &Layout, panel: &[u8], r: usize, b: usize, i: usize) -> i32 {
     let kind = layout.kind;
     let sub = &panel[b * layout.block_bytes() + (i / QK) * kind.sub_bytes()..];
     let k = i % QK;
-    let (at, high) = quant_at(kind, r, k);
-    let nib = match kind {
-        PackKind::Q8_0 => sub[at],
-        _ if high => sub[at] >> 4,
-        _ => sub[at] & 0x0F,
-    };
+    let (at, shift) = quant_at(kind, r, k);
+    let low = (sub[at] >> shift) & low_mask(kind);
     let top = if kind.high_bits() > 0 {
         let (at, shift) = high_at(kind, r, k);
-        ((sub[at] >> shift) & ((1 << kind.high_bits()) - 1)) << 4
+        ((sub[at] >> shift) & ((1 << kind.high_bits()) - 1)) << kind.low_bits()
     } else {
         0
     };
-    (nib | top) as i32
+    (low | top) as i32
 }
 
 /// `d` and `m` (or `dmin`) of block `b`, lane `r` of a panel.
@@ -446,19 +517,23 @@ fn scales(layout: &Layout, panel: &[u8], r: usize, b: usize) -> (f32, f32) {
     (f16_at(panel, at + layout.d_at() + 2 * r), m)
 }
 
-/// The integer scale of K-quant sub-block `s` (Q6_K: of 16 values `g`) and min of sub-block
-/// `s`, block `b`, lane `r`.
-fn k_scale(layout: &Layout, panel: &[u8], r: usize, b: usize, s: usize) -> i32 {
-    let v = panel[b * layout.block_bytes() + layout.sc_at() + PANEL * s + r];
-    if layout.kind == PackKind::Q6K {
-        v as i8 as i32
-    } else {
-        v as i32
+/// The integer scale `g` of a K-quant block `b`, lane `r` (of [`PackKind::group_values`]
+/// values), and its min.
+fn k_scale(layout: &Layout, panel: &[u8], r: usize, b: usize, g: usize) -> i32 {
+    let v = panel[b * layout.block_bytes() + layout.scale_byte_at(g, r)];
+    match layout.kind {
+        PackKind::Q3K | PackKind::Q6K => v as i8 as i32,
+        PackKind::Q2K => (v & 0x0F) as i32,
+        _ => v as i32,
     }
 }
 
-fn k_min(layout: &Layout, panel: &[u8], r: usize, b: usize, s: usize) -> i32 {
-    panel[b * layout.block_bytes() + layout.mins_at() + 32 * (s / 2) + 2 * r + s % 2] as i32
+fn k_min(layout: &Layout, panel: &[u8], r: usize, b: usize, g: usize) -> i32 {
+    let v = panel[b * layout.block_bytes() + layout.min_byte_at(g, r)];
+    match layout.kind {
+        PackKind::Q2K => (v >> 4) as i32,
+        _ => v as i32,
+    }
 }
 
 /// Decodes lane `r` of a panel into `out` (`layout.n_cols` values): the values the ggml row
@@ -471,15 +546,17 @@ pub fn dequantize_panel_row(layout: &Layout, panel: &[u8], r: usize, out: &mut [
         for (i, o) in ob.iter_mut().enumerate() {
             let v = stored(layout, panel, r, b, i) - offset;
             *o = match kind {
-                PackKind::Q4K | PackKind::Q5K => {
-                    let s = i / QK;
+                PackKind::Q2K | PackKind::Q4K | PackKind::Q5K => {
+                    let g = i / kind.group_values();
                     let (d1, m1) = (
-                        d * k_scale(layout, panel, r, b, s) as f32,
-                        m * k_min(layout, panel, r, b, s) as f32,
+                        d * k_scale(layout, panel, r, b, g) as f32,
+                        m * k_min(layout, panel, r, b, g) as f32,
                     );
                     d1 * v as f32 - m1
                 }
-                PackKind::Q6K => d * k_scale(layout, panel, r, b, i / 16) as f32 * v as f32,
+                PackKind::Q3K | PackKind::Q6K => {
+                    d * k_scale(layout, panel, r, b, i / 16) as f32 * v as f32
+                }
                 _ => v as f32 * d + m,
             };
         }
@@ -496,17 +573,14 @@ pub fn quantize_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
             let (d, q) = super::act::q8k_values(xb);
             out[b * QK_K..(b + 1) * QK_K].copy_from_slice(&q.map(|v| v as u8));
             put_f32(out, layout.a_d() + 4 * b, d);
-            for (g, qg) in q.chunks_exact(16).enumerate() {
+            for (g, qg) in q.chunks_exact(kind.group_values()).enumerate() {
                 let sum: i32 = qg.iter().map(|&v| v as i32).sum();
-                if kind == PackKind::Q6K {
+                if offset != 0 {
                     let at = layout.a_corr() + layout.corr_bytes() * b + 4 * g;
                     out[at..at + 4].copy_from_slice(&(-offset * sum).to_le_bytes());
                 }
-            }
-            if kind.has_k_mins() {
-                for (s, qs) in q.chunks_exact(QK).enumerate() {
-                    let sum: i32 = qs.iter().map(|&v| v as i32).sum();
-                    let at = layout.a_sums() + layout.sums_bytes() * b + 2 * s;
+                if kind.has_k_mins() {
+                    let at = layout.a_sums() + layout.sums_bytes() * b + 2 * g;
                     out[at..at + 2].copy_from_slice(&(sum as i16).to_le_bytes());
                 }
             }
@@ -558,20 +632,21 @@ pub fn panel_reference(layout: &Layout, panel: &[u8], a: &[u8]) -> [f32; PANEL] 
                 }
                 continue;
             }
-            let mut total = 0i32;
-            if kind == PackKind::Q6K {
-                for g in 0..2 * SUBS {
-                    let corr = get_i32(a, layout.a_corr() + layout.corr_bytes() * b + 4 * g);
-                    total += k_scale(layout, panel, r, b, g) * (corr + dot_of(16 * g, 16 * g + 16));
+            let (mut total, mut msum) = (0i32, 0i32);
+            let gv = kind.group_values();
+            for g in 0..kind.scale_groups() {
+                let mut dot = dot_of(gv * g, gv * g + gv);
+                if kind.offset() != 0 {
+                    dot += get_i32(a, layout.a_corr() + layout.corr_bytes() * b + 4 * g);
                 }
-            } else {
-                let mut msum = 0i32;
-                for s in 0..SUBS {
-                    total += k_scale(layout, panel, r, b, s) * dot_of(QK * s, QK * s + QK);
-                    let at = layout.a_sums() + layout.sums_bytes() * b + 2 * s;
+                total += k_scale(layout, panel, r, b, g) * dot;
+                if kind.has_k_mins() {
+                    let at = layout.a_sums() + layout.sums_bytes() * b + 2 * g;
                     let asum = i16::from_le_bytes([a[at], a[at + 1]]) as i32;
-                    msum += k_min(layout, panel, r, b, s) * asum;
+                    msum += k_min(layout, panel, r, b, g) * asum;
                 }
+            }
+            if kind.has_k_mins() {
                 mins = (msum as f32).mul_add(m * ad, mins);
             }
             acc = (total as f32).mul_add(d * ad, acc);
@@ -642,11 +717,11 @@ mod tests {
         for kind in PackKind::ALL {
             for n in widths(kind) {
                 let layout = Layout::new(kind, n);
-                // Q4_K and Q5_K keep their twelve bytes of 6-bit scales and mins as sixteen.
-                let unpacked = if kind.has_k_mins() {
-                    4 * layout.n_blocks
-                } else {
-                    0
+                // Q3_K, Q4_K and Q5_K keep their twelve bytes of 6-bit scales (and mins) as
+                // sixteen.
+                let unpacked = match kind {
+                    PackKind::Q3K | PackKind::Q4K | PackKind::Q5K => 4 * layout.n_blocks,
+                    _ => 0,
                 };
                 assert_eq!(
                     layout.panel_bytes(),
@@ -708,8 +783,9 @@ mod tests {
         // 48 blocks (three groups of sixteen), 18 (one and a part), 7 (a part only); the
         // K-quants' blocks of 256: six, and one.
         let legacy = LEGACY.iter().flat_map(|&k| [(k, 1536), (k, 576), (k, 224)]);
-        let k_quants = [PackKind::Q4K, PackKind::Q5K, PackKind::Q6K]
+        let k_quants = PackKind::ALL
             .into_iter()
+            .filter(|k| k.is_k())
             .flat_map(|k| [(k, 1536), (k, 256)]);
         for (kind, n) in legacy.chain(k_quants) {
             let layout = Layout::new(kind, n);

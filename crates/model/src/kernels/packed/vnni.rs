@@ -17,6 +17,8 @@ pub const Q51: u8 = 4;
 pub const Q4K: u8 = 5;
 pub const Q5K: u8 = 6;
 pub const Q6K: u8 = 7;
+pub const Q2K: u8 = 8;
+pub const Q3K: u8 = 9;
 
 pub fn kind_id(k: PackKind) -> u8 {
     match k {
@@ -28,6 +30,8 @@ pub fn kind_id(k: PackKind) -> u8 {
         PackKind::Q4K => Q4K,
         PackKind::Q5K => Q5K,
         PackKind::Q6K => Q6K,
+        PackKind::Q2K => Q2K,
+        PackKind::Q3K => Q3K,
     }
 }
 
@@ -163,7 +167,6 @@ pub unsafe fn quantize_k_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
     assert!(layout.kind.is_k());
     assert_eq!(x.len(), layout.n_cols);
     assert!(out.len() >= layout.a_row_bytes());
-    let q6 = layout.kind == PackKind::Q6K;
     let offset = layout.kind.offset();
     let top = _mm512_set1_epi32(127);
     for (b, xb) in x.chunks_exact(QK_K).enumerate() {
@@ -207,16 +210,19 @@ pub unsafe fn quantize_k_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
             }
         }
         out[layout.a_d() + 4 * b..][..4].copy_from_slice(&d.to_le_bytes());
-        if q6 {
+        if offset != 0 {
             for (g, sum) in sums16.iter().enumerate() {
                 let at = layout.a_corr() + layout.corr_bytes() * b + 4 * g;
                 out[at..at + 4].copy_from_slice(&(-offset * sum).to_le_bytes());
             }
         }
         if layout.kind.has_k_mins() {
-            for (s, pair) in sums16.chunks_exact(2).enumerate() {
-                let at = layout.a_sums() + layout.sums_bytes() * b + 2 * s;
-                out[at..at + 2].copy_from_slice(&((pair[0] + pair[1]) as i16).to_le_bytes());
+            // One sum per integer min: of 16 values (Q2_K) or of 32 (two sums of 16).
+            let per = layout.kind.group_values() / 16;
+            for (g, part) in sums16.chunks_exact(per).enumerate() {
+                let at = layout.a_sums() + layout.sums_bytes() * b + 2 * g;
+                let sum: i32 = part.iter().sum();
+                out[at..at + 2].copy_from_slice(&(sum as i16).to_le_bytes());
             }
         }
     }
@@ -318,7 +324,9 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
             // SAFETY (every read below): block `b` of the panel and of each activation row
             // is in bounds by the length assertions above.
             let blk = unsafe { wp.add(b * bb) };
-            prefetch_ahead(blk, bb, far);
+            if far {
+                prefetch_ahead(blk, bb, far);
+            }
             // Two independent integer sums per row (exact, so splitting cannot change the
             // result) keep the dependency chains short.
             let mut even = [_mm512_setzero_si512(); RA];
@@ -400,9 +408,11 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
 
 /// How far ahead of the bytes being multiplied the kernels ask for weights in L1: a single
 /// stream of weights (a decode step) is otherwise read faster than the hardware prefetcher
-/// brings it in. The legacy kinds' kernel asks too since it took their one-row product on
-/// matrices read from memory from 20-21 to 24-28 GiB/s (Q4_1) and 20-23 to 21-29 (Q5_0), four
-/// alternating runs of `cargo bench -p model --bench kernels -- "matmul_8960x1536_Q4_1/1"`.
+/// brings it in. The legacy kinds' kernel asks only with fewer than [`FAR_PREFETCH_ROWS`]
+/// activation rows: there it took the one-row product on matrices read from memory from 20-21
+/// to 24-28 GiB/s (Q4_1) and 20-23 to 21-29 (Q5_0) in four alternating runs of the kernel
+/// bench, while with eight rows the hints cut Q4_0's, Q5_0's and Q8_0's panel throughput to a
+/// third (Q4_0 350 against 104 GFLOP/s).
 const PREFETCH: usize = 4096;
 
 /// How far ahead a stream of few activation rows also asks for weights in L2. With one row the
@@ -444,11 +454,32 @@ unsafe fn store_rows(out: *mut f32, p: usize, n_rows: usize, v: __m512) {
     unsafe { _mm512_mask_storeu_ps(out.add(p * PANEL), mask, v) };
 }
 
+/// The values `16c + 4t + j` of every lane of a sub-block of crumbs (Q2_K, Q3_K) from its
+/// chunk `c` (`chunk`) and, for Q3_K, its plane of third bits (bit `4c + t` of each byte).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+fn crumbs<const KIND: u8>(chunk: __m512i, plane: __m512i, c: usize, t: usize) -> __m512i {
+    let low = _mm512_and_si512(
+        _mm512_srl_epi32(chunk, _mm_cvtsi32_si128(2 * t as i32)),
+        _mm512_set1_epi8(0x03),
+    );
+    if KIND != Q3K {
+        return low;
+    }
+    // The bit to bit 0 of its byte, then to bit 2: shifts within 32-bit lanes carry other
+    // bytes' bits across, and the mask drops them.
+    let third = _mm512_slli_epi32::<2>(_mm512_srl_epi32(
+        plane,
+        _mm_cvtsi32_si128((4 * c + t) as i32),
+    ));
+    _mm512_or_si512(low, _mm512_and_si512(third, _mm512_set1_epi8(0x04)))
+}
+
 /// [`panels`] for the K-quants (blocks of 256 in eight sub-blocks): each sub-block's exact
-/// integer sum is multiplied by its integer scale into one i32 per row and block (Q6_K:
-/// each half's, with its own scale and offset correction), the mins times the activation's
-/// sub-block sums into another (`vpdpwssd` over pairs of sub-blocks), and each is converted
-/// once per block.
+/// integer sum is multiplied by its integer scale into one i32 per row and block (Q2_K, Q3_K,
+/// Q6_K: each half's, with its own scale and, where the kind stores an offset, its offset
+/// correction), the mins times the activation's sums into another (`vpdpwssd` over pairs of
+/// mins), and each is converted once per block.
 ///
 /// # Safety
 /// As for [`panels`].
@@ -466,6 +497,10 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
     let n_panels = n_rows.div_ceil(PANEL);
     assert!(w.len() >= n_panels * layout.panel_bytes());
     assert!(a.iter().all(|a| a.len() >= layout.a_row_bytes()));
+    // Kinds with a scale per 16 values, those with a stored offset, those of two-bit chunks.
+    let halves = KIND == Q2K || KIND == Q3K || KIND == Q6K;
+    let offset = KIND == Q3K || KIND == Q6K;
+    let two_bit = KIND == Q2K || KIND == Q3K;
     let (bb, sub_bytes) = (layout.block_bytes(), layout.kind.sub_bytes());
     let (a_d, a_corr, a_sums) = (layout.a_d(), layout.a_corr(), layout.a_sums());
     let (corr_bytes, sums_bytes) = (layout.corr_bytes(), layout.sums_bytes());
@@ -487,53 +522,97 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
             // is in bounds by the length assertions above.
             let blk = unsafe { wp.add(b * bb) };
             let mut total = [_mm512_setzero_si512(); RA];
+            let mut msum = [_mm512_setzero_si512(); RA];
             for s in 0..SUBS {
                 let sub = unsafe { blk.add(s * sub_bytes) };
                 prefetch_ahead(sub, sub_bytes, far);
-                // Q6_K: the sums of values 0..16 and 16..32 (each has its scale), from
-                // their offset corrections; else two chains of one sum.
+                // With a scale per 16 values: the sums of values 0..16 and 16..32, from their
+                // offset corrections where the kind has them; else two chains of one sum.
                 let mut g = [[_mm512_setzero_si512(); RA]; 2];
-                if KIND == Q6K {
+                if offset {
                     for j in 0..RA {
                         let at = a_corr + corr_bytes * b + 8 * s;
                         g[0][j] = unsafe { bcast4(ap[j], at) };
                         g[1][j] = unsafe { bcast4(ap[j], at + 4) };
                     }
                 }
-                let pl = match KIND {
-                    Q5K => unsafe { planes::<1>(sub) },
-                    Q6K => unsafe { planes::<2>(sub) },
-                    _ => [_mm512_setzero_si512(); 2],
-                };
-                for h in 0..QK / 8 {
-                    let (lo, hi) = match KIND {
-                        Q5K => unsafe { chunk::<1>(sub, h, pl) },
-                        Q6K => unsafe { chunk::<2>(sub, h, pl) },
-                        _ => unsafe { chunk::<0>(sub, h, pl) },
+                if two_bit {
+                    let plane = if KIND == Q3K {
+                        unsafe { _mm512_loadu_si512(sub.add(2 * 64) as *const __m512i) }
+                    } else {
+                        _mm512_setzero_si512()
                     };
-                    for j in 0..RA {
-                        let at = QK_K * b + QK * s + 8 * h;
-                        let (x0, x1) = unsafe { (bcast4(ap[j], at), bcast4(ap[j], at + 4)) };
-                        if KIND == Q6K {
-                            let i = h / 2;
-                            g[i][j] = _mm512_dpbusd_epi32(g[i][j], lo, x0);
-                            g[i][j] = _mm512_dpbusd_epi32(g[i][j], hi, x1);
-                        } else {
-                            g[0][j] = _mm512_dpbusd_epi32(g[0][j], lo, x0);
-                            g[1][j] = _mm512_dpbusd_epi32(g[1][j], hi, x1);
+                    for (c, half) in g.iter_mut().enumerate() {
+                        let chunk =
+                            unsafe { _mm512_loadu_si512(sub.add(64 * c) as *const __m512i) };
+                        for t in 0..4 {
+                            let v = crumbs::<KIND>(chunk, plane, c, t);
+                            for j in 0..RA {
+                                let at = QK_K * b + QK * s + 16 * c + 4 * t;
+                                half[j] =
+                                    _mm512_dpbusd_epi32(half[j], v, unsafe { bcast4(ap[j], at) });
+                            }
+                        }
+                    }
+                } else {
+                    let pl = match KIND {
+                        Q5K => unsafe { planes::<1>(sub) },
+                        Q6K => unsafe { planes::<2>(sub) },
+                        _ => [_mm512_setzero_si512(); 2],
+                    };
+                    for h in 0..QK / 8 {
+                        let (lo, hi) = match KIND {
+                            Q5K => unsafe { chunk::<1>(sub, h, pl) },
+                            Q6K => unsafe { chunk::<2>(sub, h, pl) },
+                            _ => unsafe { chunk::<0>(sub, h, pl) },
+                        };
+                        for j in 0..RA {
+                            let at = QK_K * b + QK * s + 8 * h;
+                            let (x0, x1) = unsafe { (bcast4(ap[j], at), bcast4(ap[j], at + 4)) };
+                            if halves {
+                                let i = h / 2;
+                                g[i][j] = _mm512_dpbusd_epi32(g[i][j], lo, x0);
+                                g[i][j] = _mm512_dpbusd_epi32(g[i][j], hi, x1);
+                            } else {
+                                g[0][j] = _mm512_dpbusd_epi32(g[0][j], lo, x0);
+                                g[1][j] = _mm512_dpbusd_epi32(g[1][j], hi, x1);
+                            }
                         }
                     }
                 }
-                let sc = |i: usize| {
-                    let v =
-                        unsafe { _mm_loadu_si128(blk.add(sc_at + PANEL * i) as *const __m128i) };
-                    if KIND == Q6K {
-                        _mm512_cvtepi8_epi32(v)
-                    } else {
-                        _mm512_cvtepu8_epi32(v)
+                if KIND == Q2K {
+                    // Lane `r`'s two bytes (scale | min << 4) of this sub-block's halves as two
+                    // i16 (AVX2 widening of each half: AVX-512 BW is not required).
+                    let pair = unsafe {
+                        let at = blk.add(mins_at + 32 * s);
+                        let lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(at as *const __m128i));
+                        let hi =
+                            _mm256_cvtepu8_epi16(_mm_loadu_si128(at.add(16) as *const __m128i));
+                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+                    };
+                    let nibble = _mm512_set1_epi32(0x0F);
+                    let s0 = _mm512_and_si512(pair, nibble);
+                    let s1 = _mm512_and_si512(_mm512_srli_epi32::<16>(pair), nibble);
+                    let m = _mm512_and_si512(
+                        _mm512_srli_epi32::<4>(pair),
+                        _mm512_set1_epi32(0x000F_000F),
+                    );
+                    for j in 0..RA {
+                        let both = _mm512_add_epi32(
+                            _mm512_mullo_epi32(s0, g[0][j]),
+                            _mm512_mullo_epi32(s1, g[1][j]),
+                        );
+                        total[j] = _mm512_add_epi32(total[j], both);
+                        let sums = unsafe { bcast4(ap[j], a_sums + sums_bytes * b + 4 * s) };
+                        msum[j] = _mm512_dpwssd_epi32(msum[j], m, sums);
                     }
-                };
-                if KIND == Q6K {
+                } else if halves {
+                    let sc = |i: usize| {
+                        let v = unsafe {
+                            _mm_loadu_si128(blk.add(sc_at + PANEL * i) as *const __m128i)
+                        };
+                        _mm512_cvtepi8_epi32(v)
+                    };
                     let (s0, s1) = (sc(2 * s), sc(2 * s + 1));
                     for j in 0..RA {
                         let both = _mm512_add_epi32(
@@ -543,7 +622,9 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
                         total[j] = _mm512_add_epi32(total[j], both);
                     }
                 } else {
-                    let s0 = sc(s);
+                    let s0 = _mm512_cvtepu8_epi32(unsafe {
+                        _mm_loadu_si128(blk.add(sc_at + PANEL * s) as *const __m128i)
+                    });
                     for j in 0..RA {
                         let sum = _mm512_add_epi32(g[0][j], g[1][j]);
                         total[j] = _mm512_add_epi32(total[j], _mm512_mullo_epi32(s0, sum));
@@ -563,11 +644,9 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
                 let dd = _mm512_mul_ps(d, ad[j]);
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[j]), dd, acc[j]);
             }
-            if KIND != Q6K {
-                let mut msum = [_mm512_setzero_si512(); RA];
+            if KIND == Q4K || KIND == Q5K {
                 for k in 0..SUBS / 2 {
-                    // Lane `r`'s pair of mins as two i16 (AVX2 widening of each half: AVX-512
-                    // BW is not required).
+                    // Lane `r`'s pair of mins as two i16 (as Q2_K's above).
                     let mp = unsafe {
                         let at = blk.add(mins_at + 32 * k);
                         let lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(at as *const __m128i));
@@ -580,6 +659,8 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
                         msum[j] = _mm512_dpwssd_epi32(msum[j], mp, s);
                     }
                 }
+            }
+            if KIND == Q2K || KIND == Q4K || KIND == Q5K {
                 let dmin =
                     _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(blk.add(m_at) as *const __m256i) });
                 for j in 0..RA {
