@@ -325,14 +325,14 @@ macro_rules! int_kernels {
 
             /// The exact integer sum of 256 two-bit values (`n`, `k`: bits `2k` of bytes
             /// `32n..32n + 32` of `qs`, plus their third bit from `high` when given) times a
-            /// Q8_K block's values, each group of 16 times its scale from `scale(g)`.
+            /// Q8_K block's values, each group of 16 times its scale (byte `g` of `scales`, i8).
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn k_groups_of_16(
                 qs: *const u8,
                 high: Option<__m256i>,
                 q8: *const u8,
-                scale: impl Fn(usize) -> i32,
+                scales: __m128i,
             ) -> i32 {
                 let two = _mm256_set1_epi8(0x03);
                 let bit = _mm256_set1_epi8(0x01);
@@ -355,14 +355,26 @@ macro_rules! int_kernels {
                         let y = unsafe {
                             _mm256_loadu_si256(q8.add(128 * n + 32 * k) as *const __m256i)
                         };
-                        // Lanes 0..4 sum group g's 16 values, lanes 4..8 group g + 1's.
-                        let g = 8 * n + 2 * k;
-                        let (s0, s1) = (scale(g), scale(g + 1));
-                        let scales = _mm256_setr_epi32(s0, s0, s0, s0, s1, s1, s1, s1);
-                        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(dot_u8i8(v, y), scales));
+                        // Lanes 0..4 sum group g's 16 values, lanes 4..8 group g + 1's: their
+                        // scales spread to match.
+                        let g = (8 * n + 2 * k) as i64;
+                        let pick =
+                            _mm_set_epi64x(0, g * 0x0101_0101_0101_0101 + 0x0101_0101_0000_0000);
+                        let lanes = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(scales, pick));
+                        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(dot_u8i8(v, y), lanes));
                     }
                 }
                 hsum_i32(isum)
+            }
+
+            /// `sum(c[g] * bsums[g])` over a Q8_K block's 16 group sums (at `bsums`) and 16
+            /// i8 coefficients.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn dot_bsums(bsums: *const u8, c: __m128i) -> i32 {
+                // SAFETY: the caller keeps 32 bytes at `bsums` readable.
+                let b = unsafe { _mm256_loadu_si256(bsums as *const __m256i) };
+                hsum_i32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(c), b))
             }
 
             /// # Safety
@@ -372,21 +384,22 @@ macro_rules! int_kernels {
                 let nb = n / 256;
                 assert!(w.len() >= nb * 84 && a.len() >= nb * 292);
                 let mut sum = 0f32;
+                let nibble = _mm_set1_epi8(0x0F);
                 for i in 0..nb {
                     let (wb, ab) = (&w[i * 84..], &a[i * 292..]);
                     let ad = f32::from_le_bytes([ab[0], ab[1], ab[2], ab[3]]);
                     // SAFETY: bounds asserted above.
-                    let isum = unsafe {
-                        k_groups_of_16(wb.as_ptr().add(16), None, ab.as_ptr().add(4), |g| {
-                            (wb[g] & 0xF) as i32
-                        })
+                    let (isum, msum) = unsafe {
+                        let sm = _mm_loadu_si128(wb.as_ptr() as *const __m128i);
+                        let (scales, mins) = (
+                            _mm_and_si128(sm, nibble),
+                            _mm_and_si128(_mm_srli_epi16(sm, 4), nibble),
+                        );
+                        (
+                            k_groups_of_16(wb.as_ptr().add(16), None, ab.as_ptr().add(4), scales),
+                            dot_bsums(ab.as_ptr().add(260), mins),
+                        )
                     };
-                    let msum: i32 = (0..16)
-                        .map(|g| {
-                            (wb[g] >> 4) as i32
-                                * i16::from_le_bytes([ab[260 + 2 * g], ab[261 + 2 * g]]) as i32
-                        })
-                        .sum();
                     sum += f16(wb, 80) * ad * isum as f32 - f16(wb, 82) * ad * msum as f32;
                 }
                 sum
@@ -402,21 +415,26 @@ macro_rules! int_kernels {
                 for i in 0..nb {
                     let (wb, ab) = (&w[i * 110..], &a[i * 292..]);
                     let ad = f32::from_le_bytes([ab[0], ab[1], ab[2], ab[3]]);
-                    let sc = gguf::quant::q3k_scales(&wb[96..108]).map(|s| s as i32 - 32);
+                    let sc = gguf::quant::q3k_scales(&wb[96..108]);
                     // Values are summed as stored (value + 4, with the third bit from hmask),
                     // and 4 times each group's activation sum taken off.
                     // SAFETY: bounds asserted above.
-                    let stored = unsafe {
+                    let (stored, corr) = unsafe {
+                        let scales = _mm_sub_epi8(
+                            _mm_loadu_si128(sc.as_ptr() as *const __m128i),
+                            _mm_set1_epi8(32),
+                        );
                         let hmask = _mm256_loadu_si256(wb.as_ptr() as *const __m256i);
-                        k_groups_of_16(wb.as_ptr().add(32), Some(hmask), ab.as_ptr().add(4), |g| {
-                            sc[g]
-                        })
+                        (
+                            k_groups_of_16(
+                                wb.as_ptr().add(32),
+                                Some(hmask),
+                                ab.as_ptr().add(4),
+                                scales,
+                            ),
+                            dot_bsums(ab.as_ptr().add(260), scales),
+                        )
                     };
-                    let corr: i32 = (0..16)
-                        .map(|g| {
-                            sc[g] * i16::from_le_bytes([ab[260 + 2 * g], ab[261 + 2 * g]]) as i32
-                        })
-                        .sum();
                     sum += f16(wb, 108) * ad * (stored - 4 * corr) as f32;
                 }
                 sum
