@@ -442,25 +442,34 @@ fn quantize_q2k(x: &[f32], out: &mut Vec<u8>) {
     put_f16(out, mq.dmin);
 }
 
-fn quantize_q3k(x: &[f32], out: &mut Vec<u8>) {
-    // Sixteen groups of 16 values, x ~= d * sc * q with q in -4..=3 and sc in -32..=31.
+/// Sixteen groups of 16 values with signed integer scales, `x ~= d * sc * q`: `d`, the scales
+/// in `-sc_top..sc_top` (the group scale of largest magnitude maps to `-sc_top`) and the values
+/// stored as `q + top` in `0..2 * top` (each group's value of largest magnitude maps to `-top`).
+fn signed_groups(x: &[f32], top: i32, sc_top: i32) -> (f32, [i8; 16], [u8; QK_K]) {
     let mut sub_scales = [0f32; 16];
     for (j, sub) in x.chunks_exact(16).enumerate() {
-        sub_scales[j] = signed_max(sub) / -4.0;
+        sub_scales[j] = signed_max(sub) / -(top as f32);
     }
-    let d = signed_max(&sub_scales) / -32.0;
+    let d = signed_max(&sub_scales) / -(sc_top as f32);
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    let sc: [i8; 16] = sub_scales.map(|s| (s * id).round().clamp(-32.0, 31.0) as i8);
+    let sc_range = (-sc_top as f32, (sc_top - 1) as f32);
+    let sc = sub_scales.map(|s| (s * id).round().clamp(sc_range.0, sc_range.1) as i8);
     let d16 = f16::from_f32(d).to_f32();
-    // Stored as q + 4: two low bits in `qs`, the third in `hmask`.
-    let mut l = [0u8; QK_K];
+    let mut q = [0u8; QK_K];
     for j in 0..16 {
         let s = d16 * sc[j] as f32;
         for i in 16 * j..16 * j + 16 {
             let v = if s != 0.0 { (x[i] / s).round() } else { 0.0 };
-            l[i] = (v.clamp(-4.0, 3.0) as i32 + 4) as u8;
+            q[i] = (v.clamp(-top as f32, (top - 1) as f32) as i32 + top) as u8;
         }
     }
+    (d, sc, q)
+}
+
+fn quantize_q3k(x: &[f32], out: &mut Vec<u8>) {
+    // x ~= d * sc * q with q in -4..=3 and sc in -32..=31, q stored as q + 4: two low bits in
+    // `qs`, the third in `hmask`.
+    let (d, sc, l) = signed_groups(x, 4, 32);
     // Value i = 128n + 32k + idx: bit 4n + k of hmask[idx], bits 2k of qs[32n + idx].
     let mut hmask = [0u8; 32];
     let mut qs = [0u8; 64];
@@ -518,30 +527,8 @@ fn quantize_q45k(x: &[f32], levels: u8, out: &mut Vec<u8>) {
 }
 
 fn quantize_q6k(x: &[f32], out: &mut Vec<u8>) {
-    // Sixteen sub-blocks of 16 values, each with an i8 scale; x ~= d * scale * (q - 32).
-    let mut sub_scales = [0f32; 16];
-    for (j, sub) in x.chunks_exact(16).enumerate() {
-        sub_scales[j] = signed_max(sub) / -32.0;
-    }
-    let d = signed_max(&sub_scales) / -128.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    let mut sc = [0i8; 16];
-    for j in 0..16 {
-        sc[j] = (sub_scales[j] * id).round().clamp(-128.0, 127.0) as i8;
-    }
-    let d16 = f16::from_f32(d).to_f32();
-    let mut q = [0u8; QK_K];
-    for j in 0..16 {
-        let s = d16 * sc[j] as f32;
-        for l in 0..16 {
-            let v = if s != 0.0 {
-                (x[16 * j + l] / s).round()
-            } else {
-                0.0
-            };
-            q[16 * j + l] = (v.clamp(-32.0, 31.0) as i32 + 32) as u8;
-        }
-    }
+    // x ~= d * sc * (q - 32) with q in 0..64 and sc an i8.
+    let (d, sc, q) = signed_groups(x, 32, 128);
     let mut ql = [0u8; 128];
     let mut qh = [0u8; 64];
     for n in 0..2 {

@@ -76,6 +76,14 @@ pub fn dot_q8_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
     sum
 }
 
+/// The exact integer dot product of weight values `q` with Q8_K activation bytes `q8` (i8).
+fn int_dot<T: Copy + Into<i32>>(q: &[T], q8: &[u8]) -> i32 {
+    q.iter()
+        .zip(q8)
+        .map(|(&v, &y)| v.into() * y as i8 as i32)
+        .sum()
+}
+
 fn q8k_parts(ab: &[u8]) -> (f32, &[u8], [i16; 16]) {
     let d = f32::from_le_bytes([ab[0], ab[1], ab[2], ab[3]]);
     let mut bsums = [0i16; 16];
@@ -93,10 +101,8 @@ fn dot_k_mins_block(wb: &[u8], q: &[u8; QK_K], ab: &[u8]) -> f32 {
     let (mut isum, mut msum) = (0i32, 0i32);
     for s in 0..8 {
         let (sc, m) = scale_min_k4(s, scales);
-        let sub: i32 = (32 * s..32 * s + 32)
-            .map(|i| q[i] as i32 * q8[i] as i8 as i32)
-            .sum();
-        isum += sub * sc as i32;
+        let at = 32 * s..32 * s + 32;
+        isum += int_dot(&q[at.clone()], &q8[at]) * sc as i32;
         msum += m as i32 * (bsums[2 * s] as i32 + bsums[2 * s + 1] as i32);
     }
     f16_at(wb, 0) * ad * isum as f32 - f16_at(wb, 2) * ad * msum as f32
@@ -128,10 +134,8 @@ pub fn dot_q2k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
         let q = q2k_values(wb);
         let (mut isum, mut msum) = (0i32, 0i32);
         for g in 0..16 {
-            let sub: i32 = (16 * g..16 * g + 16)
-                .map(|i| q[i] as i32 * q8[i] as i8 as i32)
-                .sum();
-            isum += sub * (wb[g] & 0xF) as i32;
+            let at = 16 * g..16 * g + 16;
+            isum += int_dot(&q[at.clone()], &q8[at]) * (wb[g] & 0xF) as i32;
             msum += (wb[g] >> 4) as i32 * bsums[g] as i32;
         }
         sum += f16_at(wb, 80) * ad * isum as f32 - f16_at(wb, 82) * ad * msum as f32;
@@ -146,10 +150,8 @@ pub fn dot_q3k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
         let (q, scales) = (q3k_values(wb), q3k_scales(&wb[96..108]));
         let mut isum = 0i32;
         for g in 0..16 {
-            let sub: i32 = (16 * g..16 * g + 16)
-                .map(|i| q[i] as i32 * q8[i] as i8 as i32)
-                .sum();
-            isum += sub * (scales[g] as i32 - 32);
+            let at = 16 * g..16 * g + 16;
+            isum += int_dot(&q[at.clone()], &q8[at]) * (scales[g] as i32 - 32);
         }
         sum += f16_at(wb, 108) * ad * isum as f32;
     }
@@ -163,10 +165,8 @@ pub fn dot_q6k_q8k(n: usize, w: &[u8], a: &[u8]) -> f32 {
         let q = q6k_values(wb);
         let mut isum = 0i32;
         for g in 0..16 {
-            let sub: i32 = (16 * g..16 * g + 16)
-                .map(|i| q[i] as i32 * q8[i] as i8 as i32)
-                .sum();
-            isum += sub * wb[192 + g] as i8 as i32;
+            let at = 16 * g..16 * g + 16;
+            isum += int_dot(&q[at.clone()], &q8[at]) * wb[192 + g] as i8 as i32;
         }
         sum += f16_at(wb, 208) * ad * isum as f32;
     }

@@ -454,6 +454,27 @@ unsafe fn store_rows(out: *mut f32, p: usize, n_rows: usize, v: __m512) {
     unsafe { _mm512_mask_storeu_ps(out.add(p * PANEL), mask, v) };
 }
 
+/// 32 bytes at `at` (two per lane) widened to 32 i16, lane `r`'s pair in its 32-bit lane (AVX2
+/// widening of each half: AVX-512 BW is not required).
+///
+/// # Safety
+/// 32 bytes at `at` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn lane_pairs(at: *const u8) -> __m512i {
+    // SAFETY: the caller's contract.
+    let (lo, hi) = unsafe {
+        (
+            _mm_loadu_si128(at as *const __m128i),
+            _mm_loadu_si128(at.add(16) as *const __m128i),
+        )
+    };
+    _mm512_inserti64x4::<1>(
+        _mm512_castsi256_si512(_mm256_cvtepu8_epi16(lo)),
+        _mm256_cvtepu8_epi16(hi),
+    )
+}
+
 /// The values `16c + 4t + j` of every lane of a sub-block of crumbs (Q2_K, Q3_K) from its
 /// chunk `c` (`chunk`) and, for Q3_K, its plane of third bits (bit `4c + t` of each byte).
 #[inline]
@@ -581,15 +602,8 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
                     }
                 }
                 if KIND == Q2K {
-                    // Lane `r`'s two bytes (scale | min << 4) of this sub-block's halves as two
-                    // i16 (AVX2 widening of each half: AVX-512 BW is not required).
-                    let pair = unsafe {
-                        let at = blk.add(mins_at + 32 * s);
-                        let lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(at as *const __m128i));
-                        let hi =
-                            _mm256_cvtepu8_epi16(_mm_loadu_si128(at.add(16) as *const __m128i));
-                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-                    };
+                    // Lane `r`'s two bytes (scale | min << 4) of this sub-block's halves.
+                    let pair = unsafe { lane_pairs(blk.add(mins_at + 32 * s)) };
                     let nibble = _mm512_set1_epi32(0x0F);
                     let s0 = _mm512_and_si512(pair, nibble);
                     let s1 = _mm512_and_si512(_mm512_srli_epi32::<16>(pair), nibble);
@@ -646,14 +660,8 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
             }
             if KIND == Q4K || KIND == Q5K {
                 for k in 0..SUBS / 2 {
-                    // Lane `r`'s pair of mins as two i16 (as Q2_K's above).
-                    let mp = unsafe {
-                        let at = blk.add(mins_at + 32 * k);
-                        let lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(at as *const __m128i));
-                        let hi =
-                            _mm256_cvtepu8_epi16(_mm_loadu_si128(at.add(16) as *const __m128i));
-                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-                    };
+                    // Lane `r`'s pair of mins.
+                    let mp = unsafe { lane_pairs(blk.add(mins_at + 32 * k)) };
                     for j in 0..RA {
                         let s = unsafe { bcast4(ap[j], a_sums + sums_bytes * b + 4 * k) };
                         msum[j] = _mm512_dpwssd_epi32(msum[j], mp, s);
