@@ -69,46 +69,50 @@ fn row_dot(c: &mut Criterion) {
     g.finish();
 }
 
-/// Four panels (64 packed weight rows, 36-104 KB: cache-resident) against 8 activation rows,
-/// Qwen2.5-1.5B's width (1536): the inner kernel of every product.
+/// Four panels (64 packed weight rows, 21-104 KB: cache-resident) against 8, 4 and 1
+/// activation rows, Qwen2.5-1.5B's width (1536): the inner kernel of every product.
 fn panel(c: &mut Criterion) {
     let k = Kernels::detect();
     if !k.packs_weights() {
         return;
     }
-    let mut g = c.benchmark_group("packed_panels_64x8");
-    for ty in TYPES {
-        let (rows, cols) = (4 * packed::PANEL, 1536);
-        let w = matrix(ty, rows, cols, true);
-        let layout = w.packed.expect("packed");
-        let acts: Vec<Vec<u8>> = (0..PANEL_ACTS)
-            .map(|j| {
-                let mut a = vec![0u8; layout.a_row_bytes()];
-                k.quantize_packed_act(&layout, &values(cols, 11 + j as u32), &mut a);
-                a
-            })
-            .collect();
-        let ar: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
-        g.throughput(Throughput::Elements((2 * rows * PANEL_ACTS * cols) as u64));
-        g.bench_function(BenchmarkId::from_parameter(format!("{ty:?}")), |b| {
-            let mut out = vec![0f32; PANEL_ACTS * rows];
-            b.iter(|| {
-                // SAFETY: `out` holds PANEL_ACTS rows of `rows` values.
-                unsafe {
-                    k.packed_panels(
-                        &layout,
-                        black_box(&w.data),
-                        rows,
-                        black_box(&ar),
-                        out.as_mut_ptr(),
-                        rows,
-                    )
-                };
-                black_box(&out);
-            })
-        });
+    // Eight activation rows (prefill), and four and one (batched and single decode steps),
+    // whose kernels differ in registers and prefetching.
+    for n_acts in [PANEL_ACTS, 4, 1] {
+        let mut g = c.benchmark_group(format!("packed_panels_64x{n_acts}"));
+        for ty in TYPES {
+            let (rows, cols) = (4 * packed::PANEL, 1536);
+            let w = matrix(ty, rows, cols, true);
+            let layout = w.packed.expect("packed");
+            let acts: Vec<Vec<u8>> = (0..n_acts)
+                .map(|j| {
+                    let mut a = vec![0u8; layout.a_row_bytes()];
+                    k.quantize_packed_act(&layout, &values(cols, 11 + j as u32), &mut a);
+                    a
+                })
+                .collect();
+            let ar: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
+            g.throughput(Throughput::Elements((2 * rows * n_acts * cols) as u64));
+            g.bench_function(BenchmarkId::from_parameter(format!("{ty:?}")), |b| {
+                let mut out = vec![0f32; n_acts * rows];
+                b.iter(|| {
+                    // SAFETY: `out` holds n_acts rows of `rows` values.
+                    unsafe {
+                        k.packed_panels(
+                            &layout,
+                            black_box(&w.data),
+                            rows,
+                            black_box(&ar),
+                            out.as_mut_ptr(),
+                            rows,
+                        )
+                    };
+                    black_box(&out);
+                })
+            });
+        }
+        g.finish();
     }
-    g.finish();
 }
 
 /// The batched product on 8960 x 1536 matrices (Qwen2.5-1.5B's FFN up projection) of each
