@@ -116,10 +116,10 @@ fn panel(c: &mut Criterion) {
 }
 
 /// The batched product on 8960 x 1536 matrices (Qwen2.5-1.5B's FFN up projection) of each
-/// type, with all threads, packed when the CPU has the panel kernels. One activation row is bound by
-/// memory: it goes round enough matrices (at least 256 MiB) that each is read from memory, not
-/// from the last-level cache, as a decode step reads a model's weights (GB/s of weights). 16 rows
-/// are bound by compute: one matrix, cache-resident (GFLOP/s).
+/// type, with all threads, packed when the CPU has the panel kernels. It goes round enough
+/// matrices (at least 256 MiB) that each is read from memory, not from the last-level cache, as
+/// a decode step reads a model's weights: with one activation row (bound by memory: GB/s of
+/// weights) and with 16 (a batched decode step: GFLOP/s).
 fn product(c: &mut Criterion) {
     let k = Kernels::detect();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -139,23 +139,21 @@ fn product(c: &mut Criterion) {
             let x = values(rows * n_in, 3);
             let mut out = vec![0f32; rows * n_out];
             let mut scratch = ActScratch::default();
-            let mats = if rows == 1 {
-                g.throughput(Throughput::Bytes(w.data.len() as u64));
-                &copies[..]
+            g.throughput(if rows == 1 {
+                Throughput::Bytes(w.data.len() as u64)
             } else {
-                g.throughput(Throughput::Elements((2 * rows * n_out * n_in) as u64));
-                std::slice::from_ref(&w)
-            };
+                Throughput::Elements((2 * rows * n_out * n_in) as u64)
+            });
             let mut turn = 0;
             g.bench_function(BenchmarkId::from_parameter(format!("{rows} rows")), |b| {
                 b.iter(|| {
-                    turn = (turn + 1) % mats.len();
+                    turn = (turn + 1) % copies.len();
                     matmul(
                         &k,
                         &pool,
                         black_box(&x),
                         &mut [Product {
-                            w: &mats[turn],
+                            w: &copies[turn],
                             out: &mut out,
                         }],
                         &mut scratch,

@@ -110,13 +110,13 @@ impl PackKind {
     }
 
     /// A K-quant: blocks of 256 values with integer sub-block scales.
-    pub fn is_k(self) -> bool {
+    pub const fn is_k(self) -> bool {
         self.scale_groups() > 0
     }
 
     /// K-quants: how many integer scales a block has (each for `256 / scale_groups` values);
     /// 0 for the legacy kinds.
-    pub fn scale_groups(self) -> usize {
+    pub const fn scale_groups(self) -> usize {
         match self {
             PackKind::Q4K | PackKind::Q5K => SUBS,
             PackKind::Q2K | PackKind::Q3K | PackKind::Q6K => 2 * SUBS,
@@ -131,7 +131,7 @@ impl PackKind {
 
     /// Bits of each value kept in the chunks of a sub-block: whole bytes (Q8_0), crumbs of two
     /// bits (Q2_K, Q3_K) or nibbles.
-    pub fn low_bits(self) -> usize {
+    pub const fn low_bits(self) -> usize {
         match self {
             PackKind::Q8_0 => 8,
             PackKind::Q2K | PackKind::Q3K => 2,
@@ -140,7 +140,7 @@ impl PackKind {
     }
 
     /// Values per block (one activation scale).
-    pub fn block_values(self) -> usize {
+    pub const fn block_values(self) -> usize {
         if self.is_k() {
             QK_K
         } else {
@@ -149,7 +149,7 @@ impl PackKind {
     }
 
     /// Bits above the [`PackKind::low_bits`] that each value stores in planes.
-    pub fn high_bits(self) -> usize {
+    pub const fn high_bits(self) -> usize {
         match self {
             PackKind::Q5_0 | PackKind::Q5_1 | PackKind::Q5K | PackKind::Q3K => 1,
             PackKind::Q6K => 2,
@@ -158,22 +158,22 @@ impl PackKind {
     }
 
     /// Bytes of quants per sub-block (32 values) of a panel: its chunks, then its planes.
-    pub fn sub_bytes(self) -> usize {
+    pub const fn sub_bytes(self) -> usize {
         self.chunk_bytes() + 64 * self.high_bits()
     }
 
     /// Bytes of a sub-block's chunks (the low bits of its values).
-    fn chunk_bytes(self) -> usize {
+    const fn chunk_bytes(self) -> usize {
         PANEL * QK * self.low_bits() / 8
     }
 
     /// Bytes of quants per block of a panel.
-    pub fn quant_bytes(self) -> usize {
+    pub const fn quant_bytes(self) -> usize {
         self.sub_bytes() * self.block_values() / QK
     }
 
     /// What the unsigned stored weight value must be shifted by: stored = value + offset.
-    pub fn offset(self) -> i32 {
+    pub const fn offset(self) -> i32 {
         match self {
             PackKind::Q8_0 => 128,
             PackKind::Q4_0 => 8,
@@ -185,14 +185,64 @@ impl PackKind {
     }
 
     /// Legacy kinds with a per-block minimum (`m`, paired with the activation's `Σq · d`).
-    pub fn has_mins(self) -> bool {
+    pub const fn has_mins(self) -> bool {
         matches!(self, PackKind::Q4_1 | PackKind::Q5_1)
     }
 
     /// K-quants with integer mins beside their scales (Q2_K, Q4_K, Q5_K), paired with the
     /// activation's integer sums.
-    pub fn has_k_mins(self) -> bool {
+    pub const fn has_k_mins(self) -> bool {
         matches!(self, PackKind::Q2K | PackKind::Q4K | PackKind::Q5K)
+    }
+
+    /// Offset in a block of the integer scales (K-quants: u8 for Q4_K and Q5_K, i8 for Q3_K and
+    /// Q6_K; Q2_K's share their bytes with its mins).
+    pub const fn sc_at(self) -> usize {
+        self.quant_bytes()
+    }
+
+    /// Offset in a block of the K-quant mins, in pairs of u8 (Q2_K: its scale and min bytes
+    /// as ggml stores them, the scale in the low nibble, in pairs too).
+    pub const fn mins_at(self) -> usize {
+        match self {
+            PackKind::Q2K => self.sc_at(),
+            _ => self.sc_at() + PANEL * SUBS,
+        }
+    }
+
+    /// Offset in a block of the 16 f16 `d`.
+    pub const fn d_at(self) -> usize {
+        match self {
+            PackKind::Q4K | PackKind::Q5K => self.mins_at() + PANEL * SUBS,
+            PackKind::Q2K | PackKind::Q3K | PackKind::Q6K => self.sc_at() + PANEL * 2 * SUBS,
+            _ => self.quant_bytes(),
+        }
+    }
+
+    /// Offset in a block of the 16 f16 `m` (Q4_1, Q5_1) or `dmin` (Q4_K, Q5_K).
+    pub const fn m_at(self) -> usize {
+        self.d_at() + 2 * PANEL
+    }
+
+    /// Bytes of one block of a panel (a constant of the kind, whatever the matrix's width, so
+    /// that a kernel made for one kind walks its blocks with a compile-time stride).
+    pub const fn block_bytes(self) -> usize {
+        let mins = self.has_mins() || self.has_k_mins();
+        self.m_at() + if mins { 2 * PANEL } else { 0 }
+    }
+
+    /// Offset in a block of the byte holding integer scale `g` of lane `r` (K-quants).
+    pub const fn scale_byte_at(self, g: usize, r: usize) -> usize {
+        match self {
+            PackKind::Q2K => self.min_byte_at(g, r),
+            _ => self.sc_at() + PANEL * g + r,
+        }
+    }
+
+    /// Offset in a block of the byte holding min `g` of lane `r` (K-quants with mins): pairs
+    /// of groups side by side, so one widening load gives a lane's pair.
+    pub const fn min_byte_at(self, g: usize, r: usize) -> usize {
+        self.mins_at() + 32 * (g / 2) + 2 * r + g % 2
     }
 }
 
@@ -219,57 +269,8 @@ impl Layout {
         }
     }
 
-    /// Offset in a block of the integer scales (K-quants: u8 for Q4_K and Q5_K, i8 for Q3_K and
-    /// Q6_K; Q2_K's share their bytes with its mins).
-    pub fn sc_at(&self) -> usize {
-        self.kind.quant_bytes()
-    }
-
-    /// Offset in a block of the K-quant mins, in pairs of u8 (Q2_K: its scale and min bytes
-    /// as ggml stores them, the scale in the low nibble, in pairs too).
-    pub fn mins_at(&self) -> usize {
-        match self.kind {
-            PackKind::Q2K => self.sc_at(),
-            _ => self.sc_at() + PANEL * SUBS,
-        }
-    }
-
-    /// Offset in a block of the byte holding integer scale `g` of lane `r` (K-quants).
-    pub fn scale_byte_at(&self, g: usize, r: usize) -> usize {
-        match self.kind {
-            PackKind::Q2K => self.min_byte_at(g, r),
-            _ => self.sc_at() + PANEL * g + r,
-        }
-    }
-
-    /// Offset in a block of the byte holding min `g` of lane `r` (K-quants with mins): pairs
-    /// of groups side by side, so one widening load gives a lane's pair.
-    pub fn min_byte_at(&self, g: usize, r: usize) -> usize {
-        self.mins_at() + 32 * (g / 2) + 2 * r + g % 2
-    }
-
-    /// Offset in a block of the 16 f16 `d`.
-    pub fn d_at(&self) -> usize {
-        match self.kind {
-            PackKind::Q4K | PackKind::Q5K => self.mins_at() + PANEL * SUBS,
-            PackKind::Q2K | PackKind::Q3K | PackKind::Q6K => self.sc_at() + PANEL * 2 * SUBS,
-            _ => self.kind.quant_bytes(),
-        }
-    }
-
-    /// Offset in a block of the 16 f16 `m` (Q4_1, Q5_1) or `dmin` (Q4_K, Q5_K).
-    pub fn m_at(&self) -> usize {
-        self.d_at() + 2 * PANEL
-    }
-
-    /// Bytes of one block of a panel.
-    pub fn block_bytes(&self) -> usize {
-        let mins = self.kind.has_mins() || self.kind.has_k_mins();
-        self.m_at() + if mins { 2 * PANEL } else { 0 }
-    }
-
     pub fn panel_bytes(&self) -> usize {
-        self.n_blocks * self.block_bytes()
+        self.n_blocks * self.kind.block_bytes()
     }
 
     /// Offsets in an activation row: quants (one byte per value), d (one f32 per block),
@@ -453,7 +454,7 @@ pub fn pack_panel(layout: &Layout, rows: &[&[u8]], out: &mut [u8]) {
     assert!(rows.len() <= PANEL);
     let kind = layout.kind;
     out.fill(0);
-    let bb = layout.block_bytes();
+    let bb = layout.kind.block_bytes();
     let sub = kind.sub_bytes();
     let (low_mask, high_mask) = (low_mask(kind), (1u8 << kind.high_bits()) - 1);
     for b in 0..layout.n_blocks {
@@ -469,16 +470,16 @@ pub fn pack_panel(layout: &Layout, rows: &[&[u8]], out: &mut [u8]) {
                     blk[s * sub + at] |= ((v >> kind.low_bits()) & high_mask) << shift;
                 }
             }
-            blk[layout.d_at() + 2 * r..][..2].copy_from_slice(&g.d);
+            blk[layout.kind.d_at() + 2 * r..][..2].copy_from_slice(&g.d);
             if kind.has_mins() || kind.has_k_mins() {
-                blk[layout.m_at() + 2 * r..][..2].copy_from_slice(&g.m);
+                blk[layout.kind.m_at() + 2 * r..][..2].copy_from_slice(&g.m);
             }
             for (s, &v) in g.sc[..kind.scale_groups()].iter().enumerate() {
-                blk[layout.scale_byte_at(s, r)] = v;
+                blk[layout.kind.scale_byte_at(s, r)] = v;
             }
             if matches!(kind, PackKind::Q4K | PackKind::Q5K) {
                 for (s, &v) in g.mins.iter().enumerate() {
-                    blk[layout.min_byte_at(s, r)] = v;
+                    blk[layout.kind.min_byte_at(s, r)] = v;
                 }
             }
         }
@@ -493,7 +494,7 @@ fn low_mask(kind: PackKind) -> u8 {
 /// The stored (unsigned) value `i` of block `b`, lane `r` of a panel.
 fn stored(layout: &Layout, panel: &[u8], r: usize, b: usize, i: usize) -> i32 {
     let kind = layout.kind;
-    let sub = &panel[b * layout.block_bytes() + (i / QK) * kind.sub_bytes()..];
+    let sub = &panel[b * layout.kind.block_bytes() + (i / QK) * kind.sub_bytes()..];
     let k = i % QK;
     let (at, shift) = quant_at(kind, r, k);
     let low = (sub[at] >> shift) & low_mask(kind);
@@ -508,19 +509,19 @@ fn stored(layout: &Layout, panel: &[u8], r: usize, b: usize, i: usize) -> i32 {
 
 /// `d` and `m` (or `dmin`) of block `b`, lane `r` of a panel.
 fn scales(layout: &Layout, panel: &[u8], r: usize, b: usize) -> (f32, f32) {
-    let at = b * layout.block_bytes();
+    let at = b * layout.kind.block_bytes();
     let m = if layout.kind.has_mins() || layout.kind.has_k_mins() {
-        f16_at(panel, at + layout.m_at() + 2 * r)
+        f16_at(panel, at + layout.kind.m_at() + 2 * r)
     } else {
         0.0
     };
-    (f16_at(panel, at + layout.d_at() + 2 * r), m)
+    (f16_at(panel, at + layout.kind.d_at() + 2 * r), m)
 }
 
 /// The integer scale `g` of a K-quant block `b`, lane `r` (of [`PackKind::group_values`]
 /// values), and its min.
 fn k_scale(layout: &Layout, panel: &[u8], r: usize, b: usize, g: usize) -> i32 {
-    let v = panel[b * layout.block_bytes() + layout.scale_byte_at(g, r)];
+    let v = panel[b * layout.kind.block_bytes() + layout.kind.scale_byte_at(g, r)];
     match layout.kind {
         PackKind::Q3K | PackKind::Q6K => v as i8 as i32,
         PackKind::Q2K => (v & 0x0F) as i32,
@@ -529,7 +530,7 @@ fn k_scale(layout: &Layout, panel: &[u8], r: usize, b: usize, g: usize) -> i32 {
 }
 
 fn k_min(layout: &Layout, panel: &[u8], r: usize, b: usize, g: usize) -> i32 {
-    let v = panel[b * layout.block_bytes() + layout.min_byte_at(g, r)];
+    let v = panel[b * layout.kind.block_bytes() + layout.kind.min_byte_at(g, r)];
     match layout.kind {
         PackKind::Q2K => (v >> 4) as i32,
         _ => v as i32,

@@ -20,6 +20,24 @@ pub const Q6K: u8 = 7;
 pub const Q2K: u8 = 8;
 pub const Q3K: u8 = 9;
 
+/// The kind of a kernel's `KIND` (the inverse of [`kind_id`]), so that its block size and
+/// offsets are compile-time constants (see [`PREFETCH`]).
+const fn kind_of(id: u8) -> PackKind {
+    match id {
+        Q40 => PackKind::Q4_0,
+        Q41 => PackKind::Q4_1,
+        Q8 => PackKind::Q8_0,
+        Q50 => PackKind::Q5_0,
+        Q51 => PackKind::Q5_1,
+        Q4K => PackKind::Q4K,
+        Q5K => PackKind::Q5K,
+        Q6K => PackKind::Q6K,
+        Q2K => PackKind::Q2K,
+        Q3K => PackKind::Q3K,
+        _ => panic!("not a kind id"),
+    }
+}
+
 pub fn kind_id(k: PackKind) -> u8 {
     match k {
         PackKind::Q4_0 => Q40,
@@ -311,7 +329,10 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
     assert!(a.iter().all(|a| a.len() >= layout.a_row_bytes()));
     let mins = KIND == Q41 || KIND == Q51;
     let five = KIND == Q50 || KIND == Q51;
-    let bb = layout.block_bytes();
+    let (bb, d_at, m_at) = const {
+        let kind = kind_of(KIND);
+        (kind.block_bytes(), kind.d_at(), kind.m_at())
+    };
     let (a_d, a_corr, a_sums) = (layout.a_d(), layout.a_corr(), layout.a_sums());
     let ap = a.map(|a| a.as_ptr());
     let far = RA < FAR_PREFETCH_ROWS;
@@ -324,9 +345,7 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
             // SAFETY (every read below): block `b` of the panel and of each activation row
             // is in bounds by the length assertions above.
             let blk = unsafe { wp.add(b * bb) };
-            if far {
-                prefetch_ahead(blk, bb, far);
-            }
+            prefetch_ahead(blk, bb, far);
             // Two independent integer sums per row (exact, so splitting cannot change the
             // result) keep the dependency chains short.
             let mut even = [_mm512_setzero_si512(); RA];
@@ -372,13 +391,9 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
                     }
                 }
             }
-            let d = _mm512_cvtph_ps(unsafe {
-                _mm256_loadu_si256(blk.add(layout.d_at()) as *const __m256i)
-            });
+            let d = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(blk.add(d_at) as *const __m256i) });
             let m = if mins {
-                _mm512_cvtph_ps(unsafe {
-                    _mm256_loadu_si256(blk.add(layout.m_at()) as *const __m256i)
-                })
+                _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(blk.add(m_at) as *const __m256i) })
             } else {
                 _mm512_setzero_ps()
             };
@@ -406,13 +421,14 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
     }
 }
 
-/// How far ahead of the bytes being multiplied the kernels ask for weights in L1: a single
-/// stream of weights (a decode step) is otherwise read faster than the hardware prefetcher
-/// brings it in. The legacy kinds' kernel asks only with fewer than [`FAR_PREFETCH_ROWS`]
-/// activation rows: there it took the one-row product on matrices read from memory from 20-21
-/// to 24-28 GiB/s (Q4_1) and 20-23 to 21-29 (Q5_0) in four alternating runs of the kernel
-/// bench, while with eight rows the hints cut Q4_0's, Q5_0's and Q8_0's panel throughput to a
-/// third (Q4_0 350 against 104 GFLOP/s).
+/// How far ahead of the bytes being multiplied the kernels ask for weights in L1: a stream of
+/// weights read from memory (a decode step, one row or a batch) is otherwise read faster than
+/// the hardware prefetcher brings it in. With one activation row this took the legacy kinds'
+/// product on matrices read from memory from 20-21 to 24-28 GiB/s (Q4_1) and 20-23 to 21-29
+/// (Q5_0); with 16 rows (a batched decode step) from 6.6 to 8.9 GiB/s (Q5_0), 7.7 to 9.5
+/// (Q4_0), 10.1 to 11.8 (Q8_0), Q4_1 unchanged, while cache-resident panels keep their speed.
+/// The hints must cover a block whose size is a compile-time constant (see [`kind_of`]): with
+/// the size read at run time, the eight-row legacy kernels ran at a third of their speed.
 const PREFETCH: usize = 4096;
 
 /// How far ahead a stream of few activation rows also asks for weights in L2. With one row the
@@ -522,15 +538,19 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
     let halves = KIND == Q2K || KIND == Q3K || KIND == Q6K;
     let offset = KIND == Q3K || KIND == Q6K;
     let two_bit = KIND == Q2K || KIND == Q3K;
-    let (bb, sub_bytes) = (layout.block_bytes(), layout.kind.sub_bytes());
+    let (bb, sub_bytes, sc_at, mins_at, d_at, m_at) = const {
+        let kind = kind_of(KIND);
+        (
+            kind.block_bytes(),
+            kind.sub_bytes(),
+            kind.sc_at(),
+            kind.mins_at(),
+            kind.d_at(),
+            kind.m_at(),
+        )
+    };
     let (a_d, a_corr, a_sums) = (layout.a_d(), layout.a_corr(), layout.a_sums());
     let (corr_bytes, sums_bytes) = (layout.corr_bytes(), layout.sums_bytes());
-    let (sc_at, mins_at, d_at, m_at) = (
-        layout.sc_at(),
-        layout.mins_at(),
-        layout.d_at(),
-        layout.m_at(),
-    );
     let ap = a.map(|a| a.as_ptr());
     let far = RA < FAR_PREFETCH_ROWS;
     for p in 0..n_panels {
