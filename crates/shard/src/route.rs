@@ -467,16 +467,16 @@ impl RouteTask {
             compute_micros: out.compute_micros,
             ..Default::default()
         };
-        // What the acknowledgement names beside the step: on the last shard, the tokens it
-        // sampled (a token hint), so that the first shard can start the next decode step
-        // while the reply travels through the tracker.
-        let mut hint = Vec::new();
         match &self.downstream {
             None => {
                 hop.held_micros = received.elapsed().as_micros() as u64;
                 hops.push(hop);
+                // On a route of several the acknowledgement goes first, naming the tokens
+                // this shard sampled (a token hint): the first shard starts the next decode
+                // step on it at once, while the reply still has the tracker to pass through
+                // before that step is confirmed.
                 if !self.core.is_first() {
-                    hint = out
+                    let hint = out
                         .outputs
                         .iter()
                         .map(|o| SessionOutput {
@@ -486,6 +486,11 @@ impl RouteTask {
                             ..Default::default()
                         })
                         .collect();
+                    let ack = acknowledgement(step.step_id, &self.label, received, hint);
+                    if self.up_tx.send(Ok(ack)).await.is_err() {
+                        return ControlFlow::Break(());
+                    }
+                    tokio::task::yield_now().await;
                 }
                 let reply = RouteReply {
                     step_id: step.step_id,
@@ -544,18 +549,19 @@ impl RouteTask {
                 if sent.await.is_err() {
                     return ControlFlow::Break(());
                 }
-            }
-        }
-        // The shard before this one learns that the step has passed: its activation bytes
-        // are no longer in flight, and how long this shard held the step (for its seam round
-        // trip). The tracker, upstream of the first shard, waits for replies instead.
-        if !self.core.is_first() {
-            // The step (or reply) just sent is what the route waits for: let it reach its
-            // socket before the acknowledgement takes this thread.
-            tokio::task::yield_now().await;
-            let ack = acknowledgement(step.step_id, &self.label, received, hint);
-            if self.up_tx.send(Ok(ack)).await.is_err() {
-                return ControlFlow::Break(());
+                // The shard before this one learns that the step has passed: its activation
+                // bytes are no longer in flight, and how long this shard held the step (for
+                // its seam round trip). The tracker, upstream of the first shard, waits for
+                // replies instead.
+                if !self.core.is_first() {
+                    // The step just sent is what the route waits for: let it reach its socket
+                    // before the acknowledgement takes this thread.
+                    tokio::task::yield_now().await;
+                    let ack = acknowledgement(step.step_id, &self.label, received, Vec::new());
+                    if self.up_tx.send(Ok(ack)).await.is_err() {
+                        return ControlFlow::Break(());
+                    }
+                }
             }
         }
         ControlFlow::Continue(())
