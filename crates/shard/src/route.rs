@@ -430,7 +430,7 @@ impl RouteTask {
         let over = !refused.is_empty();
         let (used, rollback) = self.take_early(early, &step, over).await;
         let liveness = Duration::from_millis(u64::from(step.liveness_ms.max(1)));
-        let out = match used {
+        let mut out = match used {
             Some(out) => out,
             None => {
                 let job = StepJob {
@@ -458,110 +458,123 @@ impl RouteTask {
             }
         };
         // Refusals travel with the step to the last shard, which answers with all of them.
-        let mut errors = step.errors;
-        errors.extend(out.errors);
-        errors.extend(refused);
-        let mut hops = step.hops;
-        let mut hop = HopTiming {
+        step.errors.extend(std::mem::take(&mut out.errors));
+        step.errors.extend(refused);
+        let hop = HopTiming {
             shard: self.label.clone(),
             compute_micros: out.compute_micros,
             ..Default::default()
         };
         match &self.downstream {
-            None => {
-                hop.held_micros = received.elapsed().as_micros() as u64;
-                hops.push(hop);
-                // On a route of several the acknowledgement goes first, naming the tokens
-                // this shard sampled (a token hint): the first shard starts the next decode
-                // step on it at once, while the reply still has the tracker to pass through
-                // before that step is confirmed.
-                if !self.core.is_first() {
-                    let hint = out
-                        .outputs
-                        .iter()
-                        .map(|o| SessionOutput {
-                            session_id: o.session_id,
-                            token: o.token,
-                            next_pos: o.next_pos,
-                            ..Default::default()
-                        })
-                        .collect();
-                    let ack = acknowledgement(step.step_id, &self.label, received, hint);
-                    if self.up_tx.send(Ok(ack)).await.is_err() {
-                        return ControlFlow::Break(());
-                    }
-                    tokio::task::yield_now().await;
-                }
-                let reply = RouteReply {
-                    step_id: step.step_id,
-                    outputs: out.outputs,
-                    errors,
-                    hops,
+            None => self.answer(step, out.outputs, hop, received).await,
+            Some(down) => self.forward(down, step, out, hop, received, liveness).await,
+        }
+    }
+
+    /// The last shard's answer to a step: on a route of several the acknowledgement goes
+    /// first, naming the tokens this shard sampled (a token hint): the first shard starts the
+    /// next decode step on it at once, while the reply still has the tracker to pass through
+    /// before that step is confirmed.
+    async fn answer(
+        &self,
+        mut step: Step,
+        outputs: Vec<SessionOutput>,
+        mut hop: HopTiming,
+        received: Instant,
+    ) -> ControlFlow<()> {
+        hop.held_micros = received.elapsed().as_micros() as u64;
+        step.hops.push(hop);
+        if !self.core.is_first() {
+            let hint = outputs
+                .iter()
+                .map(|o| SessionOutput {
+                    session_id: o.session_id,
+                    token: o.token,
+                    next_pos: o.next_pos,
                     ..Default::default()
-                };
-                let answered = match &self.sink {
-                    Some(sink) => sink.send(Ok(reply)).await.is_ok(),
-                    None => self.up_tx.send(Ok(reply)).await.is_ok(),
-                };
-                if !answered {
-                    return ControlFlow::Break(());
-                }
+                })
+                .collect();
+            let ack = acknowledgement(step.step_id, &self.label, received, hint);
+            if self.up_tx.send(Ok(ack)).await.is_err() {
+                return ControlFlow::Break(());
             }
-            Some(down) => {
-                let activations = proto::encode_activations(&out.hidden, self.seam);
-                hop.seam_bytes = activations.len() as u64;
-                hop.seam_rtt_micros = self.rtts.take();
-                self.core
-                    .counters
-                    .seam_bytes_out
-                    .fetch_add(hop.seam_bytes, Ordering::Relaxed);
-                let pending = Pending {
-                    sent: Instant::now(),
-                    liveness,
-                    bytes: activations.len() as u64,
-                };
-                // Counted before the relay can see (and subtract) it.
-                let counters = &self.core.counters;
-                counters
-                    .inflight_bytes
-                    .fetch_add(pending.bytes, Ordering::Relaxed);
-                if let Err(unsent) = down.registered.send((step.step_id, pending)) {
-                    counters
-                        .inflight_bytes
-                        .fetch_sub(unsent.0 .1.bytes, Ordering::Relaxed);
-                    return ControlFlow::Break(());
-                }
-                hop.held_micros = received.elapsed().as_micros() as u64;
-                hops.push(hop);
-                let next = Step {
-                    step_id: step.step_id,
-                    epoch: step.epoch,
-                    fragments: out.accepted,
-                    release: step.release,
-                    activations,
-                    liveness_ms: step.liveness_ms,
-                    errors,
-                    hops,
-                };
-                let sent = down.tx.send(RouteMsg {
-                    msg: Some(route_msg::Msg::Step(next)),
-                });
-                if sent.await.is_err() {
-                    return ControlFlow::Break(());
-                }
-                // The shard before this one learns that the step has passed: its activation
-                // bytes are no longer in flight, and how long this shard held the step (for
-                // its seam round trip). The tracker, upstream of the first shard, waits for
-                // replies instead.
-                if !self.core.is_first() {
-                    // The step just sent is what the route waits for: let it reach its socket
-                    // before the acknowledgement takes this thread.
-                    tokio::task::yield_now().await;
-                    let ack = acknowledgement(step.step_id, &self.label, received, Vec::new());
-                    if self.up_tx.send(Ok(ack)).await.is_err() {
-                        return ControlFlow::Break(());
-                    }
-                }
+            tokio::task::yield_now().await;
+        }
+        let reply = RouteReply {
+            step_id: step.step_id,
+            outputs,
+            errors: step.errors,
+            hops: step.hops,
+            ..Default::default()
+        };
+        let answered = match &self.sink {
+            Some(sink) => sink.send(Ok(reply)).await.is_ok(),
+            None => self.up_tx.send(Ok(reply)).await.is_ok(),
+        };
+        if answered {
+            ControlFlow::Continue(())
+        } else {
+            ControlFlow::Break(())
+        }
+    }
+
+    /// Sends a step's accepted rows and their hidden states to the next shard (counted in
+    /// flight until it acknowledges), then acknowledges the step to the shard before.
+    async fn forward(
+        &self,
+        down: &Downstream,
+        mut step: Step,
+        out: StepOutcome,
+        mut hop: HopTiming,
+        received: Instant,
+        liveness: Duration,
+    ) -> ControlFlow<()> {
+        let activations = proto::encode_activations(&out.hidden, self.seam);
+        hop.seam_bytes = activations.len() as u64;
+        hop.seam_rtt_micros = self.rtts.take();
+        let counters = &self.core.counters;
+        counters
+            .seam_bytes_out
+            .fetch_add(hop.seam_bytes, Ordering::Relaxed);
+        let pending = Pending {
+            sent: Instant::now(),
+            liveness,
+            bytes: activations.len() as u64,
+        };
+        // Counted before the relay can see (and subtract) it.
+        counters
+            .inflight_bytes
+            .fetch_add(pending.bytes, Ordering::Relaxed);
+        if let Err(unsent) = down.registered.send((step.step_id, pending)) {
+            counters
+                .inflight_bytes
+                .fetch_sub(unsent.0 .1.bytes, Ordering::Relaxed);
+            return ControlFlow::Break(());
+        }
+        hop.held_micros = received.elapsed().as_micros() as u64;
+        step.hops.push(hop);
+        let step_id = step.step_id;
+        let next = Step {
+            fragments: out.accepted,
+            activations,
+            ..step
+        };
+        let sent = down.tx.send(RouteMsg {
+            msg: Some(route_msg::Msg::Step(next)),
+        });
+        if sent.await.is_err() {
+            return ControlFlow::Break(());
+        }
+        // The shard before this one learns that the step has passed: its activation bytes are
+        // no longer in flight, and how long this shard held the step (for its seam round
+        // trip). The tracker, upstream of the first shard, waits for replies instead.
+        if !self.core.is_first() {
+            // The step just sent is what the route waits for: let it reach its socket before
+            // the acknowledgement takes this thread.
+            tokio::task::yield_now().await;
+            let ack = acknowledgement(step_id, &self.label, received, Vec::new());
+            if self.up_tx.send(Ok(ack)).await.is_err() {
+                return ControlFlow::Break(());
             }
         }
         ControlFlow::Continue(())

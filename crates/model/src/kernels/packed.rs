@@ -454,7 +454,7 @@ pub fn pack_panel(layout: &Layout, rows: &[&[u8]], out: &mut [u8]) {
     assert!(rows.len() <= PANEL);
     let kind = layout.kind;
     out.fill(0);
-    let bb = layout.kind.block_bytes();
+    let bb = kind.block_bytes();
     let sub = kind.sub_bytes();
     let (low_mask, high_mask) = (low_mask(kind), (1u8 << kind.high_bits()) - 1);
     for b in 0..layout.n_blocks {
@@ -470,16 +470,16 @@ pub fn pack_panel(layout: &Layout, rows: &[&[u8]], out: &mut [u8]) {
                     blk[s * sub + at] |= ((v >> kind.low_bits()) & high_mask) << shift;
                 }
             }
-            blk[layout.kind.d_at() + 2 * r..][..2].copy_from_slice(&g.d);
+            blk[kind.d_at() + 2 * r..][..2].copy_from_slice(&g.d);
             if kind.has_mins() || kind.has_k_mins() {
-                blk[layout.kind.m_at() + 2 * r..][..2].copy_from_slice(&g.m);
+                blk[kind.m_at() + 2 * r..][..2].copy_from_slice(&g.m);
             }
             for (s, &v) in g.sc[..kind.scale_groups()].iter().enumerate() {
-                blk[layout.kind.scale_byte_at(s, r)] = v;
+                blk[kind.scale_byte_at(s, r)] = v;
             }
             if matches!(kind, PackKind::Q4K | PackKind::Q5K) {
                 for (s, &v) in g.mins.iter().enumerate() {
-                    blk[layout.kind.min_byte_at(s, r)] = v;
+                    blk[kind.min_byte_at(s, r)] = v;
                 }
             }
         }
@@ -494,7 +494,7 @@ fn low_mask(kind: PackKind) -> u8 {
 /// The stored (unsigned) value `i` of block `b`, lane `r` of a panel.
 fn stored(layout: &Layout, panel: &[u8], r: usize, b: usize, i: usize) -> i32 {
     let kind = layout.kind;
-    let sub = &panel[b * layout.kind.block_bytes() + (i / QK) * kind.sub_bytes()..];
+    let sub = &panel[b * kind.block_bytes() + (i / QK) * kind.sub_bytes()..];
     let k = i % QK;
     let (at, shift) = quant_at(kind, r, k);
     let low = (sub[at] >> shift) & low_mask(kind);
