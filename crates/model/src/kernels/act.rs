@@ -68,15 +68,17 @@ pub(crate) fn q8_block(x: &[f32]) -> (f32, [i8; QK]) {
 }
 
 /// `y.round()` (half away from zero) for |y| < 2^31, without a libm call: truncation is one
-/// instruction and `y - trunc(y)` is exact, so the result is identical.
+/// instruction and `y - trunc(y)` is exact, so the result is identical. Outside that range
+/// (only garbage activations get there: a block of denormals scales by infinity) the result
+/// saturates instead of overflowing, so no input can panic a shard.
 #[inline]
 fn round_half_away(y: f32) -> i32 {
     let t = y as i32;
     let frac = y - t as f32;
     if frac >= 0.5 {
-        t + 1
+        t.saturating_add(1)
     } else if frac <= -0.5 {
-        t - 1
+        t.saturating_sub(1)
     } else {
         t
     }
