@@ -167,13 +167,17 @@ fn a_replayed_session_continues_the_same_valid_document() {
         &m,
         "15..30",
         &token,
-        &["--threads", "1", "--kv-ttl-ms", "300"],
+        // Longer than any step of this build (a prefill of the prompts takes up to about
+        // 0.5 s with the test profile's unoptimized model code: a shorter TTL evicted
+        // sessions between their own steps), shorter than the stall below.
+        &["--threads", "1", "--kv-ttl-ms", "1500"],
     );
+    // The stall below is longer than the second shard's TTL, not than the route's liveness.
     let tracker = procs::tracker(
         exe(),
         &[&first, &second],
         &token,
-        &["--health-period-ms", "100"],
+        &["--health-period-ms", "100", "--liveness-ms", "6000"],
     );
     let run = |addr: String| {
         let handles: Vec<_> = PROMPTS
@@ -202,7 +206,7 @@ fn a_replayed_session_continues_the_same_valid_document() {
         std::thread::sleep(Duration::from_millis(10));
     }
     first.signal(19);
-    std::thread::sleep(Duration::from_millis(700));
+    std::thread::sleep(Duration::from_millis(2500));
     first.signal(18);
     let replayed = runner.join().unwrap();
     for ((doc, finish), (want, _)) in replayed.iter().zip(&undisturbed) {
