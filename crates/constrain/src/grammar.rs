@@ -4,6 +4,7 @@
 use llguidance::api::TopLevelGrammar;
 use serde_json::{json, Value};
 
+use crate::limits::LIMITS;
 use crate::Error;
 
 /// JSON as the grammars write it: `", "` between items and `": "` after keys, no other
@@ -23,11 +24,13 @@ fn to_json(g: &TopLevelGrammar) -> String {
     serde_json::to_string(g).expect("a grammar serializes")
 }
 
-/// Output held to `schema` (a JSON Schema object). Whether llguidance supports every keyword
-/// it uses is known only once compiled ([`crate::Vocabulary::compile`]).
+/// Output held to `schema` (a JSON Schema object), which must keep within
+/// [`crate::limits::LIMITS`]. Whether llguidance supports every keyword it uses is known only
+/// once compiled ([`crate::Vocabulary::check`]).
 pub fn json_schema(schema: &Value) -> Result<String, Error> {
     match schema {
         Value::Object(o) => {
+            LIMITS.check(schema)?;
             if o.contains_key("x-guidance") {
                 return Err(Error::Grammar(
                     "the schema must not carry `x-guidance` (the layout is fixed)".into(),
@@ -137,7 +140,14 @@ pub fn tool_calls(tools: &[Tool]) -> Result<String, Error> {
     if tools.is_empty() {
         return Err(Error::Grammar("no tools to call".into()));
     }
-    let schema = serde_json::to_string(&call_schema(tools)).expect("a schema serializes");
+    // Each tool's parameters alone first (cheap, and no copy of an oversized one is made),
+    // then every call together: the limits hold for the grammar as a whole.
+    for t in tools {
+        LIMITS.check(&t.parameters)?;
+    }
+    let call = call_schema(tools);
+    LIMITS.check(&call)?;
+    let schema = serde_json::to_string(&call).expect("a schema serializes");
     let lark = format!(
         "start: call (\"\\n\" call)*\ncall: \"<tool_call>\\n\" args \"\\n</tool_call>\"\nargs: %json {schema}\n"
     );

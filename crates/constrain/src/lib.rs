@@ -13,6 +13,7 @@
 //! batch invariance holds: a row's mask depends on its session alone.
 
 pub mod grammar;
+pub mod limits;
 
 use std::sync::Arc;
 
@@ -29,6 +30,49 @@ pub enum Error {
     Grammar(String),
     #[error("the output left the grammar: {0}")]
     Rejected(String),
+    /// A schema over one of [`limits::LIMITS`]; `limit` names it.
+    #[error("{message} (`{limit}`)")]
+    TooLarge {
+        limit: &'static str,
+        message: String,
+    },
+}
+
+/// The longest engine message passed on: the first line, cut to this many bytes (llguidance
+/// can describe its whole parser state in an error, which is no client's business).
+const MAX_MESSAGE_BYTES: usize = 200;
+
+/// An engine error as the API shows it: its first line, bounded.
+fn brief(e: impl std::fmt::Display) -> String {
+    let s = e.to_string();
+    let line = s.lines().next().unwrap_or("").trim();
+    if line.len() <= MAX_MESSAGE_BYTES {
+        return line.to_string();
+    }
+    let mut end = MAX_MESSAGE_BYTES;
+    while !line.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &line[..end])
+}
+
+/// Stack for grammar work: llguidance compiles a grammar recursively, so the work runs on a
+/// thread of its own with room to spare for any schema [`limits::LIMITS`] admits (the default
+/// 2 MiB of a runtime worker overflowed on 7000 properties and aborted the process).
+pub const GRAMMAR_STACK_BYTES: usize = 64 << 20;
+
+/// Runs `f` on a thread with [`GRAMMAR_STACK_BYTES`] of stack and waits for it (the pages
+/// are reserved, not touched: only what the work uses becomes resident).
+pub fn on_grammar_stack<T: Send>(f: impl FnOnce() -> T + Send) -> Result<T, Error> {
+    std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            .name("strata-grammar".into())
+            .stack_size(GRAMMAR_STACK_BYTES)
+            .spawn_scoped(scope, f)
+            .map_err(|e| Error::Grammar(format!("no thread for the grammar: {e}")))?
+            .join()
+            .map_err(|_| Error::Grammar("the grammar engine failed on this grammar".into()))
+    })
 }
 
 /// The model's vocabulary as llguidance sees it: each token's bytes in a trie (control tokens
@@ -59,6 +103,51 @@ impl TokenizerEnv for Env {
 /// tens of milliseconds for 150k tokens), shared by every session.
 pub struct Vocabulary {
     factory: ParserFactory,
+    /// Grammars compiled lately, by their text, each as a matcher that has consumed nothing:
+    /// agents send the same tools and schemas request after request, and a copy costs far
+    /// less than compiling again.
+    compiled: std::sync::Mutex<Compiled>,
+}
+
+/// The most grammars [`Vocabulary`] keeps compiled, and the most bytes of their text.
+const CACHED_GRAMMARS: usize = 64;
+const CACHED_GRAMMAR_BYTES: usize = 16 << 20;
+
+/// Recently compiled grammars, least recently used first.
+#[derive(Default)]
+struct Compiled {
+    order: std::collections::VecDeque<Arc<str>>,
+    by_text: std::collections::HashMap<Arc<str>, Matcher>,
+    bytes: usize,
+}
+
+impl Compiled {
+    fn get(&mut self, text: &str) -> Option<Matcher> {
+        let m = self.by_text.get(text)?.deep_clone();
+        if let Some(i) = self.order.iter().position(|t| &**t == text) {
+            let t = self.order.remove(i).expect("a position in the queue");
+            self.order.push_back(t);
+        }
+        Some(m)
+    }
+
+    fn put(&mut self, text: &str, m: &Matcher) {
+        if self.by_text.contains_key(text) || text.len() > CACHED_GRAMMAR_BYTES {
+            return;
+        }
+        while self.order.len() >= CACHED_GRAMMARS || self.bytes + text.len() > CACHED_GRAMMAR_BYTES
+        {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            self.bytes -= old.len();
+            self.by_text.remove(&old);
+        }
+        let t: Arc<str> = text.into();
+        self.bytes += t.len();
+        self.by_text.insert(Arc::clone(&t), m.deep_clone());
+        self.order.push_back(t);
+    }
 }
 
 impl std::fmt::Debug for Vocabulary {
@@ -97,18 +186,31 @@ impl Vocabulary {
         };
         let trie = TokTrie::from(&info, &words);
         let env: TokEnv = Arc::new(Env { trie, tokenizer });
-        let mut factory =
-            ParserFactory::new_simple(&env).map_err(|e| Error::Grammar(e.to_string()))?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| Error::Grammar(brief(e)))?;
         factory.quiet();
-        Ok(Vocabulary { factory })
+        // Errors say what went wrong, not the parser's state and the whole grammar.
+        factory.limits_mut().verbose_errors = false;
+        Ok(Vocabulary {
+            factory,
+            compiled: Default::default(),
+        })
     }
 
     /// Compiles a grammar in llguidance's JSON form (what [`grammar`] builds and the wire
     /// carries) into a fresh constraint.
+    /// A grammar compiled lately is copied, not compiled again.
     pub fn compile(self: &Arc<Self>, grammar: &str) -> Result<Constraint, Error> {
         let parsed: TopLevelGrammar =
-            serde_json::from_str(grammar).map_err(|e| Error::Grammar(e.to_string()))?;
-        let matcher = self.matcher(parsed.clone())?;
+            serde_json::from_str(grammar).map_err(|e| Error::Grammar(brief(e)))?;
+        let cached = self.cache().get(grammar);
+        let matcher = match cached {
+            Some(m) => m,
+            None => {
+                let m = self.matcher(parsed.clone())?;
+                self.cache().put(grammar, &m);
+                m
+            }
+        };
         Ok(Constraint {
             vocab: Arc::clone(self),
             grammar: parsed,
@@ -117,15 +219,32 @@ impl Vocabulary {
         })
     }
 
+    fn cache(&self) -> std::sync::MutexGuard<'_, Compiled> {
+        self.compiled.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn matcher(&self, grammar: TopLevelGrammar) -> Result<Matcher, Error> {
         let parser = guarded(|| self.factory.create_parser(grammar))
             .map_err(Error::Grammar)?
-            .map_err(|e| Error::Grammar(e.to_string()))?;
+            .map_err(|e| Error::Grammar(brief(e)))?;
         let m = Matcher::new(Ok(parser));
         match m.get_error() {
-            Some(e) => Err(Error::Grammar(e)),
+            Some(e) => Err(Error::Grammar(brief(e))),
             None => Ok(m),
         }
+    }
+
+    /// Everything the grammar engine would refuse later, found now: compiles `grammar` and
+    /// computes its first mask, on a thread of its own stack ([`on_grammar_stack`]). What
+    /// passes here starts on a shard the same way.
+    pub fn check(self: &Arc<Self>, grammar: &str) -> Result<(), Error> {
+        on_grammar_stack(|| {
+            let mut c = self.compile(grammar)?;
+            c.mask().map(drop).map_err(|e| match e {
+                Error::Rejected(m) => Error::Grammar(m),
+                e => e,
+            })
+        })?
     }
 }
 
@@ -156,15 +275,24 @@ impl Constraint {
         self.consumed
     }
 
+    /// Forgets the generated tokens past the first `n` without compiling anything: `false`
+    /// when the matcher cannot roll back that far (the caller compiles it again elsewhere).
+    pub fn try_rewind(&mut self, n: usize) -> bool {
+        if n >= self.consumed {
+            return true;
+        }
+        if self.matcher.rollback(self.consumed - n).is_ok() && !self.matcher.is_error() {
+            self.consumed = n;
+            return true;
+        }
+        false
+    }
+
     /// Forgets the generated tokens past the first `n` (the session was rewound). Where the
     /// matcher cannot roll back that far it starts over, and [`Constraint::advance`] consumes
     /// the kept tokens again.
     pub fn rewind(&mut self, n: usize) {
-        if n >= self.consumed {
-            return;
-        }
-        if self.matcher.rollback(self.consumed - n).is_ok() && !self.matcher.is_error() {
-            self.consumed = n;
+        if self.try_rewind(n) {
             return;
         }
         match self.vocab.matcher(self.grammar.clone()) {
@@ -185,7 +313,7 @@ impl Constraint {
         }
         guarded(|| self.matcher.consume_tokens(new))
             .map_err(Error::Rejected)?
-            .map_err(|e| Error::Rejected(e.to_string()))?;
+            .map_err(|e| Error::Rejected(brief(e)))?;
         self.consumed = generated.len();
         Ok(())
     }
@@ -195,7 +323,7 @@ impl Constraint {
     pub fn mask(&mut self) -> Result<Vec<u32>, Error> {
         let m = guarded(|| self.matcher.compute_mask_or_eos())
             .map_err(Error::Rejected)?
-            .map_err(|e| Error::Rejected(e.to_string()))?;
+            .map_err(|e| Error::Rejected(brief(e)))?;
         if m.num_set() == 0 {
             return Err(Error::Rejected("no token can continue the output".into()));
         }

@@ -9,6 +9,7 @@
 //! activations of what it accepted to the next shard of the route.
 
 mod core;
+mod grammar;
 mod relay;
 mod replies;
 mod route;
@@ -52,6 +53,11 @@ pub struct ShardConfig {
     pub link: proto::Link,
     /// This shard's own certificate and key (PEM): with them it serves TLS only.
     pub tls_identity: Option<TlsIdentity>,
+    /// How long a constrained session's grammar may take for one token: its mask (computed
+    /// beside the step's forward pass) must be ready this long after the step started, or
+    /// when the forward pass ends if that is later; a session over it fails with
+    /// `grammar_budget`.
+    pub grammar_budget: std::time::Duration,
 }
 
 /// A certificate chain and its private key, in PEM.

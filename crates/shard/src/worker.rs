@@ -9,12 +9,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use constrain::{Constraint, LazyVocabulary};
+use constrain::LazyVocabulary;
 use model::sampling::{log_probs, top_k, Sampler, SamplingParams};
 use model::{Batch, KvCache, KvPool, Model, Row, BLOCK_POSITIONS};
 use proto::v1::{Fragment, SessionError, SessionOutput, TopLogprob};
 
 use crate::core::{Counters, Early, EarlyJob, StepJob, StepOutcome};
+use crate::grammar::{Done, Grammar, GrammarThreads, Pending};
 use crate::{mib, ShardConfig};
 
 /// A session as a shard knows it: the route stream that opened it and its id there.
@@ -32,7 +33,7 @@ struct Session {
     /// How many of `tokens` are the prompt: the constraint sees the tokens after them.
     n_prompt: usize,
     /// The grammar the generated tokens are held to (last shard only).
-    constraint: Option<Constraint>,
+    grammar: Grammar,
     n_top: u32,
     last_used: Instant,
 }
@@ -46,9 +47,8 @@ impl Session {
         if let Some(s) = &mut self.sampler {
             s.rewind(self.tokens.len());
         }
-        if let Some(c) = &mut self.constraint {
-            c.rewind(self.tokens.len().saturating_sub(self.n_prompt));
-        }
+        self.grammar
+            .rewind(self.tokens.len().saturating_sub(self.n_prompt));
     }
 }
 
@@ -63,10 +63,13 @@ pub(crate) struct Worker {
     /// The last range's logits, reused step after step (16 rows are 3 MiB: a fresh buffer
     /// each step would be zeroed and faulted in again).
     logits: Vec<f32>,
-    /// The vocabulary grammars are compiled against (the last shard's, built in the
-    /// background at start); `None` when the file has no usable tokenizer.
-    grammars: Option<Arc<LazyVocabulary>>,
+    /// Where grammars compile and masks are computed, against the vocabulary built in the
+    /// background at start (the last shard's); `None` when the file has no usable tokenizer.
+    grammars: Option<GrammarThreads<SessionKey>>,
 }
+
+/// One step's masks, by session: the mask, or why there is none.
+type Masks = HashMap<SessionKey, Result<Vec<u32>, SessionError>>;
 
 fn refusal(session_id: u64, reason: &str, message: String) -> SessionError {
     SessionError {
@@ -94,6 +97,13 @@ impl Worker {
         config: ShardConfig,
         grammars: Option<Arc<LazyVocabulary>>,
     ) -> Self {
+        let grammars = grammars.and_then(|g| match GrammarThreads::start(g) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::error!(error = %e, "no grammar thread: constrained requests are refused");
+                None
+            }
+        });
         Worker {
             model,
             kv_pool,
@@ -275,34 +285,23 @@ impl Worker {
         })
     }
 
-    /// The session's constraint, compiled here when this shard samples (other shards never
-    /// look at the grammar).
-    fn constraint(
-        &self,
-        id: u64,
-        s: &proto::v1::Sampling,
-    ) -> Result<Option<Constraint>, SessionError> {
+    /// The session's grammar when this shard samples (other shards never look at it); it
+    /// compiles on the grammar thread at the session's first mask.
+    fn grammar(&self, id: u64, s: &proto::v1::Sampling) -> Result<Grammar, SessionError> {
         if s.grammar.is_empty() || !self.model.is_last() {
-            return Ok(None);
+            return Ok(Grammar::None);
         }
-        let bad = |e: constrain::Error| {
-            refusal(
+        if self.grammars.is_none() {
+            return Err(refusal(
                 id,
                 "invalid_request",
-                format!("session {id}: {e} (shard {})", self.config.label),
-            )
-        };
-        let vocab = self
-            .grammars
-            .as_ref()
-            .ok_or_else(|| {
-                bad(constrain::Error::Grammar(
-                    "this model has no vocabulary".into(),
-                ))
-            })?
-            .get()
-            .map_err(bad)?;
-        vocab.compile(&s.grammar).map(Some).map_err(bad)
+                format!(
+                    "session {id}: this model has no vocabulary for grammars (shard {})",
+                    self.config.label
+                ),
+            ));
+        }
+        Ok(Grammar::Uncompiled(s.grammar.as_str().into()))
     }
 
     /// Finds or opens the session a fragment continues, positioned at `base` (where its
@@ -360,11 +359,11 @@ impl Worker {
                 format!("max_sessions on shard {label}: {n_held} sessions held"),
             )),
             None => {
-                let (sampler, constraint) = match &f.sampling {
-                    None => (None, None),
+                let (sampler, grammar) = match &f.sampling {
+                    None => (None, Grammar::None),
                     Some(s) => (
                         Some(Sampler::new(self.sampling_params(id, s)?)),
-                        self.constraint(id, s)?,
+                        self.grammar(id, s)?,
                     ),
                 };
                 let session = Session {
@@ -373,7 +372,7 @@ impl Worker {
                     tokens: Vec::new(),
                     sampler,
                     n_prompt: f.sampling.as_ref().map_or(0, |s| s.n_prompt as usize),
-                    constraint,
+                    grammar,
                     n_top: f.n_top_logprobs,
                     last_used: job.now,
                 };
@@ -683,6 +682,8 @@ impl Worker {
         out: &mut StepOutcome,
     ) {
         let (rows, hidden) = self.rows_of(job, accepted);
+        let started = Instant::now();
+        let masks = self.start_masks(job, accepted, keys);
         let result = if rows.is_empty() {
             // Every accepted fragment was taken whole from the prefix cache: nothing to run.
             Ok(Vec::new())
@@ -707,6 +708,7 @@ impl Worker {
                 .forward_into(batch, &mut refs, &mut buf)
                 .map(|()| buf)
         };
+        let masks = masks.map(|p| self.finish_masks(p, started));
         let computed = match result {
             Err(e) => {
                 for key in keys {
@@ -725,7 +727,14 @@ impl Worker {
             s.tokens.extend_from_slice(&job.fragments[i].tokens);
         }
         if self.model.is_last() {
-            self.sample(job, accepted, keys, &computed, out);
+            self.sample(
+                job,
+                accepted,
+                keys,
+                &computed,
+                masks.unwrap_or_default(),
+                out,
+            );
             self.logits = computed;
         } else {
             out.hidden = computed;
@@ -739,6 +748,105 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Hands the grammar of every accepted constrained fragment that asks for a token to the
+    /// grammar threads, with the tokens its session will have generated once this step's are
+    /// in: the step's pending masks and the sessions that need one (`None` when there are none,
+    /// or this shard does not sample). A session whose grammar is still away (a late mask of an
+    /// earlier step) is not sent; it fails with `grammar_budget`.
+    fn start_masks(
+        &mut self,
+        job: &StepJob,
+        accepted: &[usize],
+        keys: &[SessionKey],
+    ) -> Option<(Pending, Vec<SessionKey>)> {
+        let late = self.grammars.as_ref()?.late();
+        self.take_back(late);
+        let mut work = Vec::new();
+        let mut wanted = Vec::new();
+        for (&i, key) in accepted.iter().zip(keys) {
+            let f = &job.fragments[i];
+            let Some(s) = self.sessions.get_mut(key) else {
+                continue;
+            };
+            if !f.want_output || s.grammar.is_none() {
+                continue;
+            }
+            wanted.push(*key);
+            if s.grammar.is_away() {
+                continue;
+            }
+            let grammar = std::mem::replace(&mut s.grammar, Grammar::Away);
+            let mut generated: Vec<u32> = s.tokens.get(s.n_prompt..).unwrap_or(&[]).to_vec();
+            let skip = s.n_prompt.saturating_sub(s.tokens.len());
+            generated.extend(f.tokens.iter().skip(skip));
+            work.push((*key, grammar, generated));
+        }
+        let thread = self.grammars.as_mut()?;
+        (!wanted.is_empty()).then(|| (thread.start_step(work), wanted))
+    }
+
+    /// Gives late answers' grammars back to their sessions (still held, grammar still away),
+    /// rolled back to what each session now holds; their masks are stale.
+    fn take_back(&mut self, late: Vec<Done<SessionKey>>) {
+        for d in late {
+            if let Some(s) = self.sessions.get_mut(&d.key) {
+                if s.grammar.is_away() {
+                    s.grammar = d.grammar;
+                    s.grammar.rewind(s.tokens.len().saturating_sub(s.n_prompt));
+                }
+            }
+        }
+    }
+
+    /// Takes the grammars back with their masks, waiting at most until the step's grammar
+    /// budget has passed since `started` (the forward pass ran meanwhile; a longer pass is
+    /// the bound instead). A session of `wanted` whose mask is not back by then fails, typed;
+    /// its grammar comes back with its late answer.
+    fn finish_masks(
+        &mut self,
+        (pending, wanted): (Pending, Vec<SessionKey>),
+        started: Instant,
+    ) -> Masks {
+        let budget = self.config.grammar_budget;
+        let deadline = started
+            .checked_add(budget)
+            .unwrap_or(started)
+            .max(Instant::now());
+        let Some(thread) = self.grammars.as_ref() else {
+            return Masks::new();
+        };
+        let (answers, late) = thread.finish(pending, deadline);
+        self.take_back(late);
+        let mut masks = Masks::new();
+        for d in answers {
+            let id = d.key.id;
+            let mask = d
+                .mask
+                .map_err(|e| refusal(id, "invalid_request", format!("session {id}: {e}")));
+            if let Some(s) = self.sessions.get_mut(&d.key) {
+                s.grammar = d.grammar;
+            }
+            masks.insert(d.key, mask);
+        }
+        for key in wanted {
+            if masks.contains_key(&key) {
+                continue;
+            }
+            let id = key.id;
+            let e = refusal(
+                id,
+                "grammar_budget",
+                format!(
+                    "session {id}: its grammar took longer than the budget of {} ms for one token (`grammar_budget_ms`, shard {})",
+                    budget.as_millis(),
+                    self.config.label
+                ),
+            );
+            masks.insert(key, Err(e));
+        }
+        masks
     }
 
     /// The rows of the accepted fragments, and their slice of the incoming hidden states.
@@ -777,6 +885,7 @@ impl Worker {
         accepted: &[usize],
         keys: &[SessionKey],
         logits: &[f32],
+        mut masks: Masks,
         out: &mut StepOutcome,
     ) {
         let n_vocab = self.model.config().n_vocab;
@@ -792,22 +901,13 @@ impl Worker {
                 .sessions
                 .get_mut(key)
                 .expect("admitted sessions are held");
-            let mask = match &mut s.constraint {
+            let mask = match masks.remove(key) {
                 None => None,
-                Some(c) => match c
-                    .advance(&s.tokens[s.n_prompt.min(s.tokens.len())..])
-                    .and_then(|()| c.mask())
-                {
-                    Ok(m) => Some(m),
-                    Err(e) => {
-                        out.errors.push(refusal(
-                            f.session_id,
-                            "invalid_request",
-                            format!("session {}: {e}", f.session_id),
-                        ));
-                        continue;
-                    }
-                },
+                Some(Ok(m)) => Some(m),
+                Some(Err(e)) => {
+                    out.errors.push(e);
+                    continue;
+                }
             };
             let sampler = s
                 .sampler

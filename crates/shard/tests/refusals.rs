@@ -470,3 +470,67 @@ async fn sessions_with_a_shared_prompt_prefix_share_its_cached_blocks() {
         r.errors[0].message
     );
 }
+
+/// A heavy grammar: calls of seven tools, each of 128 optional properties (tens of
+/// milliseconds to compile and first mask).
+fn heavy_grammar() -> String {
+    let wide: serde_json::Map<String, serde_json::Value> = (0..128)
+        .map(|i| (format!("p{i}"), serde_json::json!({"type": "integer"})))
+        .collect();
+    let tools: Vec<constrain::grammar::Tool> = (0..7)
+        .map(|i| constrain::grammar::Tool {
+            name: format!("tool_{i}"),
+            parameters: serde_json::json!({"type": "object", "properties": wide}),
+        })
+        .collect();
+    constrain::grammar::tool_calls(&tools).unwrap()
+}
+
+/// On the last shard a grammar runs beside the forward pass: one not ready within the step's
+/// grammar budget fails its own session, typed `grammar_budget` and naming the budget, while
+/// the unconstrained session of the same step gets its token; with a budget to spare the same
+/// grammar samples.
+#[tokio::test]
+async fn a_grammar_over_its_budget_fails_its_own_session_and_no_other() {
+    let grammar = heavy_grammar();
+    let constrained = |id| Fragment {
+        sampling: Some(proto::v1::Sampling {
+            grammar: grammar.clone(),
+            n_prompt: 3,
+            ..Default::default()
+        }),
+        ..frag(id, 0, &[5, 6, 7])
+    };
+    let tight = ShardCore::load(ShardConfig {
+        grammar_budget: Duration::from_millis(1),
+        ..config(1 << 20, Duration::from_secs(600))
+    })
+    .unwrap();
+    let digest = tight.info.model_digest.clone();
+    let mut r = open(&tight, 1, &digest).await.unwrap();
+    let reply = r
+        .step(1, vec![constrained(1), frag(2, 0, &[5, 6, 7])], vec![])
+        .await;
+    let ids: Vec<u64> = reply.outputs.iter().map(|o| o.session_id).collect();
+    assert_eq!(ids, [2], "{reply:?}");
+    assert_eq!(reply.errors.len(), 1, "{reply:?}");
+    let e = &reply.errors[0];
+    assert_eq!((e.session_id, e.reason.as_str()), (1, "grammar_budget"));
+    assert!(e.message.contains("`grammar_budget_ms`"), "{}", e.message);
+    // The next step of the unconstrained session goes on.
+    let token = reply.outputs[0].token;
+    let reply = r.step(1, vec![frag(2, 3, &[token])], vec![]).await;
+    assert_eq!(reply.outputs.len(), 1, "{reply:?}");
+
+    let roomy = ShardCore::load(ShardConfig {
+        grammar_budget: Duration::from_secs(60),
+        ..config(1 << 20, Duration::from_secs(600))
+    })
+    .unwrap();
+    let mut r = open(&roomy, 1, &digest).await.unwrap();
+    let reply = r
+        .step(1, vec![constrained(1), frag(2, 0, &[5, 6, 7])], vec![])
+        .await;
+    assert!(reply.errors.is_empty(), "{reply:?}");
+    assert_eq!(reply.outputs.len(), 2, "{reply:?}");
+}

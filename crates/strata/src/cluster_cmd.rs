@@ -105,6 +105,11 @@ pub struct ShardLimits {
     /// Milliseconds a session may sit idle before its KV is forgotten.
     #[arg(long, default_value_t = 600_000)]
     kv_ttl_ms: u64,
+    /// Milliseconds a constrained session's grammar may take for one token on the last
+    /// shard (beside the forward pass, which bounds it when longer); a session over it ends
+    /// with a typed `grammar_budget` error, and no other session waits for it.
+    #[arg(long, default_value_t = 200)]
+    grammar_budget_ms: u64,
 }
 
 impl ShardLimits {
@@ -498,6 +503,7 @@ pub fn shard_config(
         label,
         link,
         tls_identity: None,
+        grammar_budget: Duration::from_millis(limits.grammar_budget_ms.clamp(1, 3_600_000)),
     }
 }
 

@@ -32,6 +32,7 @@ fn a_dead_compute_thread_turns_health_down_and_requests_into_typed_failures() {
         label: "embedded".into(),
         link: proto::Link::plain("unused-in-process-token"),
         tls_identity: None,
+        grammar_budget: std::time::Duration::from_millis(200),
     })
     .unwrap();
     let addr = rt.block_on(async {

@@ -32,23 +32,28 @@ pub struct ToolSet {
     pub json: Value,
     pub tools: Vec<Tool>,
     pub choice: ToolChoice,
+    /// What `choice` holds the answer to: calls of the offered tools for `required`, of the
+    /// named one for a named function, else nothing.
+    grammar: Option<String>,
+}
+
+/// The grammar `choice` asks for among `tools`.
+fn choice_grammar(tools: &[Tool], choice: &ToolChoice) -> Result<Option<String>, ApiError> {
+    let calls = match choice {
+        ToolChoice::Auto | ToolChoice::None => return Ok(None),
+        ToolChoice::Required => grammar::tool_calls(tools),
+        ToolChoice::Named(n) => {
+            let only: Vec<Tool> = tools.iter().filter(|t| t.name == *n).cloned().collect();
+            grammar::tool_calls(&only)
+        }
+    };
+    calls.map(Some).map_err(|e| grammar_error("tools", e))
 }
 
 impl ToolSet {
     /// The grammar the choice asks for (`None`: the answer is free).
-    pub fn grammar(&self) -> Option<String> {
-        let only = |name: &str| -> Vec<Tool> {
-            self.tools
-                .iter()
-                .filter(|t| t.name == name)
-                .cloned()
-                .collect()
-        };
-        match &self.choice {
-            ToolChoice::Auto | ToolChoice::None => None,
-            ToolChoice::Required => grammar::tool_calls(&self.tools).ok(),
-            ToolChoice::Named(n) => grammar::tool_calls(&only(n)).ok(),
-        }
+    pub fn grammar(&self) -> Option<&str> {
+        self.grammar.as_deref()
     }
 
     /// Whether the model is shown the tools and its answer is searched for calls.
@@ -59,6 +64,16 @@ impl ToolSet {
 
 /// Longest tool list accepted: a tool is a prompt section, and a list is a grammar.
 pub const MAX_TOOLS: usize = 128;
+
+/// A grammar the engine refuses, or a schema over a limit, as the refusal of `param`.
+pub fn grammar_error(param: &str, e: constrain::Error) -> ApiError {
+    match e {
+        constrain::Error::TooLarge { limit, .. } => {
+            ApiError::over_limit(param, limit, e.to_string())
+        }
+        e => invalid(param, e.to_string()),
+    }
+}
 
 fn invalid(param: &str, msg: impl Into<String>) -> ApiError {
     ApiError::invalid(param, msg.into())
@@ -106,7 +121,7 @@ pub fn response_format(body: &Value) -> Result<Option<String>, ApiError> {
             let schema = if schema.is_null() { &json!({}) } else { schema };
             grammar::json_schema(schema)
                 .map(Some)
-                .map_err(|e| invalid("response_format.json_schema.schema", e.to_string()))
+                .map_err(|e| grammar_error("response_format.json_schema.schema", e))
         }
         other => Err(invalid(
             "response_format.type",
@@ -174,10 +189,12 @@ pub fn tools(body: &Value) -> Result<Option<ToolSet>, ApiError> {
             ));
         }
     }
+    let grammar = choice_grammar(&tools, &choice)?;
     Ok(Some(ToolSet {
         json: Value::Array(list.clone()),
         tools,
         choice,
+        grammar,
     }))
 }
 
@@ -222,7 +239,14 @@ fn tool(i: usize, t: &Value, earlier: &[Tool]) -> Result<Tool, ApiError> {
     }
     let parameters = match f.get("parameters") {
         None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
-        Some(v) if v.is_object() => v.clone(),
+        Some(v) if v.is_object() => {
+            // Bounded whatever the tool choice: the tools are rendered into the prompt, and
+            // `required` or a named function makes them a grammar.
+            constrain::limits::LIMITS
+                .check(v)
+                .map_err(|e| grammar_error(&format!("{p}.function.parameters"), e))?;
+            v.clone()
+        }
         Some(_) => {
             return Err(invalid(
                 &format!("{p}.function.parameters"),

@@ -105,6 +105,14 @@ impl ApiError {
         .closing()
     }
 
+    /// Request headers over a limit (431, terminal as sent; the connection closes).
+    pub fn headers_too_large(limit: &str, message: impl Into<String>) -> Self {
+        Self::new(431, "too_large", message)
+            .limit(limit)
+            .param("headers")
+            .closing()
+    }
+
     /// A request body that did not arrive in time (408).
     pub fn body_timeout(limit: std::time::Duration) -> Self {
         Self::new(
@@ -283,13 +291,17 @@ impl ApiError {
             "cache_miss" => Self::new(503, "cache_miss", message).retry_in(0),
             "recipe_mismatch" => Self::recipe_mismatch(message),
             "shard_failed" => Self::new(503, "shard_failed", message).retry_in(1),
+            // The request's grammar was too slow for one token on the last shard.
+            "grammar_budget" => {
+                Self::new(400, "grammar_budget", message).limit("grammar_budget_ms")
+            }
             _ => Self::new(400, "invalid_request", message),
         }
     }
 
     fn error_type(&self) -> &'static str {
         match self.status {
-            400 | 404 | 405 | 408 | 413 => "invalid_request_error",
+            400 | 404 | 405 | 408 | 413 | 431 => "invalid_request_error",
             401 => "authentication_error",
             429 => "rate_limit_error",
             _ => "server_error",

@@ -266,9 +266,18 @@ pub fn bearer(headers: &HeaderMap) -> String {
     headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(|k| k.trim().to_string())
+        .and_then(bearer_token)
         .unwrap_or_default()
+}
+
+/// The token of an `Authorization` value in the Bearer scheme, whose name is
+/// case-insensitive (RFC 7235): `Bearer k`, `bearer k` and `BEARER k` all carry `k`.
+fn bearer_token(value: &str) -> Option<String> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim().to_string())
+        .filter(|t| !t.is_empty())
 }
 
 /// Prompt ids for a validated request, at most `limit` of them (a longer prompt is refused as
@@ -406,10 +415,10 @@ async fn check_grammar(
 ) -> Result<(), ApiError> {
     let _permit = s.tokenizing.acquire().await;
     let (vocab, g) = (Arc::clone(&model.grammars), grammar.to_string());
-    tokio::task::spawn_blocking(move || vocab.get().and_then(|v| v.compile(&g)).map(drop))
+    tokio::task::spawn_blocking(move || vocab.get().and_then(|v| v.check(&g)))
         .await
         .map_err(|_| ApiError::unavailable("compiling the grammar failed"))?
-        .map_err(|e| ApiError::invalid(param, e.to_string()))
+        .map_err(|e| crate::agent::grammar_error(param, e))
 }
 
 /// The ids of a fill-in-the-middle prompt (`prompt` before the gap, `suffix` after it) in the
@@ -536,8 +545,8 @@ async fn request_grammar(
         .and_then(|t| t.grammar())
     {
         Some(g) => {
-            check_grammar(s, model, &g, "tools").await?;
-            Ok(Some(g))
+            check_grammar(s, model, g, "tools").await?;
+            Ok(Some(g.to_string()))
         }
         None => Ok(None),
     }
@@ -764,5 +773,20 @@ async fn offer(
         Ok(Ok(id)) => Ok((id, events_rx)),
         Ok(Err(e)) => Err(e),
         Err(_) => Err(ApiError::unavailable("the scheduler is shutting down")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bearer_token;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        for v in ["Bearer k1", "bearer k1", "BEARER  k1 ", "  bEaReR k1"] {
+            assert_eq!(bearer_token(v).as_deref(), Some("k1"), "{v:?}");
+        }
+        for v in ["Basic k1", "Bearerk1", "Bearer ", "k1", ""] {
+            assert_eq!(bearer_token(v), None, "{v:?}");
+        }
     }
 }

@@ -7,6 +7,9 @@
 //! `capacity` (`max_connections`) and closed, never left to use up the process's descriptors.
 //! A failed accept (out of descriptors) is retried after a pause, never a busy loop or an exit.
 //! With TLS configured every connection is TLS (the handshake under the header timeout too).
+//! A request with more than [`MAX_HEADERS`] headers or [`MAX_HEADER_BYTES`] of them is a typed
+//! 431 with a JSON body (hyper's own bare 431 is left only for a head over its read buffer,
+//! about 400 KiB).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -21,6 +24,46 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
 use crate::error::ApiError;
+
+/// The most headers a request may carry (hyper is allowed more, so that ours answers).
+pub const MAX_HEADERS: usize = 100;
+/// The most bytes of header names and values a request may carry.
+pub const MAX_HEADER_BYTES: usize = 64 << 10;
+/// What hyper itself accepts: past it hyper answers 431 with no body.
+const HYPER_MAX_HEADERS: usize = 1024;
+
+/// Refuses a request whose headers are over [`MAX_HEADERS`] or [`MAX_HEADER_BYTES`], typed.
+async fn header_limits(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let headers = req.headers();
+    let bytes: usize = headers
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len())
+        .sum();
+    if headers.len() > MAX_HEADERS {
+        return ApiError::headers_too_large(
+            "max_headers",
+            format!(
+                "the request has {} headers, more than the {MAX_HEADERS} accepted",
+                headers.len()
+            ),
+        )
+        .into_response();
+    }
+    if bytes > MAX_HEADER_BYTES {
+        return ApiError::headers_too_large(
+            "max_header_bytes",
+            format!(
+                "the request's headers take {bytes} bytes, more than the {MAX_HEADER_BYTES} accepted"
+            ),
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
 
 /// Limits of the HTTP server, validated by the binary.
 #[derive(Clone)]
@@ -89,7 +132,9 @@ pub async fn serve(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(config.header_timeout)
+        .max_headers(HYPER_MAX_HEADERS)
         .keep_alive(true);
+    let router = router.layer(axum::middleware::from_fn(header_limits));
     let http = Arc::new(http);
     let slots = Arc::new(Semaphore::new(config.max_connections));
     let tls = config.tls.clone().map(tokio_rustls::TlsAcceptor::from);

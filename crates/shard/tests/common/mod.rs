@@ -41,5 +41,6 @@ pub fn config(kv_budget_bytes: usize, kv_ttl: Duration) -> ShardConfig {
         label: "test-shard".into(),
         link: proto::Link::plain("unused-in-process-token"),
         tls_identity: None,
+        grammar_budget: std::time::Duration::from_millis(200),
     }
 }
