@@ -107,6 +107,9 @@ pub struct Members {
     pub connected: bool,
     /// The store revision the membership reflects.
     pub revision: i64,
+    /// Entries read under the prefix that are not records, by reason (`too_long`,
+    /// `malformed`, `impossible_range`, `wrong_key`), counted each time one is read.
+    pub rejected: BTreeMap<&'static str, u64>,
 }
 
 /// An etcd error, said for logs and operators.
@@ -194,30 +197,30 @@ async fn call<T>(
     }
 }
 
-/// A record read from the registry, or `None` for a value that is not one (too long, not
-/// JSON of a record, or filed under a key other than its address's).
-fn parse_record(prefix: &str, key: &[u8], value: &[u8]) -> Option<ShardRecord> {
+/// A record read from the registry, or why the value is not one: too long, not JSON of a
+/// record, an impossible layer range, or filed under a key other than its address's.
+fn parse_record(prefix: &str, key: &[u8], value: &[u8]) -> Result<ShardRecord, &'static str> {
     if value.len() > MAX_RECORD_BYTES {
         tracing::warn!(
             key = %String::from_utf8_lossy(key),
             bytes = value.len(),
             "registry entry too long; ignored"
         );
-        return None;
+        return Err("too_long");
     }
     match serde_json::from_slice::<ShardRecord>(value) {
         Ok(r) if !r.plausible() => {
             tracing::warn!(key = %String::from_utf8_lossy(key), start = r.layer_start, end = r.layer_end, n_layers = r.n_layers, "registry entry with an impossible layer range; ignored");
-            None
+            Err("impossible_range")
         }
-        Ok(r) if shard_key(prefix, &r.address).as_bytes() == key => Some(r),
+        Ok(r) if shard_key(prefix, &r.address).as_bytes() == key => Ok(r),
         Ok(r) => {
             tracing::warn!(key = %String::from_utf8_lossy(key), address = %r.address, "registry entry filed under another address's key; ignored");
-            None
+            Err("wrong_key")
         }
         Err(e) => {
             tracing::warn!(key = %String::from_utf8_lossy(key), error = %e, "registry entry is not a shard record; ignored");
-            None
+            Err("malformed")
         }
     }
 }
@@ -341,8 +344,7 @@ async fn keep_announced(
     let id = granted.id;
     let current = record.borrow_and_update().clone();
     let key = shard_key(prefix, &current.address);
-    let put = |kv: &mut KvClient<Channel>, r: &ShardRecord| {
-        let value = serde_json::to_vec(r).expect("a record serializes");
+    let put = |kv: &mut KvClient<Channel>, value: Vec<u8>| {
         let mut kv = kv.clone();
         let key = key.clone();
         async move {
@@ -354,7 +356,14 @@ async fn keep_announced(
             .await
         }
     };
-    put(&mut kv, &current).await?;
+    let mut written = serde_json::to_vec(&current).expect("a record serializes");
+    let put_at = put(&mut kv, written.clone())
+        .await?
+        .header
+        .map_or(0, |h| h.revision);
+    // The key is watched from just after that put: a delete, or a put of another value or
+    // under another lease (someone else's write), is undone at the next update tick.
+    let (_own_key_requests, mut own_key) = watch_key(channel, &key, put_at).await?;
     let _ = registered.send(true);
     tracing::info!(key = %key, lease = id, ttl_secs, "registry: announced");
     // etcd answers the stream's headers with its first reply, and replies only to requests:
@@ -370,6 +379,9 @@ async fn keep_announced(
     update.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_heard = Instant::now();
     let mut dirty = false;
+    // Taking the key back from another live lease waits this long, doubling each time.
+    let mut contest = Duration::from_secs(2);
+    let mut hold_until = Instant::now();
     let mut record_open = true;
     loop {
         tokio::select! {
@@ -394,10 +406,33 @@ async fn keep_announced(
                     Err(_) => record_open = false,
                 }
             }
-            _ = update.tick(), if dirty => {
+            event = own_key.message() => {
+                let r = event?.ok_or_else(|| Error("the watch of our own key ended".into()))?;
+                if r.canceled {
+                    return Err(Error("the watch of our own key was canceled".into()));
+                }
+                match r.events.iter().map(|e| foreign(e, id, &written)).max() {
+                    Some(Foreign::Removed) => {
+                        tracing::warn!(key = %key, "registry: our record was deleted or overwritten; announcing it again");
+                        dirty = true;
+                    }
+                    Some(Foreign::Claimed) => {
+                        // Another live process announces itself under our address: a
+                        // misconfiguration. Take the key back, but less and less often, so two
+                        // such processes never flap the record (and the routes) every tick.
+                        tracing::error!(key = %key, retry_in = ?contest, "registry: another process announces itself under this shard's address; check the --advertise addresses");
+                        hold_until = Instant::now() + contest;
+                        contest = (contest * 2).min(MAX_CONTEST_BACKOFF);
+                        dirty = true;
+                    }
+                    Some(Foreign::Ours) | None => {}
+                }
+            }
+            _ = update.tick(), if dirty && Instant::now() >= hold_until => {
                 dirty = false;
                 let now = record.borrow_and_update().clone();
-                put(&mut kv, &now).await?;
+                written = serde_json::to_vec(&now).expect("a record serializes");
+                put(&mut kv, written.clone()).await?;
             }
             _ = stop.changed() => {
                 let _ = call(kv.delete_range(etcd::DeleteRangeRequest {
@@ -410,6 +445,59 @@ async fn keep_announced(
                 return Ok(());
             }
         }
+    }
+}
+
+/// A watch of exactly `key`, from just after `revision`: the request stream's sender (the
+/// watch lasts as long as it lives) and the events.
+type KeyWatch = (
+    mpsc::Sender<etcd::WatchRequest>,
+    tonic::Streaming<etcd::WatchResponse>,
+);
+
+async fn watch_key(channel: &Channel, key: &str, revision: i64) -> Result<KeyWatch, Error> {
+    let (req_tx, req_rx) = mpsc::channel(1);
+    req_tx
+        .send(etcd::WatchRequest {
+            request_union: Some(etcd::watch_request::RequestUnion::CreateRequest(
+                etcd::WatchCreateRequest {
+                    key: key.as_bytes().to_vec(),
+                    range_end: Vec::new(),
+                    start_revision: revision + 1,
+                    progress_notify: false,
+                },
+            )),
+        })
+        .await
+        .map_err(|_| Error("the watch stream closed".into()))?;
+    let mut watcher = WatchClient::new(channel.clone());
+    let events = call(watcher.watch(ReceiverStream::new(req_rx))).await?;
+    Ok((req_tx, events))
+}
+
+/// The longest a shard waits before taking its key back from another live lease.
+const MAX_CONTEST_BACKOFF: Duration = Duration::from_secs(64);
+
+/// Whose doing a watch event on our own key is, in increasing order of concern.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Foreign {
+    /// Our own write.
+    Ours,
+    /// Deleted, or overwritten by a value bound to no lease (an operator's put, which would
+    /// outlive us), or under our lease with another value.
+    Removed,
+    /// Overwritten by another live lease: another process under our address.
+    Claimed,
+}
+
+fn foreign(e: &etcd::Event, lease: i64, written: &[u8]) -> Foreign {
+    if e.r#type != etcd::event::EventType::Put as i32 {
+        return Foreign::Removed;
+    }
+    match &e.kv {
+        Some(kv) if kv.lease == lease && kv.value == written => Foreign::Ours,
+        Some(kv) if kv.lease != 0 && kv.lease != lease => Foreign::Claimed,
+        _ => Foreign::Removed,
     }
 }
 
@@ -450,14 +538,17 @@ pub fn follow(endpoints: &str, prefix: &str) -> Result<watch::Receiver<Members>,
 async fn follow_once(channel: &Channel, prefix: &str, tx: &watch::Sender<Members>) -> Error {
     let key = format!("{prefix}shards/").into_bytes();
     let end = prefix_end(&key);
-    let (shards, revision) = match snapshot(channel, prefix, &key, &end).await {
+    let (shards, revision, read_rejected) = match snapshot(channel, prefix, &key, &end).await {
         Ok(s) => s,
         Err(e) => return e,
     };
-    tx.send_replace(Members {
-        shards,
-        connected: true,
-        revision,
+    tx.send_modify(|m| {
+        for (reason, n) in read_rejected {
+            *m.rejected.entry(reason).or_default() += n;
+        }
+        m.shards = shards;
+        m.connected = true;
+        m.revision = revision;
     });
     match watch_from(channel, prefix, key, end, revision, tx).await {
         Ok(never) => match never {},
@@ -465,15 +556,23 @@ async fn follow_once(channel: &Channel, prefix: &str, tx: &watch::Sender<Members
     }
 }
 
+/// What a snapshot read: the records by key, the revision, and the entries rejected by reason.
+type Snapshot = (
+    BTreeMap<String, ShardRecord>,
+    i64,
+    BTreeMap<&'static str, u64>,
+);
+
 /// Every record under the prefix, read in pages all at one revision (the first page's).
 async fn snapshot(
     channel: &Channel,
     prefix: &str,
     key: &[u8],
     end: &[u8],
-) -> Result<(BTreeMap<String, ShardRecord>, i64), Error> {
+) -> Result<Snapshot, Error> {
     let mut kv = KvClient::new(channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let mut shards = BTreeMap::new();
+    let mut rejected = BTreeMap::new();
     let mut from = key.to_vec();
     let mut revision = 0;
     let mut read = 0usize;
@@ -490,8 +589,11 @@ async fn snapshot(
         }
         read += page.kvs.len();
         for e in &page.kvs {
-            if let Some(r) = parse_record(prefix, &e.key, &e.value) {
-                shards.insert(String::from_utf8_lossy(&e.key).into_owned(), r);
+            match parse_record(prefix, &e.key, &e.value) {
+                Ok(r) => {
+                    shards.insert(String::from_utf8_lossy(&e.key).into_owned(), r);
+                }
+                Err(reason) => *rejected.entry(reason).or_default() += 1,
             }
         }
         match page.kvs.last() {
@@ -508,7 +610,7 @@ async fn snapshot(
             "registry: more entries than a tracker reads; the rest are ignored"
         );
     }
-    Ok((shards, revision))
+    Ok((shards, revision, rejected))
 }
 
 /// Watches `[key, end)` from just after `revision`, applying every event to the membership.
@@ -570,12 +672,18 @@ fn apply(m: &mut Members, prefix: &str, events: &[etcd::Event]) -> bool {
         let k = String::from_utf8_lossy(&kv.key).into_owned();
         let put = e.r#type == etcd::event::EventType::Put as i32;
         // A put of something that is not a record takes the key out, as a delete does.
-        match put
-            .then(|| parse_record(prefix, &kv.key, &kv.value))
-            .flatten()
-        {
-            Some(rec) => changed |= m.shards.insert(k, rec.clone()).as_ref() != Some(&rec),
-            None => changed |= m.shards.remove(&k).is_some(),
+        let parsed = match put {
+            true => parse_record(prefix, &kv.key, &kv.value).map(Some),
+            false => Ok(None),
+        };
+        match parsed {
+            Ok(Some(rec)) => changed |= m.shards.insert(k, rec.clone()).as_ref() != Some(&rec),
+            Ok(None) => changed |= m.shards.remove(&k).is_some(),
+            Err(reason) => {
+                *m.rejected.entry(reason).or_default() += 1;
+                m.shards.remove(&k);
+                changed = true;
+            }
         }
     }
     changed
@@ -611,10 +719,16 @@ mod tests {
         };
         let v = serde_json::to_vec(&r).unwrap();
         let key = shard_key("/s/", "127.0.0.1:1");
-        assert_eq!(parse_record("/s/", key.as_bytes(), &v), Some(r.clone()));
+        assert_eq!(parse_record("/s/", key.as_bytes(), &v), Ok(r.clone()));
         // Filed under another address: ignored (it could not be validated as that address).
-        assert_eq!(parse_record("/s/", b"/s/shards/10.0.0.1:1", &v), None);
-        assert_eq!(parse_record("/s/", key.as_bytes(), b"{not json"), None);
+        assert_eq!(
+            parse_record("/s/", b"/s/shards/10.0.0.1:1", &v),
+            Err("wrong_key")
+        );
+        assert_eq!(
+            parse_record("/s/", key.as_bytes(), b"{not json"),
+            Err("malformed")
+        );
         // Impossible ranges are not members (a chain search over them could not end).
         for (a, b, n) in [
             (0, 0, 0),
@@ -633,12 +747,12 @@ mod tests {
             let v = serde_json::to_vec(&bad).unwrap();
             assert_eq!(
                 parse_record("/s/", key.as_bytes(), &v),
-                None,
+                Err("impossible_range"),
                 "{a}..{b} of {n}"
             );
         }
         let long = vec![b' '; MAX_RECORD_BYTES + 1];
-        assert_eq!(parse_record("/s/", key.as_bytes(), &long), None);
+        assert_eq!(parse_record("/s/", key.as_bytes(), &long), Err("too_long"));
     }
 
     #[test]

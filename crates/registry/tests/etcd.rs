@@ -134,3 +134,50 @@ async fn a_lease_lost_while_etcd_was_up_is_granted_again() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// An operator's `etcdctl del` of a live shard's key, or a put of another record under it
+/// (another instance, draining, no lease), is undone by the shard itself within two TTLs: its
+/// own record, bound to its own lease, with no restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_or_overwritten_record_is_restored_under_the_shards_own_lease() {
+    let etcd = Etcd::start();
+    let ttl = Duration::from_secs(2);
+    let (_tx, rx) = watch::channel(record("127.0.0.1:7004"));
+    let a = announce(&etcd.endpoint(), "/r/", ttl, rx).unwrap();
+    let mut registered = a.registered();
+    tokio::time::timeout(Duration::from_secs(10), registered.wait_for(|r| *r))
+        .await
+        .unwrap()
+        .unwrap();
+    let key = "/r/shards/127.0.0.1:7004";
+    let own = etcd.get(key).expect("announced");
+    assert_ne!(own.1, 0, "bound to a lease");
+    let restored_within = |what: &str| {
+        let t0 = Instant::now();
+        loop {
+            if etcd.get(key).as_ref() == Some(&own) {
+                return t0.elapsed();
+            }
+            assert!(
+                t0.elapsed() < 2 * ttl,
+                "{what}: not restored within two TTLs: {:?}",
+                etcd.get(key)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    // (The shard may put it back before the next read: it answers the watch event at once,
+    // and at most once per update tick, so two writers fighting over a key cannot spin.)
+    etcd.delete(key);
+    restored_within("deleted");
+    let rogue = ShardRecord {
+        instance: "someone-else".into(),
+        draining: true,
+        ..record("127.0.0.1:7004")
+    };
+    etcd.put(key, &serde_json::to_vec(&rogue).unwrap());
+    restored_within("overwritten");
+    // Its own updates are not mistaken for someone else's: the record stays as written.
+    tokio::time::sleep(ttl * 2).await;
+    assert_eq!(etcd.get(key).as_ref(), Some(&own));
+}

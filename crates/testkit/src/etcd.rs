@@ -128,6 +128,52 @@ impl Etcd {
         }
     }
 
+    /// One call of etcd's JSON gateway.
+    fn gateway(&self, path: &str, body: &serde_json::Value) -> serde_json::Value {
+        let addr = format!("127.0.0.1:{}", self.client_port);
+        let r = client::request("POST", &addr, path, Some(body), &[]).expect("etcd gateway");
+        serde_json::from_str(&r.body).unwrap_or_default()
+    }
+
+    /// Writes `value` under `key` with no lease (as an operator's `etcdctl put` would).
+    pub fn put(&self, key: &str, value: &[u8]) {
+        use base64::Engine;
+        let b64 = |s: &[u8]| base64::engine::general_purpose::STANDARD.encode(s);
+        self.gateway(
+            "/v3/kv/put",
+            &serde_json::json!({"key": b64(key.as_bytes()), "value": b64(value)}),
+        );
+    }
+
+    /// Deletes `key` (as `etcdctl del` would).
+    pub fn delete(&self, key: &str) {
+        use base64::Engine;
+        let b64 = |s: &[u8]| base64::engine::general_purpose::STANDARD.encode(s);
+        self.gateway(
+            "/v3/kv/deleterange",
+            &serde_json::json!({"key": b64(key.as_bytes())}),
+        );
+    }
+
+    /// The value under `key` and the lease it is bound to (0: none), if there is one.
+    pub fn get(&self, key: &str) -> Option<(Vec<u8>, i64)> {
+        use base64::Engine;
+        let engine = base64::engine::general_purpose::STANDARD;
+        let v = self.gateway(
+            "/v3/kv/range",
+            &serde_json::json!({"key": engine.encode(key.as_bytes())}),
+        );
+        let kv = v["kvs"].as_array()?.first()?;
+        let value = engine.decode(kv["value"].as_str().unwrap_or("")).ok()?;
+        // The gateway writes 64-bit integers as strings.
+        let lease = kv["lease"]
+            .as_str()
+            .and_then(|l| l.parse().ok())
+            .or_else(|| kv["lease"].as_i64())
+            .unwrap_or(0);
+        Some((value, lease))
+    }
+
     /// The keys under `prefix` (through etcd's JSON gateway), for checks.
     pub fn keys(&self, prefix: &str) -> Vec<String> {
         use base64::Engine;

@@ -431,6 +431,12 @@ pub async fn monitor(
             });
         }
         if tx.send(snapshot).is_err() {
+            // The route is gone: so are the series of its shards (a shard that serves on,
+            // in a route of its own, has them set again by that route's monitor at its next
+            // probe; no route's own series are touched).
+            for s in &cluster.shards {
+                metrics.forget_unscoped("shard", s.address());
+            }
             return;
         }
     }

@@ -2,12 +2,16 @@
 //! (WAL journal, `synchronous = FULL`).
 //!
 //! A request's row is committed as `accepted`, with its reservation (prompt plus `max_tokens`),
-//! before it is submitted, so no accepted request can be lost: after a crash (kill -9
-//! included) the next start marks the rows it finds still `accepted` as `interrupted` and
-//! charges them their reservation, an upper bound of what they could have used. Finished
-//! requests are settled with what they really used, off the scheduling loop by a writer
-//! thread. A key's usage is the sum of its charges plus the reservations of its requests in
-//! flight, so concurrent requests can never overspend a budget.
+//! before it is submitted, so no accepted request can be lost. While it runs, the tokens it has
+//! generated are checkpointed into its row (the writer commits every request's progress in one
+//! transaction at most every [`CHECKPOINT_EVERY`]). Billing policy for a request cut off by a
+//! crash of the tracker (kill -9 included): the next start marks the rows it finds still
+//! `accepted` as `interrupted` and charges each its prompt plus the tokens last checkpointed,
+//! what was generated for it up to one checkpoint interval before the crash (never its whole
+//! reservation: what it did not generate is not billed). Finished requests are settled with
+//! what they really used, off the scheduling loop by the same writer thread. A key's usage is
+//! the sum of its charges plus the reservations of its requests in flight, so concurrent
+//! requests can never overspend a budget.
 
 use std::path::Path;
 use std::sync::{mpsc, Arc, Mutex};
@@ -79,8 +83,16 @@ enum Write {
         completion: u64,
         status: &'static str,
     },
+    /// `completion` tokens generated so far (a checkpoint; the latest one per row counts).
+    Progress {
+        row: i64,
+        completion: u64,
+    },
     Flush(mpsc::Sender<()>),
 }
+
+/// How often the progress of requests in flight is committed.
+pub const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 pub struct Ledger {
     conn: Arc<Mutex<Connection>>,
@@ -126,7 +138,8 @@ impl Ledger {
         let interrupted = conn
             .execute(
                 "UPDATE requests SET status = 'interrupted',
-                     charged_tokens = prompt_tokens + max_tokens, settled_at_ms = ?1
+                     charged_tokens = prompt_tokens + MIN(completion_tokens, max_tokens),
+                     settled_at_ms = ?1
                  WHERE status = 'accepted'",
                 params![now_ms()],
             )
@@ -134,7 +147,7 @@ impl Ledger {
         if interrupted > 0 {
             tracing::warn!(
                 interrupted,
-                "the usage ledger held requests of a run that ended without settling them; each is charged its reservation"
+                "the usage ledger held requests of a run that ended without settling them; each is charged its prompt and the tokens last checkpointed"
             );
         }
         let conn = Arc::new(Mutex::new(conn));
@@ -142,36 +155,7 @@ impl Ledger {
         let writer = Arc::clone(&conn);
         std::thread::Builder::new()
             .name("strata-ledger".into())
-            .spawn(move || {
-                for w in rx {
-                    match w {
-                        Write::Settle {
-                            row,
-                            prompt,
-                            completion,
-                            status,
-                        } => {
-                            let c = writer.lock().unwrap_or_else(|e| e.into_inner());
-                            let charged = if status == "refused" {
-                                0
-                            } else {
-                                prompt + completion
-                            };
-                            if let Err(e) = c.execute(
-                                "UPDATE requests SET status = ?1, completion_tokens = ?2,
-                                     charged_tokens = ?3, settled_at_ms = ?4
-                                 WHERE id = ?5 AND status = 'accepted'",
-                                params![status, completion as i64, charged as i64, now_ms(), row],
-                            ) {
-                                tracing::error!(error = %e, row, "settling a ledger row failed");
-                            }
-                        }
-                        Write::Flush(done) => {
-                            let _ = done.send(());
-                        }
-                    }
-                }
-            })
+            .spawn(move || write_loop(&writer, &rx))
             .map_err(|e| format!("starting the ledger writer: {e}"))?;
         Ok(Ledger {
             conn,
@@ -250,7 +234,18 @@ impl Ledger {
             .send(w);
     }
 
-    /// Waits until every settle sent so far is committed.
+    /// Notes that the request of `row` has generated `completion` tokens so far; the writer
+    /// commits the latest count within [`CHECKPOINT_EVERY`]. What a crash would bill.
+    pub fn progress(&self, row: i64, completion: u64) {
+        let w = Write::Progress { row, completion };
+        let _ = self
+            .writes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(w);
+    }
+
+    /// Waits until every settle and checkpoint sent so far is committed.
     pub fn flush(&self) {
         let (tx, rx) = mpsc::channel();
         let sent = self
@@ -285,6 +280,80 @@ impl Ledger {
             reserved_tokens: reserved,
             requests,
         })
+    }
+}
+
+/// The writer thread: settles rows as they come, and commits the progress checkpoints
+/// gathered meanwhile at most every [`CHECKPOINT_EVERY`] (one transaction for them all).
+fn write_loop(conn: &Mutex<Connection>, rx: &mpsc::Receiver<Write>) {
+    let mut progress: std::collections::HashMap<i64, u64> = std::collections::HashMap::new();
+    let mut last_checkpoint = std::time::Instant::now();
+    loop {
+        let w = match rx.recv_timeout(CHECKPOINT_EVERY) {
+            Ok(w) => Some(w),
+            Err(mpsc::RecvTimeoutError::Timeout) => None,
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                checkpoint(conn, &mut progress);
+                return;
+            }
+        };
+        match w {
+            Some(Write::Progress { row, completion }) => {
+                progress.insert(row, completion);
+            }
+            Some(Write::Settle {
+                row,
+                prompt,
+                completion,
+                status,
+            }) => {
+                progress.remove(&row);
+                let c = conn.lock().unwrap_or_else(|e| e.into_inner());
+                let charged = if status == "refused" {
+                    0
+                } else {
+                    prompt + completion
+                };
+                if let Err(e) = c.execute(
+                    "UPDATE requests SET status = ?1, completion_tokens = ?2,
+                         charged_tokens = ?3, settled_at_ms = ?4
+                     WHERE id = ?5 AND status = 'accepted'",
+                    params![status, completion as i64, charged as i64, now_ms(), row],
+                ) {
+                    tracing::error!(error = %e, row, "settling a ledger row failed");
+                }
+            }
+            Some(Write::Flush(done)) => {
+                checkpoint(conn, &mut progress);
+                let _ = done.send(());
+            }
+            None => {}
+        }
+        if last_checkpoint.elapsed() >= CHECKPOINT_EVERY {
+            checkpoint(conn, &mut progress);
+            last_checkpoint = std::time::Instant::now();
+        }
+    }
+}
+
+/// Commits every gathered progress checkpoint of rows still in flight, in one transaction.
+fn checkpoint(conn: &Mutex<Connection>, progress: &mut std::collections::HashMap<i64, u64>) {
+    if progress.is_empty() {
+        return;
+    }
+    let mut c = conn.lock().unwrap_or_else(|e| e.into_inner());
+    let result = (|| {
+        let tx = c.transaction()?;
+        for (row, completion) in progress.drain() {
+            tx.execute(
+                "UPDATE requests SET completion_tokens = ?1 WHERE id = ?2 AND status = 'accepted'",
+                params![completion as i64, row],
+            )?;
+        }
+        tx.commit()
+    })();
+    if let Err(e) = result {
+        tracing::error!(error = %e, "checkpointing ledger progress failed");
     }
 }
 
@@ -343,18 +412,20 @@ mod tests {
         l.settle(a, 10, 5, "done");
         let u = l.usage(&k).unwrap();
         assert_eq!((u.charged_tokens, u.reserved_tokens), (15, 50));
-        // `b` is in flight when the process "dies": reopening charges its reservation.
+        // `b` is in flight when the process "dies", 7 tokens into its answer: reopening
+        // charges its prompt and what it generated, not its reservation.
+        l.progress(b, 7);
+        l.flush();
         drop(l);
         let l = Ledger::open(&path, vec![k.clone()]).unwrap();
         assert_eq!(l.interrupted_at_start, 1);
         let u = l.usage(&k).unwrap();
-        assert_eq!((u.charged_tokens, u.reserved_tokens), (65, 0));
+        assert_eq!((u.charged_tokens, u.reserved_tokens), (32, 0));
         assert_eq!(
             u.requests,
             vec![("done".to_string(), 1), ("interrupted".to_string(), 1)]
         );
-        let _ = b;
-        assert!(l.reserve(&k, 10, 25).is_ok());
+        assert!(l.reserve(&k, 10, 58).is_ok());
         assert!(
             l.reserve(&k, 1, 0).is_err(),
             "100 of 100 are spent or reserved"

@@ -16,16 +16,31 @@ use tokio::sync::watch;
 
 use crate::RouteStarter;
 
-/// How long a new route may take to connect and open.
-const JOIN_WAIT: Duration = Duration::from_secs(10);
-/// How long a chain that failed to become a route waits before it is tried again.
+/// How long a new route may take to connect and open (an announced shard is serving
+/// already: one that does not answer in this time is not what its record says).
+const JOIN_WAIT: Duration = Duration::from_secs(5);
+/// How long a shard whose chain failed to become a route waits before it is tried again, the
+/// first time; each further failure doubles it, up to [`MAX_RETRY_AFTER`].
 const RETRY_AFTER: Duration = Duration::from_secs(3);
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(300);
+/// Joins in progress at once: records that lead nowhere (a registry full of fakes) cost a
+/// bounded amount of work, and the chains with the fewest failures go first.
+const MAX_JOINS: usize = 8;
 
 /// A route's members: (address, instance) in layer order.
 type Chain = Vec<(String, String)>;
 
 /// A join in progress or done: the chain, its route's name, and how it went.
-type Joined = (Chain, String, Result<(), String>);
+type Joined = (Chain, String, Result<(), JoinFailure>);
+
+/// Why a chain did not become a route, and which member is to blame when one is known (a
+/// shard that did not answer its probe): only that one backs off, so a fake record chained
+/// with a real shard does not keep the real one out.
+#[derive(Debug)]
+struct JoinFailure {
+    message: String,
+    culprit: Option<usize>,
+}
 
 pub(crate) async fn follow(
     starter: Arc<RouteStarter>,
@@ -34,14 +49,18 @@ pub(crate) async fn follow(
 ) {
     let mut state = State::default();
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<Joined>();
+    // Copied only when it changes: a join ending or the retry tick reuses it.
+    let mut now = members.borrow_and_update().clone();
     loop {
-        let now = members.borrow_and_update().clone();
         publish(&starter, &now);
         state.retire_departed(&starter, &now).await;
         state.start_joins(&starter, &now, &link, &done_tx);
         tokio::select! {
-            changed = members.changed() => if changed.is_err() { return },
-            Some((chain, name, result)) = done_rx.recv() => state.joined(chain, name, result),
+            changed = members.changed() => match changed {
+                Ok(()) => now = members.borrow_and_update().clone(),
+                Err(_) => return,
+            },
+            Some((chain, name, result)) = done_rx.recv() => state.joined(&starter, chain, name, result),
             // Chains that failed are tried again.
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
@@ -55,8 +74,10 @@ struct State {
     /// Chains being connected and opened (each on its own task, so a slow or unreachable
     /// shard never holds up anything else).
     joining: HashSet<Chain>,
-    /// Chains that failed to become a route, and when: tried again after [`RETRY_AFTER`].
-    failed: HashMap<Chain, Instant>,
+    /// Members whose chain failed to become a route, by (address, instance): how many times
+    /// in a row, and when they may be tried again (exponential back-off; a shard restarted as
+    /// another instance starts afresh).
+    failed: HashMap<(String, String), (u32, Instant)>,
     /// Numbers route names: a shard restarted on its address makes a new route, never one
     /// named like the route it left (whose loop may still be finishing sessions).
     next: u64,
@@ -84,8 +105,9 @@ impl State {
         }
     }
 
-    /// Shards no route uses (static routes and joins in progress included) form new chains;
-    /// each is joined on a task of its own.
+    /// Shards no route uses (static routes and joins in progress included) and not backing
+    /// off form new chains; at most [`MAX_JOINS`] are joined at once, each on a task of its
+    /// own, those whose members failed least first.
     fn start_joins(
         &mut self,
         starter: &Arc<RouteStarter>,
@@ -94,6 +116,13 @@ impl State {
         done: &tokio::sync::mpsc::UnboundedSender<Joined>,
     ) {
         let alive = alive(m);
+        let now = Instant::now();
+        // Back-offs of members that left are forgotten with them.
+        self.failed
+            .retain(|(a, i), _| alive.get(a.as_str()).is_some_and(|r| r.instance == *i));
+        if self.joining.len() >= MAX_JOINS {
+            return;
+        }
         let used: HashSet<String> = starter
             .table
             .shard_addresses()
@@ -102,50 +131,105 @@ impl State {
             .chain(self.built.values().flatten().map(|(a, _)| a.clone()))
             .chain(self.joining.iter().flatten().map(|(a, _)| a.clone()))
             .collect();
+        let waiting = |r: &ShardRecord| {
+            self.failed
+                .get(&(r.address.clone(), r.instance.clone()))
+                .is_some_and(|(_, until)| *until > now)
+        };
         let mut by_model: BTreeMap<(&str, u32), Vec<&ShardRecord>> = BTreeMap::new();
-        for r in alive.values().filter(|r| !used.contains(&r.address)) {
+        for r in alive
+            .values()
+            .filter(|r| !used.contains(&r.address) && !waiting(r))
+        {
             by_model
                 .entry((r.digest.as_str(), r.n_layers))
                 .or_default()
                 .push(r);
         }
-        self.failed.retain(|_, at| at.elapsed() < RETRY_AFTER);
-        for free in by_model.into_values() {
-            for chain in chains(free) {
+        let room = MAX_JOINS - self.joining.len();
+        let mut found: Vec<(u32, Chain)> = by_model
+            .into_values()
+            .flat_map(|free| chains(free, room))
+            .map(|chain| {
                 let key: Chain = chain
                     .iter()
                     .map(|r| (r.address.clone(), r.instance.clone()))
                     .collect();
-                if self.failed.contains_key(&key) {
-                    continue;
-                }
-                self.next += 1;
-                let addrs: Vec<&str> = key.iter().map(|(a, _)| a.as_str()).collect();
-                let name = format!("{}~{}", addrs.join("+"), self.next);
-                self.joining.insert(key.clone());
-                let (starter, link, done) = (Arc::clone(starter), link.clone(), done.clone());
-                tokio::spawn(async move {
-                    let result = join(&starter, &name, &key, &link).await;
-                    let _ = done.send((key, name, result));
-                });
-            }
+                let failures = key
+                    .iter()
+                    .map(|m| self.failed.get(m).map_or(0, |(n, _)| *n))
+                    .sum();
+                (failures, key)
+            })
+            .collect();
+        found.sort_by_key(|(failures, _)| *failures);
+        for (_, key) in found.into_iter().take(room) {
+            self.next += 1;
+            let addrs: Vec<&str> = key.iter().map(|(a, _)| a.as_str()).collect();
+            let name = format!("{}~{}", addrs.join("+"), self.next);
+            self.joining.insert(key.clone());
+            let (starter, link, done) = (Arc::clone(starter), link.clone(), done.clone());
+            tokio::spawn(async move {
+                let result = join(&starter, &name, &key, &link).await;
+                let _ = done.send((key, name, result));
+            });
         }
     }
 
-    fn joined(&mut self, chain: Chain, name: String, result: Result<(), String>) {
+    fn joined(
+        &mut self,
+        starter: &RouteStarter,
+        chain: Chain,
+        name: String,
+        result: Result<(), JoinFailure>,
+    ) {
         self.joining.remove(&chain);
         match result {
             Ok(()) => {
                 tracing::info!(route = %name, "route joined from the registry");
+                for m in &chain {
+                    self.failed.remove(m);
+                }
                 // If a member left meanwhile, the next pass retires it.
                 self.built.insert(name, chain);
             }
-            Err(e) => {
-                tracing::warn!(route = %name, error = %e, "shards announced in the registry do not make a route (yet)");
-                self.failed.insert(chain, Instant::now());
+            Err(JoinFailure {
+                message: e,
+                culprit,
+            }) => {
+                starter.metrics.inc(
+                    "strata_registry_rejected_total",
+                    &[("reason", "join_failed")],
+                    1.0,
+                );
+                let now = Instant::now();
+                let mut longest = Duration::ZERO;
+                let blamed: Vec<(String, String)> = match culprit {
+                    Some(i) => chain.into_iter().skip(i).take(1).collect(),
+                    None => chain,
+                };
+                for m in blamed {
+                    let n = self.failed.get(&m).map_or(0, |(n, _)| *n) + 1;
+                    let wait = back_off(n);
+                    longest = longest.max(wait);
+                    self.failed.insert(m, (n, now + wait));
+                }
+                // The first failure is worth a warning; a record that keeps failing, less.
+                if longest <= RETRY_AFTER {
+                    tracing::warn!(route = %name, error = %e, "shards announced in the registry do not make a route (yet)");
+                } else {
+                    tracing::debug!(route = %name, error = %e, retry_in = ?longest, "shards announced in the registry still do not make a route");
+                }
             }
         }
     }
+}
+
+/// How long a member waits after its `n`-th failure in a row.
+fn back_off(n: u32) -> Duration {
+    RETRY_AFTER
+        .saturating_mul(1 << n.saturating_sub(1).min(16))
+        .min(MAX_RETRY_AFTER)
 }
 
 /// The members that take work, by address.
@@ -157,22 +241,38 @@ fn alive(m: &Members) -> HashMap<&str, &ShardRecord> {
         .collect()
 }
 
-/// Connects to a chain's shards and makes it a route.
+/// How long a shard of a new chain may take to answer its first probe.
+const PROBE_WAIT: Duration = Duration::from_secs(2);
+
+/// Connects to a chain's shards and makes it a route. Each shard is probed once first: an
+/// announced shard serves already, so one that refuses or does not answer fails the join at
+/// once instead of being retried for the whole join wait (a registry full of records that
+/// lead nowhere costs one refused connection each).
 async fn join(
     starter: &RouteStarter,
     name: &str,
     chain: &Chain,
     link: &proto::Link,
-) -> Result<(), String> {
-    let shards = chain
-        .iter()
-        .map(|(a, _)| {
-            proto::connect(a, link)
-                .map(|s| Arc::new(s) as Arc<dyn ShardTransport>)
-                .map_err(|e| e.message().to_string())
+) -> Result<(), JoinFailure> {
+    let mut shards = Vec::with_capacity(chain.len());
+    for (i, (a, _)) in chain.iter().enumerate() {
+        let blame = |message: String| JoinFailure {
+            message,
+            culprit: Some(i),
+        };
+        let s = proto::connect(a, link).map_err(|e| blame(e.message().to_string()))?;
+        s.describe(PROBE_WAIT)
+            .await
+            .map_err(|e| blame(format!("shard {a} does not answer: {}", e.message())))?;
+        shards.push(Arc::new(s) as Arc<dyn ShardTransport>);
+    }
+    starter
+        .add(name, shards, JOIN_WAIT)
+        .await
+        .map_err(|message| JoinFailure {
+            message,
+            culprit: None,
         })
-        .collect::<Result<Vec<_>, String>>()?;
-    starter.add(name, shards, JOIN_WAIT).await
 }
 
 fn publish(starter: &RouteStarter, m: &Members) {
@@ -183,12 +283,19 @@ fn publish(starter: &RouteStarter, m: &Members) {
         if m.connected { 1.0 } else { 0.0 },
     );
     metrics.set("strata_registry_members", &[], m.shards.len() as f64);
+    for (reason, n) in &m.rejected {
+        metrics.set(
+            "strata_registry_rejected_total",
+            &[("reason", reason)],
+            *n as f64,
+        );
+    }
 }
 
-/// Disjoint chains of `free` shards (one model's) that each cover `[0, n_layers)` exactly
-/// once, found greedily; linear in the shards for each chain (positions that lead nowhere are
-/// remembered).
-fn chains(mut free: Vec<&ShardRecord>) -> Vec<Vec<&ShardRecord>> {
+/// Up to `max` disjoint chains of `free` shards (one model's) that each cover `[0, n_layers)`
+/// exactly once, found greedily; linear in the shards for each chain (positions that lead
+/// nowhere are remembered).
+fn chains(mut free: Vec<&ShardRecord>, max: usize) -> Vec<Vec<&ShardRecord>> {
     free.sort_by(|a, b| {
         (a.layer_start, std::cmp::Reverse(a.layer_end), &a.address).cmp(&(
             b.layer_start,
@@ -197,7 +304,7 @@ fn chains(mut free: Vec<&ShardRecord>) -> Vec<Vec<&ShardRecord>> {
         ))
     });
     let mut out = Vec::new();
-    loop {
+    while out.len() < max {
         let Some(n) = free.first().map(|r| r.n_layers) else {
             return out;
         };
@@ -214,6 +321,7 @@ fn chains(mut free: Vec<&ShardRecord>) -> Vec<Vec<&ShardRecord>> {
         }
         out.push(chain);
     }
+    out
 }
 
 /// Depth first from `pos` to `n` over shards starting where the last ended.
@@ -280,7 +388,7 @@ mod tests {
             rec("c", 0, 14),
             rec("d", 14, 28),
         ];
-        let c = chains(s.iter().collect());
+        let c = chains(s.iter().collect(), usize::MAX);
         assert_eq!(names(&c), [["c", "d"], ["a", "b"]]);
     }
 
@@ -292,13 +400,22 @@ mod tests {
             rec("c", 0, 14),
             rec("d", 9, 28),
         ];
-        assert!(chains(s.iter().collect()).is_empty());
+        assert!(chains(s.iter().collect(), usize::MAX).is_empty());
         // A dead end is left for a shard that completes the chain.
         let s = [rec("a", 0, 10), rec("c", 0, 14), rec("d", 14, 28)];
-        assert_eq!(names(&chains(s.iter().collect())), [["c", "d"]]);
+        assert_eq!(names(&chains(s.iter().collect(), usize::MAX)), [["c", "d"]]);
         // A whole-model shard is a route of one.
         let s = [rec("w", 0, 28), rec("x", 0, 5)];
-        assert_eq!(names(&chains(s.iter().collect())), [["w"]]);
+        assert_eq!(names(&chains(s.iter().collect(), usize::MAX)), [["w"]]);
+    }
+
+    #[test]
+    fn a_failing_member_backs_off_exponentially_up_to_a_bound() {
+        assert_eq!(back_off(1), RETRY_AFTER);
+        assert_eq!(back_off(2), RETRY_AFTER * 2);
+        assert_eq!(back_off(4), RETRY_AFTER * 8);
+        assert_eq!(back_off(50), MAX_RETRY_AFTER);
+        assert_eq!(back_off(u32::MAX), MAX_RETRY_AFTER);
     }
 
     #[test]
@@ -311,6 +428,6 @@ mod tests {
                 s.push(rec(&format!("{i}-{k}"), i, i + 1));
             }
         }
-        assert!(chains(s.iter().collect()).is_empty());
+        assert!(chains(s.iter().collect(), usize::MAX).is_empty());
     }
 }

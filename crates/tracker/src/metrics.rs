@@ -135,6 +135,34 @@ impl Metrics {
         });
     }
 
+    /// Removes every series that carries all of this view's scope labels: a retired route's
+    /// series go with it, so `/metrics` holds what is live, not every route there ever was.
+    pub fn forget_scope(&self) {
+        let scope = self.scope.clone();
+        self.forget_where(move |l| scope.iter().all(|p| l.contains(p)));
+    }
+
+    /// Removes every series labelled `key="value"` that no route's scope labels (a departed
+    /// shard's, as its route's health monitor set them; a route's own series go with
+    /// [`Metrics::forget_scope`]).
+    pub fn forget_unscoped(&self, key: &'static str, value: &str) {
+        let pair = (key, value.to_string());
+        self.forget_where(move |l| l.contains(&pair) && !l.iter().any(|(k, _)| *k == "route"));
+    }
+
+    fn forget_where(&self, gone: impl Fn(&Labels) -> bool) {
+        self.with(|m| {
+            m.counters.retain(|(_, l), _| !gone(l));
+            m.gauges.retain(|(_, l), _| !gone(l));
+            m.histograms.retain(|(_, l), _| !gone(l));
+        });
+    }
+
+    /// How many series the registry holds (every label set of every metric).
+    pub fn n_series(&self) -> usize {
+        self.with(|m| m.counters.len() + m.gauges.len() + m.histograms.len())
+    }
+
     /// Quantile `q` of a histogram (bucket upper bound), or `None` if it has no observations.
     pub fn quantile(&self, name: &'static str, l: &[(&'static str, &str)], q: f64) -> Option<f64> {
         let l = self.labels(l);
@@ -274,6 +302,11 @@ pub fn declare(m: &Metrics) {
             "strata_registry_members",
             "gauge",
             "shards announced in the registry, as last seen",
+        ),
+        (
+            "strata_registry_rejected_total",
+            "counter",
+            "registry entries not taken as members, by reason: too_long, malformed, impossible_range, wrong_key (counted each time one is read), or join_failed (a chain of announced shards that did not become a route)",
         ),
         (
             "strata_migrated_tokens_total",

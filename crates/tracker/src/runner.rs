@@ -111,7 +111,7 @@ impl Moved {
         if let (Some(l), Some(row)) = (ledger, self.live.ledger_row) {
             l.settle(
                 row,
-                self.live.n_prompt as u64,
+                self.live.billed_prompt as u64,
                 self.live.n_generated as u64,
                 "failed",
             );
@@ -352,7 +352,11 @@ impl Runner {
                 && (self.scheduler.is_idle() || self.link.is_none())
             {
                 tracing::info!(route = %self.name, "retired route stopped");
+                // Its gauges read zero first (nothing is active, nothing waits), then every
+                // series of the route goes.
+                self.publish_gauges();
                 self.metrics.set("strata_route_up", &[], 0.0);
+                self.metrics.forget_scope();
                 return;
             }
             // Keep up to `pipeline_depth` steps in flight: shards process steps in order and
@@ -1021,6 +1025,10 @@ impl Runner {
             );
         }
         live.n_generated += 1;
+        // What a crash of this process would bill it (see the ledger's policy).
+        if let (Some(l), Some(row)) = (&self.ledger, live.ledger_row) {
+            l.progress(row, live.n_generated as u64);
+        }
         if is_end {
             let _ = live.events.send(SessionEvent::Token {
                 token,
