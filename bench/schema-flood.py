@@ -7,7 +7,10 @@ schemas far over the limits, which must be refused at once), then idle again. Pr
 p50/p99 per phase, the refusal times of 7000-, 10000- and 50000-property schemas, and the
 tracker's RSS (from /proc, by PID) idle, under load and after.
 
-Usage: bench/schema-flood.py HOST:PORT TRACKER_PID [SECONDS_PER_PHASE]
+A control phase sends the same 4 clients' requests without a schema: what the load alone
+costs bg (continuous batching shares each step), against which the schemas' own cost shows.
+
+Usage: bench/schema-flood.py HOST:PORT TRACKER_PID [SECONDS_PER_PHASE] [FLOOD_MAX_TOKENS]
 """
 import json
 import statistics
@@ -19,6 +22,7 @@ import urllib.request
 
 addr, pid = sys.argv[1], int(sys.argv[2])
 phase_s = float(sys.argv[3]) if len(sys.argv) > 3 else 30.0
+flood_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 8
 
 
 def post(body, timeout=120):
@@ -71,13 +75,13 @@ LARGEST = {
 BG = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
 
 
-def bg_phase(seconds, flood=False):
+def bg_phase(seconds, flood=None):
     stop = threading.Event()
     results = {"accepted": [], "refused": []}
 
     def flooder():
         while not stop.is_set():
-            status, took = post(schema_body(LARGEST))
+            status, took = post(flood)
             results["accepted" if status == 200 else "refused"].append((status, took))
 
     threads = [threading.Thread(target=flooder) for _ in range(4)] if flood else []
@@ -109,7 +113,11 @@ for n_props in (7000, 10000, 50000):
     body = schema_body(wide(n_props))
     status, took = post(body)
     print(f"{n_props} properties ({len(json.dumps(body)) / 1024:.0f} KiB): {status} in {took * 1000:.1f} ms")
-p50f, p99f, n, peak, res = bg_phase(phase_s, flood=True)
+plain = dict(schema_body(LARGEST, flood_tokens))
+del plain["response_format"]
+p50c, p99c, n, _, _ = bg_phase(phase_s, flood=plain)
+print(f"4 clients sending the same requests without a schema: bg p50 {p50c:.0f} ms, p99 {p99c:.0f} ms ({n} requests)")
+p50f, p99f, n, peak, res = bg_phase(phase_s, flood=schema_body(LARGEST, flood_tokens))
 acc = res["accepted"]
 print(
     f"4 clients sending the largest accepted schema: bg p50 {p50f:.0f} ms, p99 {p99f:.0f} ms ({n} requests); "
@@ -120,4 +128,4 @@ time.sleep(5)
 after = rss_mib()
 p50a, p99a, n, _, _ = bg_phase(phase_s / 2)
 print(f"after: bg p50 {p50a:.0f} ms, p99 {p99a:.0f} ms; tracker RSS {after:.1f} MiB ({after - idle_rss:+.1f} MiB against idle)")
-print(f"bg p99 under the flood / idle: {p99f / p99:.2f}")
+print(f"bg p99 under the schema flood / idle: {p99f / p99:.2f}; / under the same load without schemas: {p99f / p99c:.2f}")

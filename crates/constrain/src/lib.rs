@@ -110,8 +110,8 @@ pub struct Vocabulary {
 }
 
 /// The most grammars [`Vocabulary`] keeps compiled, and the most bytes of their text.
-const CACHED_GRAMMARS: usize = 64;
-const CACHED_GRAMMAR_BYTES: usize = 16 << 20;
+const CACHED_GRAMMARS: usize = 32;
+const CACHED_GRAMMAR_BYTES: usize = 4 << 20;
 
 /// Recently compiled grammars, least recently used first.
 #[derive(Default)]

@@ -196,11 +196,26 @@ impl SchemaLimits {
     /// `required`, which the grammar makes properties too, and patterns), its patterns and
     /// its alternatives. Answers how many properties it declares.
     fn check_object(&self, o: &serde_json::Map<String, Value>) -> Result<usize, Error> {
+        let too_many = |n: usize| {
+            too_large(
+                "max_object_properties",
+                "properties in one object",
+                n,
+                self.max_object_properties,
+            )
+        };
         let mut names: std::collections::HashSet<&str> = std::collections::HashSet::new();
         if let Some(Value::Object(p)) = o.get("properties") {
+            // Refused before any set is built: the count alone says so.
+            if p.len() > self.max_object_properties {
+                return Err(too_many(p.len()));
+            }
             names.extend(p.keys().map(String::as_str));
         }
         if let Some(Value::Array(r)) = o.get("required") {
+            if r.len() > self.max_object_properties {
+                return Err(too_many(r.len()));
+            }
             names.extend(r.iter().filter_map(Value::as_str));
         }
         let n_patterns = match o.get("patternProperties") {
@@ -217,12 +232,7 @@ impl SchemaLimits {
         }
         let n = names.len() + n_patterns;
         if n > self.max_object_properties {
-            return Err(too_large(
-                "max_object_properties",
-                "properties in one object",
-                n,
-                self.max_object_properties,
-            ));
+            return Err(too_many(n));
         }
         for key in ALTERNATIVE_KEYWORDS {
             if let Some(Value::Array(a)) = o.get(key) {
