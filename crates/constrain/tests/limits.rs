@@ -27,6 +27,12 @@ fn wide(n: usize) -> Value {
     json!({"type": "object", "properties": props, "additionalProperties": false})
 }
 
+/// The document that gives each property `p{i}` of `which` the value `i`.
+fn document(which: impl Iterator<Item = usize>) -> String {
+    let fields: Vec<String> = which.map(|i| format!("\"p{i}\": {i}")).collect();
+    format!("{{{}}}", fields.join(", "))
+}
+
 /// Feeds `doc` token by token: the longest mask time, or the token the grammar refused.
 fn walk(vocab: &Arc<Vocabulary>, tok: &Tokenizer, g: &str, doc: &str) -> Result<Duration, String> {
     let mut c = vocab.compile(g).map_err(|e| e.to_string())?;
@@ -57,23 +63,10 @@ fn the_widest_object_accepted_completes_with_every_property() {
     let t = Instant::now();
     vocab.check(&g).unwrap();
     let check = t.elapsed();
-    let doc = format!(
-        "{{{}}}",
-        (0..n)
-            .map(|i| format!("\"p{i}\": {i}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+    let doc = document(0..n);
     let slowest = walk(&vocab, &tok, &g, &doc).unwrap();
     // Every other property, too: an optional one may be left out anywhere.
-    let sparse = format!(
-        "{{{}}}",
-        (0..n)
-            .step_by(2)
-            .map(|i| format!("\"p{i}\": {i}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+    let sparse = document((0..n).step_by(2));
     walk(&vocab, &tok, &g, &sparse).unwrap();
     eprintln!("{n} optional properties: check {check:?}, slowest mask {slowest:?}");
 }
@@ -156,13 +149,7 @@ fn the_engine_alone_fails_far_past_the_limit() {
     let n = 1_000;
     let raw = serde_json::to_string(&llguidance::api::TopLevelGrammar::from_json_schema(wide(n)))
         .unwrap();
-    let doc = format!(
-        "{{{}}}",
-        (0..n)
-            .map(|i| format!("\"p{i}\": {i}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+    let doc = document(0..n);
     assert!(
         walk(&vocab, &tok, &raw, &doc).is_err(),
         "1000 optional properties completed: the limit could be raised"

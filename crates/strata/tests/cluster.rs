@@ -527,13 +527,16 @@ fn evicted_sessions_are_replayed_and_clients_see_identical_output() {
         &m,
         "15..30",
         &token,
-        &["--threads", "1", "--kv-ttl-ms", "300"],
+        // Longer than any step of the test build on a slow host (a shorter TTL evicted
+        // sessions between their own steps, with no stall), shorter than the stall below.
+        &["--threads", "1", "--kv-ttl-ms", "1500"],
     );
+    // The stall is longer than the second shard's TTL, not than the route's liveness.
     let tracker = procs::tracker(
         exe(),
         &[&first, &second],
         &token,
-        &["--health-period-ms", "100"],
+        &["--health-period-ms", "100", "--liveness-ms", "6000"],
     );
     let addr = tracker.addr.clone();
     let runner = {
@@ -551,7 +554,7 @@ fn evicted_sessions_are_replayed_and_clients_see_identical_output() {
         "all sessions should reach the second shard"
     );
     first.signal(19);
-    std::thread::sleep(Duration::from_millis(600));
+    std::thread::sleep(Duration::from_millis(2500));
     first.signal(18);
     let got = runner.join().unwrap();
     for (i, (g, want)) in got.iter().zip(&alone).enumerate() {

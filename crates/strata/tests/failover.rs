@@ -366,29 +366,15 @@ fn announced(etcd: &Etcd, range: &str, listen: &str) -> Proc {
 
 fn announced_with(etcd: &Etcd, range: &str, listen: &str, extra: &[&str]) -> Proc {
     let token = procs::token_file(TOKEN);
-    let ep = etcd.endpoint();
-    let mut args = vec!["--threads", "1", "--registry", &ep, "--registry-ttl-s", "2"];
-    args.extend_from_slice(extra);
-    procs::shard_on(exe(), &testkit::real_model(), range, &token, listen, &args)
+    let m = testkit::real_model();
+    procs::announced(exe(), &m, range, &token, listen, &etcd.endpoint(), extra)
 }
 
 /// A tracker with no route of its own, building its routes from `etcd`.
 fn registry_tracker(etcd: &Etcd) -> Proc {
     let token = procs::token_file(TOKEN);
     let ep = etcd.endpoint();
-    procs::tracker_routes(
-        exe(),
-        &[],
-        &token,
-        &[
-            "--registry",
-            &ep,
-            "--health-period-ms",
-            "100",
-            "--liveness-ms",
-            "1000",
-        ],
-    )
+    procs::registry_tracker(exe(), &token, &ep, &["--liveness-ms", "1000"])
 }
 
 /// The routes in the tracker's table, by name.

@@ -24,20 +24,13 @@ const PREFIX: &str = "/strata/";
 
 fn announced(etcd: &Etcd, range: &str, listen: &str) -> Proc {
     let token = procs::token_file(TOKEN);
-    let ep = etcd.endpoint();
-    let args = ["--threads", "1", "--registry", &ep, "--registry-ttl-s", "2"];
-    procs::shard_on(exe(), &testkit::real_model(), range, &token, listen, &args)
+    let m = testkit::real_model();
+    procs::announced(exe(), &m, range, &token, listen, &etcd.endpoint(), &[])
 }
 
 fn registry_tracker(etcd: &Etcd) -> Proc {
     let token = procs::token_file(TOKEN);
-    let ep = etcd.endpoint();
-    procs::tracker_routes(
-        exe(),
-        &[],
-        &token,
-        &["--registry", &ep, "--health-period-ms", "100"],
-    )
+    procs::registry_tracker(exe(), &token, &etcd.endpoint(), &[])
 }
 
 fn within(limit: Duration, what: &str, f: impl Fn() -> bool) -> Duration {

@@ -210,6 +210,37 @@ pub fn tracker_routes(
     spawn(exe, &args, "strata tracker listening on ", "tracker")
 }
 
+/// A shard of `model` on one kernel thread, announced in the etcd at `registry` under a lease
+/// of 2 s, on `listen`, with `extra` flags.
+pub fn announced(
+    exe: &Path,
+    model: &Path,
+    layers: &str,
+    token: &Path,
+    listen: &str,
+    registry: &str,
+    extra: &[&str],
+) -> Proc {
+    let mut args = vec![
+        "--threads",
+        "1",
+        "--registry",
+        registry,
+        "--registry-ttl-s",
+        "2",
+    ];
+    args.extend_from_slice(extra);
+    shard_on(exe, model, layers, token, listen, &args)
+}
+
+/// A tracker with no route of its own, building its routes from the etcd at `registry`
+/// (shards probed every 100 ms), with `extra` flags.
+pub fn registry_tracker(exe: &Path, token: &Path, registry: &str, extra: &[&str]) -> Proc {
+    let mut args = vec!["--registry", registry, "--health-period-ms", "100"];
+    args.extend_from_slice(extra);
+    tracker_routes(exe, &[], token, &args)
+}
+
 /// Starts `strata serve` on `model` with `shards` shards, one kernel thread
 /// each, on a free port, with `extra` flags.
 pub fn serve(exe: &Path, model: &Path, shards: &str, extra: &[&str]) -> Proc {

@@ -210,7 +210,7 @@ impl State {
                 };
                 for m in blamed {
                     let n = self.failed.get(&m).map_or(0, |(n, _)| *n) + 1;
-                    let wait = back_off(n);
+                    let wait = jittered(back_off(n), &m.0);
                     longest = longest.max(wait);
                     self.failed.insert(m, (n, now + wait));
                 }
@@ -230,6 +230,17 @@ fn back_off(n: u32) -> Duration {
     RETRY_AFTER
         .saturating_mul(1 << n.saturating_sub(1).min(16))
         .min(MAX_RETRY_AFTER)
+}
+
+/// `wait` stretched by up to a quarter, differently for each address and time: members that
+/// failed together (a registry filled with fakes at once) are not all tried again together.
+fn jittered(wait: Duration, address: &str) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write(address.as_bytes());
+    let quarter = wait / 4;
+    let extra = h.finish() % (quarter.as_millis() as u64 + 1);
+    wait + Duration::from_millis(extra)
 }
 
 /// The members that take work, by address.
@@ -260,6 +271,17 @@ async fn join(
             message,
             culprit: Some(i),
         };
+        // A plain TCP connection first: an address nobody serves refuses it in microseconds,
+        // where a gRPC channel's attempt costs a couple of milliseconds of CPU.
+        match tokio::time::timeout(PROBE_WAIT, tokio::net::TcpStream::connect(a.as_str())).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(blame(format!("shard {a} does not answer: {e}"))),
+            Err(_) => {
+                return Err(blame(format!(
+                    "shard {a} does not answer within {PROBE_WAIT:?}"
+                )))
+            }
+        }
         let s = proto::connect(a, link).map_err(|e| blame(e.message().to_string()))?;
         s.describe(PROBE_WAIT)
             .await
@@ -411,6 +433,10 @@ mod tests {
 
     #[test]
     fn a_failing_member_backs_off_exponentially_up_to_a_bound() {
+        for a in ["127.0.0.1:9", "10.0.0.1:1"] {
+            let j = jittered(RETRY_AFTER * 4, a);
+            assert!(j >= RETRY_AFTER * 4 && j <= RETRY_AFTER * 5, "{j:?}");
+        }
         assert_eq!(back_off(1), RETRY_AFTER);
         assert_eq!(back_off(2), RETRY_AFTER * 2);
         assert_eq!(back_off(4), RETRY_AFTER * 8);

@@ -135,9 +135,27 @@ impl Metrics {
         });
     }
 
-    /// Removes every series that carries all of this view's scope labels: a retired route's
-    /// series go with it, so `/metrics` holds what is live, not every route there ever was.
+    /// Drops the series that carry all of this view's scope labels (a retired route's), so
+    /// `/metrics` holds what is live, not every route there ever was. Its counters are not
+    /// lost: each is added into the same series without the `route` label (one per model and
+    /// other labels, however many routes come and go), so totals never go back.
     pub fn forget_scope(&self) {
+        let scope = self.scope.clone();
+        let ours = move |l: &Labels| scope.iter().all(|p| l.contains(p));
+        self.with(|m| {
+            let mut folded: Vec<((&'static str, Labels), f64)> = Vec::new();
+            m.counters.retain(|(name, l), v| {
+                if !ours(l) {
+                    return true;
+                }
+                let rest: Labels = l.iter().filter(|(k, _)| *k != "route").cloned().collect();
+                folded.push(((*name, rest), *v));
+                false
+            });
+            for (key, v) in folded {
+                *m.counters.entry(key).or_insert(0.0) += v;
+            }
+        });
         let scope = self.scope.clone();
         self.forget_where(move |l| scope.iter().all(|p| l.contains(p)));
     }
@@ -601,6 +619,32 @@ fn escape(v: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_forgotten_route_leaves_its_counts_to_its_model_and_nothing_else() {
+        let m = Metrics::default();
+        for route in ["a~1", "a~2", "a~3"] {
+            let r = m.scoped(&[("model", "m"), ("route", route)]);
+            r.inc("strata_migrations_total", &[("reason", "draining")], 2.0);
+            r.set("strata_route_up", &[], 1.0);
+            r.observe("strata_ttft_seconds", &[], LATENCY_BUCKETS, 0.1);
+            r.forget_scope();
+        }
+        let live = m.scoped(&[("model", "m"), ("route", "a~4")]);
+        live.set("strata_route_up", &[], 1.0);
+        // Three retired routes: one folded counter, no gauge or histogram of theirs.
+        assert_eq!(m.n_series(), 2);
+        let text = {
+            m.describe("strata_migrations_total", "counter", "x");
+            m.describe("strata_route_up", "gauge", "x");
+            m.render()
+        };
+        assert!(
+            text.contains("strata_migrations_total{reason=\"draining\",model=\"m\"} 6"),
+            "{text}"
+        );
+        assert!(!text.contains("a~1") && text.contains("a~4"), "{text}");
+    }
 
     #[test]
     fn renders_counters_gauges_and_histograms() {
