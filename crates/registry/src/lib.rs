@@ -411,21 +411,9 @@ async fn keep_announced(
                 if r.canceled {
                     return Err(Error("the watch of our own key was canceled".into()));
                 }
-                match r.events.iter().map(|e| foreign(e, id, &written)).max() {
-                    Some(Foreign::Removed) => {
-                        tracing::warn!(key = %key, "registry: our record was deleted or overwritten; announcing it again");
-                        dirty = true;
-                    }
-                    Some(Foreign::Claimed) => {
-                        // Another live process announces itself under our address: a
-                        // misconfiguration. Take the key back, but less and less often, so two
-                        // such processes never flap the record (and the routes) every tick.
-                        tracing::error!(key = %key, retry_in = ?contest, "registry: another process announces itself under this shard's address; check the --advertise addresses");
-                        hold_until = Instant::now() + contest;
-                        contest = (contest * 2).min(MAX_CONTEST_BACKOFF);
-                        dirty = true;
-                    }
-                    Some(Foreign::Ours) | None => {}
+                if let Some(wait) = take_back_after(&r.events, id, &written, &key, &mut contest) {
+                    hold_until = Instant::now() + wait;
+                    dirty = true;
                 }
             }
             _ = update.tick(), if dirty && Instant::now() >= hold_until => {
@@ -473,6 +461,32 @@ async fn watch_key(channel: &Channel, key: &str, revision: i64) -> Result<KeyWat
     let mut watcher = WatchClient::new(channel.clone());
     let events = call(watcher.watch(ReceiverStream::new(req_rx))).await?;
     Ok((req_tx, events))
+}
+
+/// How long to wait before putting our record back after these watch events on our key, if
+/// it is to be put back: at once when it was deleted or overwritten under no lease; after
+/// `contest` (which then doubles) when another live lease holds it, so two processes given one
+/// address never flap the record (and the routes) every tick.
+fn take_back_after(
+    events: &[etcd::Event],
+    lease: i64,
+    written: &[u8],
+    key: &str,
+    contest: &mut Duration,
+) -> Option<Duration> {
+    match events.iter().map(|e| foreign(e, lease, written)).max()? {
+        Foreign::Ours => None,
+        Foreign::Removed => {
+            tracing::warn!(key = %key, "registry: our record was deleted or overwritten; announcing it again");
+            Some(Duration::ZERO)
+        }
+        Foreign::Claimed => {
+            tracing::error!(key = %key, retry_in = ?*contest, "registry: another process announces itself under this shard's address; check the --advertise addresses");
+            let wait = *contest;
+            *contest = (*contest * 2).min(MAX_CONTEST_BACKOFF);
+            Some(wait)
+        }
+    }
 }
 
 /// The longest a shard waits before taking its key back from another live lease.
