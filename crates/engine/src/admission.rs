@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::refusal::Refusal;
 use crate::scheduler::{Priority, SessionId};
 
 /// One shard's pools as the tracker sees them (from the shard's advertised budgets).
@@ -74,24 +75,6 @@ pub struct Demand<'a> {
     pub key: &'a str,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RefusalKind {
-    /// Does not fit now; may fit later (HTTP 503, retryable).
-    Capacity,
-    /// Could never fit, whatever else ran (HTTP 413, terminal).
-    TooLarge,
-}
-
-/// A typed refusal naming the limit that was hit.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refusal {
-    pub kind: RefusalKind,
-    /// The limit, e.g. `kv_budget on shard 127.0.0.1:7001`.
-    pub limit: String,
-    pub message: String,
-    pub retry_after_secs: Option<u64>,
-}
-
 #[derive(Debug, Clone)]
 struct Reservation {
     /// KV bytes on each shard.
@@ -153,27 +136,22 @@ impl Admission {
             .collect();
         for (s, &need) in self.shards.iter().zip(&bytes) {
             if need > s.kv_budget_bytes {
-                return Err(Refusal {
-                    kind: RefusalKind::TooLarge,
-                    limit: format!("kv_budget on shard {}", s.address),
-                    message: format!(
+                return Err(Refusal::too_large(
+                    &format!("kv_budget on shard {}", s.address),
+                    format!(
                         "kv_budget on shard {}: {} positions need {}, more than the whole budget of {}",
                         s.address,
                         demand.n_positions,
                         mib(need),
                         mib(s.kv_budget_bytes)
                     ),
-                    retry_after_secs: None,
-                });
+                ));
             }
         }
         let class = demand.priority;
         let ci = class as usize;
-        let capacity = |limit: String, message: String| Refusal {
-            kind: RefusalKind::Capacity,
-            limit,
-            message,
-            retry_after_secs: Some(self.config.retry_after_secs),
+        let capacity = |limit: String, message: String| {
+            Refusal::capacity(&limit, message).retry_after(Some(self.config.retry_after_secs))
         };
         let places = self.config.queue_slots[ci] + self.config.active_slots[ci];
         let n_class = self
@@ -288,6 +266,7 @@ impl Admission {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Reason;
 
     const BLOCK: u64 = 1 << 20;
 
@@ -320,13 +299,16 @@ mod tests {
         // 100 positions = 7 blocks of 16 on each shard.
         a.admit(SessionId(1), &demand(100, ""), 0).unwrap();
         let r = a.check(&demand(100, ""), 0).unwrap_err();
-        assert_eq!(r.kind, RefusalKind::Capacity);
-        assert_eq!(r.limit, "kv_budget on shard 127.0.0.1:7002");
+        assert_eq!(r.reason, Reason::Capacity);
+        assert_eq!(
+            r.limit.as_deref(),
+            Some("kv_budget on shard 127.0.0.1:7002")
+        );
         assert_eq!(
             r.message,
             "kv_budget on shard 127.0.0.1:7002: need 7.0 MiB, free 1.0 MiB of 8.0 MiB"
         );
-        assert_eq!(r.retry_after_secs, Some(1));
+        assert_eq!(r.retry_after, Some(1));
         a.release(SessionId(1));
         assert_eq!(a.reserved_kv_bytes(), vec![0, 0]);
         a.admit(SessionId(2), &demand(100, ""), 0).unwrap();
@@ -336,8 +318,8 @@ mod tests {
     fn a_request_larger_than_any_budget_is_terminal() {
         let a = Admission::new(vec![shard("a", 4)], AdmissionConfig::default());
         let r = a.check(&demand(65, ""), 0).unwrap_err();
-        assert_eq!(r.kind, RefusalKind::TooLarge);
-        assert_eq!(r.retry_after_secs, None);
+        assert_eq!(r.reason, Reason::TooLarge);
+        assert_eq!(r.retry_after, None);
         assert!(a.check(&demand(64, ""), 0).is_ok());
     }
 
@@ -378,11 +360,11 @@ mod tests {
             a.admit(SessionId(i), &demand(10, "k1"), 0).unwrap();
         }
         let r = a.check(&demand(10, "k1"), 0).unwrap_err();
-        assert_eq!(r.limit, "key_share[agent]");
-        assert_eq!(r.retry_after_secs, Some(3));
+        assert_eq!(r.limit.as_deref(), Some("key_share[agent]"));
+        assert_eq!(r.retry_after, Some(3));
         a.admit(SessionId(5), &demand(10, "k2"), 1).unwrap();
         let r = a.check(&demand(10, "k3"), 2).unwrap_err();
-        assert_eq!(r.limit, "queue_slots[agent]");
+        assert_eq!(r.limit.as_deref(), Some("queue_slots[agent]"));
         // Grading has its own queue.
         let g = Demand {
             priority: Priority::Grading,

@@ -9,10 +9,12 @@
 
 mod admission;
 mod kv;
+mod refusal;
 mod scheduler;
 
-pub use admission::{Admission, AdmissionConfig, Demand, Refusal, RefusalKind, ShardBudget};
+pub use admission::{Admission, AdmissionConfig, Demand, ShardBudget};
 pub use kv::{EvictionPolicy, Resident};
+pub use refusal::{Class, Reason, Refusal};
 
 pub use scheduler::{
     Event, FinishReason, PlanItem, Priority, Scheduler, SchedulerConfig, SessionId, StepPlan,

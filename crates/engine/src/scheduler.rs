@@ -110,12 +110,36 @@ impl StepPlan {
     }
 }
 
+/// Why a session ended: the one finish reason from the scheduler to the API's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
     /// `max_tokens` reached.
     Length,
     /// The caller ended it (end-of-sequence token, stop string).
     Stop,
+    /// It ended by itself after calling tools (the API's reading of a `Stop` whose text held
+    /// tool calls).
+    ToolCalls,
+}
+
+impl FinishReason {
+    /// The OpenAI spelling (`finish_reason`, metric labels).
+    pub fn name(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+            FinishReason::ToolCalls => "tool_calls",
+        }
+    }
+
+    /// A session that called tools and ended by itself finished for `tool_calls`; one cut at
+    /// its length stays `length`.
+    pub fn with_calls(self, n_calls: usize) -> FinishReason {
+        match self {
+            FinishReason::Stop if n_calls > 0 => FinishReason::ToolCalls,
+            other => other,
+        }
+    }
 }
 
 /// What happened to sessions as a result of a step.

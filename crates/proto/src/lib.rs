@@ -17,13 +17,15 @@ pub mod v1 {
 
 pub use v1::*;
 
+mod refusal;
 mod transport;
+pub use refusal::{reason_from_wire, reason_to_wire, refusal_status, status_refusal};
 pub use transport::{
     connect, secrets_equal, Auth, GrpcShard, Link, ReplyStream, ShardTransport, TokenCheck,
 };
 
 /// Bumped on any incompatible change of the messages.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// The metadata key every connection carries the cluster token in.
 pub const TOKEN_HEADER: &str = "x-strata-cluster-token";

@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use engine::{Reason, Refusal};
 use futures::StreamExt;
 use proto::v1::{RouteReply, SessionOutput, StepError};
 use proto::ReplyStream;
@@ -84,11 +85,10 @@ impl Drop for PendingSteps {
 pub(crate) fn shard_failed(step_id: u64, shard: &str, message: String) -> RouteReply {
     RouteReply {
         step_id,
-        step_error: Some(StepError {
-            reason: "shard_failed".into(),
-            shard: shard.into(),
-            message,
-        }),
+        step_error: Some(StepError::new(
+            shard,
+            &Refusal::new(Reason::ShardFailed, message),
+        )),
         ..Default::default()
     }
 }

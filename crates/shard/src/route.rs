@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use engine::{Reason, Refusal};
 use futures::{Stream, StreamExt};
 use proto::v1::{
     route_msg, CacheRecipe, HopTiming, Progress, RouteMsg, RouteReply, RouteSetup, SeamDtype,
@@ -36,7 +37,7 @@ where
 {
     let label = core.config.label.clone();
     core.check_alive()
-        .map_err(|e| Status::unavailable(format!("shard_failed: shard {label}: {e}")))?;
+        .map_err(|e| Status::unavailable(format!("{}: shard {label}: {e}", Reason::ShardFailed)))?;
     let setup = match inbound.next().await {
         Some(Ok(RouteMsg {
             msg: Some(route_msg::Msg::Setup(s)),
@@ -109,22 +110,41 @@ where
     Ok(Box::pin(ReceiverStream::new(up_rx)))
 }
 
+/// A route refused because a shard holds something other than what it expects, typed.
+fn mismatch(message: String) -> Status {
+    proto::refusal_status(
+        tonic::Code::FailedPrecondition,
+        &Refusal::recipe_mismatch(message),
+    )
+}
+
 /// Refuses a setup this shard cannot serve: another model or recipe, a downstream list that
 /// does not fit this shard's place in the model, a route without a way to answer, or one that
 /// names a shard twice.
 fn check_setup(core: &ShardCore, setup: &RouteSetup) -> Result<(), Status> {
     let label = &core.config.label;
+    if setup.protocol_version != proto::PROTOCOL_VERSION {
+        let r = Refusal::protocol_mismatch(
+            "the route's sender",
+            setup.protocol_version,
+            proto::PROTOCOL_VERSION,
+        );
+        return Err(proto::refusal_status(tonic::Code::FailedPrecondition, &r));
+    }
     if setup.model_digest != core.info.model_digest {
-        return Err(Status::failed_precondition(format!(
-            "recipe_mismatch: shard {label} serves model {} but the route expects {}",
-            core.info.model_digest, setup.model_digest
+        return Err(mismatch(format!(
+            "{}: shard {label} serves model {} but the route expects {}",
+            Reason::RecipeMismatch,
+            core.info.model_digest,
+            setup.model_digest
         )));
     }
     if let Some(expected) = setup.recipes.first() {
         let own = core.info.recipe.clone().unwrap_or_default();
         if let Some(field) = recipe_difference(&own, expected) {
-            return Err(Status::failed_precondition(format!(
-                "recipe_mismatch: shard {label} has {field} {} but the route expects {}",
+            return Err(mismatch(format!(
+                "{}: shard {label} has {field} {} but the route expects {}",
+                Reason::RecipeMismatch,
                 field_value(&own, field),
                 field_value(expected, field)
             )));
@@ -132,8 +152,9 @@ fn check_setup(core: &ShardCore, setup: &RouteSetup) -> Result<(), Status> {
     }
     let has_downstream = !setup.downstream.is_empty();
     if has_downstream == core.is_last() {
-        return Err(Status::failed_precondition(format!(
-            "recipe_mismatch: shard {label} holds layers {}..{} of {} but the route gives it {} downstream shards",
+        return Err(mismatch(format!(
+            "{}: shard {label} holds layers {}..{} of {} but the route gives it {} downstream shards",
+            Reason::RecipeMismatch,
             core.info.layer_start,
             core.info.layer_end,
             core.info.n_layers,
@@ -168,16 +189,30 @@ async fn open_downstream(
     next_addr: &str,
 ) -> Result<(mpsc::Sender<RouteMsg>, ReplyStream), Status> {
     let label = &core.config.label;
-    let unreachable =
-        |e: Status| Status::unavailable(format!("shard_failed: {next_addr}: {}", e.message()));
+    let unreachable = |e: Status| {
+        Status::unavailable(format!(
+            "{}: {next_addr}: {}",
+            Reason::ShardFailed,
+            e.message()
+        ))
+    };
     let next = proto::connect(next_addr, &core.config.link)?;
     let info = next
         .describe(Duration::from_secs(2))
         .await
         .map_err(unreachable)?;
+    if info.protocol_version != proto::PROTOCOL_VERSION {
+        let r = Refusal::protocol_mismatch(
+            &format!("shard {next_addr}"),
+            info.protocol_version,
+            proto::PROTOCOL_VERSION,
+        );
+        return Err(proto::refusal_status(tonic::Code::FailedPrecondition, &r));
+    }
     if info.model_digest != core.info.model_digest || info.layer_start != core.info.layer_end {
-        return Err(Status::failed_precondition(format!(
-            "recipe_mismatch: the route sends shard {label} (layers {}..{}) on to {next_addr}, which holds layers {}..{} of model {}; the next shard must hold layers from {} of model {}",
+        return Err(mismatch(format!(
+            "{}: the route sends shard {label} (layers {}..{}) on to {next_addr}, which holds layers {}..{} of model {}; the next shard must hold layers from {} of model {}",
+            Reason::RecipeMismatch,
             core.info.layer_start,
             core.info.layer_end,
             info.layer_start,
@@ -189,6 +224,7 @@ async fn open_downstream(
     }
     let (dn_tx, dn_rx) = mpsc::channel::<RouteMsg>(256);
     let next_setup = RouteSetup {
+        protocol_version: proto::PROTOCOL_VERSION,
         epoch: setup.epoch,
         downstream: setup.downstream[1..].to_vec(),
         seam_dtype: setup.seam_dtype,
@@ -341,16 +377,20 @@ impl RouteTask {
         }
         step.fragments
             .iter()
-            .map(|f| SessionError {
-                session_id: f.session_id,
-                reason: "capacity".into(),
-                message: format!(
+            .map(|f| {
+                SessionError::new(
+                    f.session_id,
+                    &Refusal::capacity(
+                        "inflight_budget",
+                        format!(
                     "inflight_budget on shard {}: {:.1} MiB of activations are in flight downstream, this step adds {:.1} MiB, the budget is {:.1} MiB",
                     self.label,
                     mib(in_flight),
                     mib(out_bytes),
                     mib(budget)
                 ),
+                    ),
+                )
             })
             .collect()
     }

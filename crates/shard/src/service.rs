@@ -26,8 +26,13 @@ pub struct ShardService {
 /// `unavailable` once the compute thread has stopped: a shard that can run no step never
 /// answers as if it were healthy.
 fn alive(core: &ShardCore) -> Result<(), Status> {
-    core.check_alive()
-        .map_err(|e| Status::unavailable(format!("shard_failed: shard {}: {e}", core.config.label)))
+    core.check_alive().map_err(|e| {
+        Status::unavailable(format!(
+            "{}: shard {}: {e}",
+            engine::Reason::ShardFailed,
+            core.config.label
+        ))
+    })
 }
 
 #[tonic::async_trait]

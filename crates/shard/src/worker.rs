@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use constrain::LazyVocabulary;
+use engine::{Reason, Refusal};
 use model::sampling::{log_probs, top_k, Sampler, SamplingParams};
 use model::{Batch, KvCache, KvPool, Model, Row, BLOCK_POSITIONS};
 use proto::v1::{Fragment, SessionError, SessionOutput, TopLogprob};
@@ -71,12 +72,21 @@ pub(crate) struct Worker {
 /// One step's masks, by session: the mask, or why there is none.
 type Masks = HashMap<SessionKey, Result<Vec<u32>, SessionError>>;
 
-fn refusal(session_id: u64, reason: &str, message: String) -> SessionError {
-    SessionError {
+fn refusal(session_id: u64, reason: Reason, message: String) -> SessionError {
+    SessionError::new(session_id, &Refusal::from_shard(reason, message))
+}
+
+/// A grammar over the last shard's time budget for one token.
+fn budget_refusal(session_id: u64, message: String) -> SessionError {
+    SessionError::new(
         session_id,
-        reason: reason.into(),
-        message,
-    }
+        &Refusal::new(Reason::GrammarBudget, message).with_limit("grammar_budget_ms"),
+    )
+}
+
+/// A refusal for a limit of this shard that frees up (`limit`: its name).
+fn over(session_id: u64, limit: &str, message: String) -> SessionError {
+    SessionError::new(session_id, &Refusal::capacity(limit, message))
 }
 
 /// The step's running totals while fragments are admitted one by one.
@@ -188,7 +198,7 @@ impl Worker {
         if f.prefix.len() > f.start_pos as usize {
             return Some(refusal(
                 id,
-                "invalid_request",
+                Reason::InvalidRequest,
                 format!("fragment of session {id} names a prefix longer than its start"),
             ));
         }
@@ -197,14 +207,14 @@ impl Worker {
         if f.tokens.is_empty() && (f.prefix.is_empty() || f.want_output) {
             return Some(refusal(
                 id,
-                "invalid_request",
+                Reason::InvalidRequest,
                 format!("fragment of session {id} has no tokens"),
             ));
         }
         if end > self.config.n_ctx {
             return Some(refusal(
                 id,
-                "invalid_request",
+                Reason::InvalidRequest,
                 format!(
                     "session {id} would reach position {end} but `n_ctx` is {} on shard {label}",
                     self.config.n_ctx
@@ -218,9 +228,9 @@ impl Worker {
         let scratch = self.model.scratch_bytes(rows, outputs);
         let budget = self.config.scratch_budget_bytes;
         (scratch > budget).then(|| {
-            refusal(
+            over(
                 id,
-                "capacity",
+                "scratch_budget",
                 format!(
                     "scratch_budget on shard {label}: a step of {rows} tokens needs {:.1} MiB of activations, the budget is {:.1} MiB",
                     mib(scratch as u64),
@@ -238,7 +248,8 @@ impl Worker {
         s: &proto::v1::Sampling,
     ) -> Result<SamplingParams, SessionError> {
         let n_vocab = self.model.config().n_vocab;
-        let bad = |what: String| refusal(id, "invalid_request", format!("session {id}: {what}"));
+        let bad =
+            |what: String| refusal(id, Reason::InvalidRequest, format!("session {id}: {what}"));
         let finite = [
             s.temperature,
             s.top_p,
@@ -294,7 +305,7 @@ impl Worker {
         if self.grammars.is_none() {
             return Err(refusal(
                 id,
-                "invalid_request",
+                Reason::InvalidRequest,
                 format!(
                     "session {id}: this model has no vocabulary for grammars (shard {})",
                     self.config.label
@@ -318,7 +329,7 @@ impl Worker {
         match self.sessions.get_mut(&key) {
             Some(s) if s.epoch != job.epoch => Err(refusal(
                 id,
-                "stale_epoch",
+                Reason::StaleEpoch,
                 format!(
                     "session {id} belongs to epoch {} but the step is epoch {}",
                     s.epoch, job.epoch
@@ -326,7 +337,7 @@ impl Worker {
             )),
             Some(s) if base > s.kv.len() => Err(refusal(
                 id,
-                "cache_miss",
+                Reason::CacheMiss,
                 format!(
                     "session {id} holds {} positions on shard {label}; fragment starts at {base}",
                     s.kv.len()
@@ -340,7 +351,7 @@ impl Worker {
                 if s.kv.len() < base {
                     return Err(refusal(
                         id,
-                        "cache_miss",
+                        Reason::CacheMiss,
                         format!(
                             "session {id} rewinds to position {base} on shard {label}, behind the sliding window it kept"
                         ),
@@ -350,12 +361,12 @@ impl Worker {
             }
             None if base != 0 => Err(refusal(
                 id,
-                "cache_miss",
+                Reason::CacheMiss,
                 format!("session {id} is not held on shard {label}"),
             )),
-            None if n_held >= self.config.max_sessions => Err(refusal(
+            None if n_held >= self.config.max_sessions => Err(over(
                 id,
-                "capacity",
+                "max_sessions",
                 format!("max_sessions on shard {label}: {n_held} sessions held"),
             )),
             None => {
@@ -404,7 +415,7 @@ impl Worker {
                 s.kv.truncate(base);
                 return Err(refusal(
                     key.id,
-                    "cache_miss",
+                    Reason::CacheMiss,
                     format!(
                         "session {} continues at position {base} with a {}-position prefix that is not cached on shard {}",
                         key.id,
@@ -464,9 +475,9 @@ impl Worker {
         if kv_in_use + need <= budget {
             return Ok(());
         }
-        Err(refusal(
+        Err(over(
             id,
-            "capacity",
+            "kv_budget",
             format!(
                 "kv_budget on shard {}: need {:.1} MiB, free {:.1} MiB of {:.1} MiB",
                 self.config.label,
@@ -501,7 +512,7 @@ impl Worker {
             if !seen.insert(id) {
                 out.errors.push(refusal(
                     id,
-                    "invalid_request",
+                    Reason::InvalidRequest,
                     format!("session {id} has more than one fragment in step"),
                 ));
                 continue;
@@ -713,7 +724,7 @@ impl Worker {
             Err(e) => {
                 for key in keys {
                     out.errors
-                        .push(refusal(key.id, "invalid_request", e.to_string()));
+                        .push(refusal(key.id, Reason::InvalidRequest, e.to_string()));
                 }
                 return;
             }
@@ -824,7 +835,7 @@ impl Worker {
             let id = d.key.id;
             let mask = d
                 .mask
-                .map_err(|e| refusal(id, "invalid_request", format!("session {id}: {e}")));
+                .map_err(|e| refusal(id, Reason::InvalidRequest, format!("session {id}: {e}")));
             if let Some(s) = self.sessions.get_mut(&d.key) {
                 s.grammar = d.grammar;
             }
@@ -835,9 +846,8 @@ impl Worker {
                 continue;
             }
             let id = key.id;
-            let e = refusal(
+            let e = budget_refusal(
                 id,
-                "grammar_budget",
                 format!(
                     "session {id}: its grammar took longer than the budget of {} ms for one token (`grammar_budget_ms`, shard {})",
                     budget.as_millis(),

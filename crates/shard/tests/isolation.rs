@@ -29,6 +29,7 @@ struct Route {
 async fn open(transport: &dyn ShardTransport, digest: &str) -> Result<Route, tonic::Status> {
     let (tx, rx) = mpsc::channel(8);
     let setup = RouteSetup {
+        protocol_version: proto::PROTOCOL_VERSION,
         epoch: 1,
         model_digest: digest.into(),
         ..Default::default()
@@ -136,7 +137,7 @@ async fn two_route_streams_that_number_their_sessions_alike_never_share_a_cache(
     assert!(r.errors.is_empty() && r.outputs.len() == 1, "{r:?}");
     // b cannot continue a's session under the same number: to b it does not exist.
     let r = b.step(vec![frag(1, pos + 1, &[7])], vec![]).await;
-    let reasons: Vec<&str> = r.errors.iter().map(|e| e.reason.as_str()).collect();
+    let reasons: Vec<&str> = r.errors.iter().map(|e| e.kind().name()).collect();
     assert_eq!(reasons, ["cache_miss"]);
 }
 
@@ -155,7 +156,7 @@ async fn a_step_naming_one_session_twice_is_refused_and_the_shard_keeps_serving(
     let refused: Vec<(u64, &str)> = r
         .errors
         .iter()
-        .map(|e| (e.session_id, e.reason.as_str()))
+        .map(|e| (e.session_id, e.kind().name()))
         .collect();
     assert_eq!(refused, [(1, "invalid_request")]);
     assert!(
@@ -196,7 +197,7 @@ async fn a_compute_thread_that_panics_fails_its_streams_and_the_shard_stops_look
         let r = route.step(vec![frag(2, 0, &[4, 5])], vec![]).await;
         let e = r.step_error.expect("a step error, not a hang");
         assert_eq!(
-            (e.reason.as_str(), e.shard.as_str()),
+            (e.kind().name(), e.shard.as_str()),
             ("shard_failed", "test-shard")
         );
         assert!(
@@ -257,7 +258,7 @@ async fn a_shard_told_to_stop_ends_its_streams_and_stops_though_a_tracker_holds_
     let t0 = Instant::now();
     stop.send(()).unwrap();
     let e = r.reply().await.step_error.expect("a typed failure");
-    assert_eq!(e.reason, "shard_failed");
+    assert_eq!(e.kind().name(), "shard_failed");
     assert!(e.message.contains("shutting down"), "{}", e.message);
     let result = tokio::time::timeout(Duration::from_secs(10), served)
         .await

@@ -54,7 +54,7 @@ async fn weights_and_scratch_over_their_budgets_are_refused_with_the_numbers() {
     assert_eq!(reply.outputs.len(), 1, "the first fragment fits");
     assert_eq!(reply.errors.len(), 1);
     let e = &reply.errors[0];
-    assert_eq!((e.session_id, e.reason.as_str()), (2, "capacity"));
+    assert_eq!((e.session_id, e.kind().name()), (2, "capacity"));
     assert!(
         e.message
             .starts_with("scratch_budget on shard test-shard: a step of 32 tokens needs "),
@@ -86,6 +86,7 @@ async fn open_with(
 ) -> Result<Route, tonic::Status> {
     let (tx, rx) = mpsc::channel(8);
     let setup = RouteSetup {
+        protocol_version: proto::PROTOCOL_VERSION,
         epoch,
         downstream: vec![],
         seam_dtype: 0,
@@ -150,7 +151,7 @@ impl Route {
 fn reasons(r: &RouteReply) -> Vec<(u64, String)> {
     r.errors
         .iter()
-        .map(|e| (e.session_id, e.reason.clone()))
+        .map(|e| (e.session_id, e.kind().name().to_string()))
         .collect()
 }
 
@@ -515,7 +516,7 @@ async fn a_grammar_over_its_budget_fails_its_own_session_and_no_other() {
     assert_eq!(ids, [2], "{reply:?}");
     assert_eq!(reply.errors.len(), 1, "{reply:?}");
     let e = &reply.errors[0];
-    assert_eq!((e.session_id, e.reason.as_str()), (1, "grammar_budget"));
+    assert_eq!((e.session_id, e.kind().name()), (1, "grammar_budget"));
     assert!(e.message.contains("`grammar_budget_ms`"), "{}", e.message);
     // The next step of the unconstrained session goes on.
     let token = reply.outputs[0].token;
@@ -533,4 +534,40 @@ async fn a_grammar_over_its_budget_fails_its_own_session_and_no_other() {
         .await;
     assert!(reply.errors.is_empty(), "{reply:?}");
     assert_eq!(reply.outputs.len(), 2, "{reply:?}");
+}
+
+/// A route from a peer on another protocol version is refused, typed, naming both versions;
+/// a refused recipe is typed too (the reason is in the status's details, not its text).
+#[tokio::test]
+async fn a_peer_on_another_protocol_version_is_refused_typed() {
+    let core = core(64 << 20);
+    let (tx, rx) = mpsc::channel(8);
+    let setup = RouteSetup {
+        protocol_version: 4,
+        epoch: 1,
+        model_digest: core.info.model_digest.clone(),
+        ..Default::default()
+    };
+    tx.send(RouteMsg {
+        msg: Some(route_msg::Msg::Setup(setup)),
+    })
+    .await
+    .unwrap();
+    let err = LocalShard::new(Arc::clone(&core))
+        .route(rx)
+        .await
+        .err()
+        .expect("an old peer is refused");
+    let r = proto::status_refusal(&err).expect("a typed refusal");
+    assert_eq!(r.reason, engine::Reason::ProtocolMismatch);
+    assert_eq!(r.limit.as_deref(), Some("protocol_version"));
+    let five = proto::PROTOCOL_VERSION.to_string();
+    assert!(
+        r.message.contains(" 4,") && r.message.contains(&five),
+        "{}",
+        r.message
+    );
+    let wrong = open(&core, 1, "not-this-model").await.err().unwrap();
+    let r = proto::status_refusal(&wrong).expect("a typed refusal");
+    assert_eq!(r.reason, engine::Reason::RecipeMismatch);
 }

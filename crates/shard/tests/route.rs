@@ -53,6 +53,7 @@ async fn open(
 ) -> Result<(mpsc::Sender<RouteMsg>, ReplyStream), tonic::Status> {
     let (tx, rx) = mpsc::channel(8);
     let setup = RouteSetup {
+        protocol_version: proto::PROTOCOL_VERSION,
         epoch: 1,
         downstream: vec![downstream.to_string()],
         seam_dtype: 0,
@@ -74,6 +75,7 @@ async fn whole_route(whole: &Arc<ShardCore>) -> (mpsc::Sender<RouteMsg>, ReplySt
     let (tx, rx) = mpsc::channel(8);
     tx.send(RouteMsg {
         msg: Some(route_msg::Msg::Setup(RouteSetup {
+            protocol_version: proto::PROTOCOL_VERSION,
             epoch: 1,
             model_digest: whole.info.model_digest.clone(),
             ..Default::default()
@@ -196,7 +198,7 @@ async fn the_last_shard_answers_on_the_replies_stream_and_acknowledges_every_ste
     let refused: Vec<(u64, &str)> = r2
         .errors
         .iter()
-        .map(|e| (e.session_id, e.reason.as_str()))
+        .map(|e| (e.session_id, e.kind().name()))
         .collect();
     assert_eq!(refused, [(2, "cache_miss")]);
     assert_eq!(r2.hops[0].seam_bytes, n_embd * 4, "only the accepted row");
@@ -362,6 +364,7 @@ async fn a_route_that_loops_or_skips_layers_is_refused() {
     ] {
         let (tx, rx) = mpsc::channel(8);
         let setup = RouteSetup {
+            protocol_version: proto::PROTOCOL_VERSION,
             epoch: 1,
             downstream: downstream.clone(),
             model_digest: a_core.info.model_digest.clone(),

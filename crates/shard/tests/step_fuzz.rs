@@ -173,6 +173,7 @@ async fn open(local: &LocalShard, digest: &str, reply_key: u64) -> Opened {
     };
     let (tx, rx) = mpsc::channel(8);
     let setup = RouteSetup {
+        protocol_version: proto::PROTOCOL_VERSION,
         epoch: 1,
         model_digest: digest.into(),
         reply_key,
@@ -263,7 +264,7 @@ async fn drive(
                 for e in &r.errors {
                     prop_assert!(
                         ["invalid_request", "cache_miss", "stale_epoch", "capacity"]
-                            .contains(&e.reason.as_str()),
+                            .contains(&e.kind().name()),
                         "untyped refusal {e:?}"
                     );
                 }

@@ -14,6 +14,7 @@ use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use engine::{Reason, Refusal};
 use futures::StreamExt;
 use proto::v1::{RouteMsg, RouteReply, SessionError, ShardInfo, StepError};
 use proto::{ReplyStream, ShardTransport};
@@ -297,12 +298,19 @@ fn read_raw(mut s: TcpStream) -> Response {
     }
 }
 
-fn refusal(reason: &str, message: &str) -> Fault {
-    Fault::Refuse(SessionError {
+/// A shard's refusal of every session, as the wire carries it: the reason by its name (one
+/// no reason has is sent as a number this tracker does not know), the limit when one is hit.
+fn refusal(reason: &str, limit: Option<&str>, message: &str) -> Fault {
+    let mut e = SessionError {
         session_id: 0,
-        reason: reason.into(),
         message: message.into(),
-    })
+        limit: limit.unwrap_or_default().into(),
+        reason: 9999,
+    };
+    if let Some(r) = engine::Reason::ALL.into_iter().find(|r| r.name() == reason) {
+        e.reason = proto::reason_to_wire(r) as i32;
+    }
+    Fault::Refuse(e)
 }
 
 /// The API's own refusals: validation, limits of the HTTP server, routing, admission.
@@ -463,28 +471,43 @@ fn shard_refusals(rt: &tokio::runtime::Runtime, out: &mut Vec<String>) {
     let addr = n.addr.clone();
     wait_up(&addr);
     let session_faults = [
-        ("cache_miss", "session 1 is not cached on shard embedded"),
-        ("stale_epoch", "epoch 1 is older than the route's epoch 2"),
+        (
+            "cache_miss",
+            None,
+            "session 1 is not cached on shard embedded",
+        ),
+        (
+            "stale_epoch",
+            None,
+            "epoch 1 is older than the route's epoch 2",
+        ),
         (
             "capacity",
+            Some("kv_budget"),
             "kv_budget on shard embedded: need 1.0 MiB, free 0.5 MiB of 16.0 MiB",
         ),
-        ("capacity", "Out of something on shard embedded"),
-        ("budget", "the shard's token budget is spent"),
+        ("capacity", None, "Out of something on shard embedded"),
+        ("budget", None, "the shard's token budget is spent"),
         (
             "invalid_request",
+            None,
             "session 1: start_pos 9 is past its 3 positions",
         ),
         (
             "grammar_budget",
+            Some("grammar_budget_ms"),
             "session 1: the grammar took longer than `grammar_budget_ms` (200 ms)",
         ),
-        ("recipe_mismatch", "shard embedded holds layers 0..3"),
-        ("shard_failed", "shard embedded: the compute thread stopped"),
-        ("no_such_reason", "something new"),
+        ("recipe_mismatch", None, "shard embedded holds layers 0..3"),
+        (
+            "shard_failed",
+            None,
+            "shard embedded: the compute thread stopped",
+        ),
+        ("no_such_reason", None, "something new"),
     ];
-    for (reason, message) in session_faults {
-        *n.fault.lock().unwrap() = refusal(reason, message);
+    for (reason, limit, message) in session_faults {
+        *n.fault.lock().unwrap() = refusal(reason, limit, message);
         let name = format!("a shard's {reason} refusal ({message})");
         out.push(line(&name, &completion(&addr, prompt())));
     }
@@ -503,25 +526,29 @@ fn shard_refusals(rt: &tokio::runtime::Runtime, out: &mut Vec<String>) {
         stream.status,
         normalize(&data.join(" / "))
     ));
-    *n.fault.lock().unwrap() = Fault::FailStep(StepError {
-        reason: "shard_failed".into(),
-        shard: "embedded".into(),
-        message: "the compute thread stopped".into(),
-    });
+    *n.fault.lock().unwrap() = Fault::FailStep(StepError::new(
+        "embedded",
+        &Refusal::new(Reason::ShardFailed, "the compute thread stopped"),
+    ));
     out.push(line("a failed step", &completion(&addr, prompt())));
-    *n.fault.lock().unwrap() = Fault::RefuseRoute(Status::failed_precondition(
-        "recipe_mismatch: shard embedded has layer_end 3 but the route expects 4",
+    *n.fault.lock().unwrap() = Fault::RefuseRoute(proto::refusal_status(
+        tonic::Code::FailedPrecondition,
+        &Refusal::recipe_mismatch(
+            "recipe_mismatch: shard embedded has layer_end 3 but the route expects 4",
+        ),
     ));
     let r = until_reason(&addr, &prompt(), "recipe_mismatch");
     out.push(line("a route refused for its recipe", &r));
     *n.fault.lock().unwrap() = Fault::RefuseRoute(Status::unavailable("connection refused"));
     let r = until_reason(&addr, &prompt(), "shard_failed");
     out.push(line("a route whose shard does not answer", &r));
-    *n.fault.lock().unwrap() = Fault::FailStep(StepError {
-        reason: "capacity".into(),
-        shard: "embedded".into(),
-        message: "inflight_bytes on shard embedded: 70 MiB in flight".into(),
-    });
+    *n.fault.lock().unwrap() = Fault::FailStep(StepError::new(
+        "embedded",
+        &Refusal::capacity(
+            "inflight_bytes",
+            "inflight_bytes on shard embedded: 70 MiB in flight",
+        ),
+    ));
     wait_up(&addr);
     out.push(line(
         "a step refused for capacity",

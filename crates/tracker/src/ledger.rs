@@ -18,7 +18,7 @@ use std::sync::{mpsc, Arc, Mutex};
 
 use rusqlite::{params, Connection};
 
-use crate::error::ApiError;
+use engine::Refusal;
 
 /// One API key: a name (used in the ledger and in messages; the secret never is) and a budget.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -167,7 +167,7 @@ impl Ledger {
 
     /// The key a bearer secret names. Without configured keys every request is `anonymous`
     /// with no budget (its usage is still recorded); with keys, an unknown secret is refused.
-    pub fn authenticate(&self, secret: &str) -> Result<ApiKey, ApiError> {
+    pub fn authenticate(&self, secret: &str) -> Result<ApiKey, Refusal> {
         if self.keys.is_empty() {
             return Ok(ApiKey {
                 name: "anonymous".into(),
@@ -179,7 +179,7 @@ impl Ledger {
             .iter()
             .find(|k| proto::secrets_equal(secret, &k.secret))
             .cloned()
-            .ok_or_else(ApiError::unauthorized)
+            .ok_or_else(Refusal::unauthorized)
     }
 
     /// Whether API keys are configured (then every request must name one).
@@ -189,17 +189,17 @@ impl Ledger {
 
     /// Commits an `accepted` row reserving `prompt + max_tokens` tokens for `key`, or refuses
     /// with `budget` when that would overspend its budget. Blocking (a durable commit).
-    pub fn reserve(&self, key: &ApiKey, prompt: u64, max_tokens: u64) -> Result<i64, ApiError> {
+    pub fn reserve(&self, key: &ApiKey, prompt: u64, max_tokens: u64) -> Result<i64, Refusal> {
         let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
         let tx = c
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-            .map_err(|e| ApiError::unavailable(db_err(e)))?;
+            .map_err(|e| Refusal::unavailable(db_err(e)))?;
         let (charged, reserved) =
-            totals(&tx, &key.name).map_err(|e| ApiError::unavailable(db_err(e)))?;
+            totals(&tx, &key.name).map_err(|e| Refusal::unavailable(db_err(e)))?;
         let need = prompt + max_tokens;
         let left = key.budget_tokens.saturating_sub(charged + reserved);
         if need > left {
-            return Err(ApiError::budget(
+            return Err(Refusal::budget(
                 &format!("token_budget[{}]", key.name),
                 format!(
                     "token_budget[{}]: this request may use {need} tokens (prompt {prompt} + max_tokens {max_tokens}), {left} of {} are left ({charged} used, {reserved} reserved by requests in flight)",
@@ -212,9 +212,9 @@ impl Ledger {
              VALUES (?1, ?2, ?3, 'accepted', ?4)",
             params![key.name, prompt as i64, max_tokens as i64, now_ms()],
         )
-        .map_err(|e| ApiError::unavailable(db_err(e)))?;
+        .map_err(|e| Refusal::unavailable(db_err(e)))?;
         let row = tx.last_insert_rowid();
-        tx.commit().map_err(|e| ApiError::unavailable(db_err(e)))?;
+        tx.commit().map_err(|e| Refusal::unavailable(db_err(e)))?;
         Ok(row)
     }
 
@@ -407,7 +407,7 @@ mod tests {
         let a = l.reserve(&k, 10, 40).unwrap();
         let b = l.reserve(&k, 10, 40).unwrap();
         let e = l.reserve(&k, 10, 1).unwrap_err();
-        assert_eq!((e.status, e.reason), (429, "budget"));
+        assert_eq!(e.reason, engine::Reason::Budget);
         assert_eq!(e.limit.as_deref(), Some("token_budget[alice]"));
         l.settle(a, 10, 5, "done");
         let u = l.usage(&k).unwrap();

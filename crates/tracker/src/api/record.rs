@@ -6,19 +6,19 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::error::ApiError;
+use crate::api::request::Endpoint;
 use crate::metrics::{Metrics, LATENCY_BUCKETS, TOKEN_BUCKETS};
-use crate::request::Endpoint;
+use engine::Refusal;
 
 /// How a request ended.
 pub enum Outcome<'a> {
     /// Answered; `finish_reason` as the response says it.
     Done {
-        finish_reason: &'a str,
+        finish_reason: engine::FinishReason,
         completion_tokens: usize,
     },
     /// Refused or failed with this error (before or during its answer).
-    Failed(&'a ApiError),
+    Failed(&'a Refusal),
 }
 
 /// The account of one request; dropped unfinished, it counts as `cancelled` (the client went
@@ -72,11 +72,11 @@ impl RequestRecord {
                 completion_tokens,
             } => {
                 self.completion_tokens = *completion_tokens;
-                ("ok", Some(*finish_reason))
+                ("ok", Some(finish_reason.name()))
             }
             Outcome::Failed(e) => {
-                e.count(&self.metrics, self.priority);
-                (e.reason, None)
+                crate::api::error::count(e, &self.metrics, self.priority);
+                (e.reason.name(), None)
             }
         };
         self.account(status, finish_reason);

@@ -14,7 +14,7 @@ use proto::ShardTransport;
 use registry::{Members, ShardRecord};
 use tokio::sync::watch;
 
-use crate::RouteStarter;
+use super::start::RouteStarter;
 
 /// How long a new route may take to connect and open (an announced shard is serving
 /// already: one that does not answer in this time is not what its record says).

@@ -23,7 +23,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
-use crate::error::ApiError;
+use engine::Refusal;
+
+use crate::api::error::Answer;
 
 /// The most headers a request may carry (hyper is allowed more, so that ours answers).
 pub const MAX_HEADERS: usize = 100;
@@ -37,14 +39,13 @@ async fn header_limits(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
-    use axum::response::IntoResponse;
     let headers = req.headers();
     let bytes: usize = headers
         .iter()
         .map(|(k, v)| k.as_str().len() + v.len())
         .sum();
     if headers.len() > MAX_HEADERS {
-        return ApiError::headers_too_large(
+        return Refusal::headers_too_large(
             "max_headers",
             format!(
                 "the request has {} headers, more than the {MAX_HEADERS} accepted",
@@ -54,7 +55,7 @@ async fn header_limits(
         .into_response();
     }
     if bytes > MAX_HEADER_BYTES {
-        return ApiError::headers_too_large(
+        return Refusal::headers_too_large(
             "max_header_bytes",
             format!(
                 "the request's headers take {bytes} bytes, more than the {MAX_HEADER_BYTES} accepted"
@@ -207,7 +208,7 @@ pub async fn serve(
 /// Answers a connection over the limit with a typed 503 and closes it. The request is read
 /// (briefly) after the answer so that closing does not reset the connection under the answer.
 async fn refuse<S: AsyncRead + AsyncWrite + Unpin>(mut conn: S, limit: usize) {
-    let err = ApiError::capacity(
+    let err = Refusal::capacity(
         "max_connections",
         format!(
             "the API holds {limit} connections, its limit (`--max-connections`); retry shortly"
@@ -241,14 +242,14 @@ const OVERFLOW_DRAIN_TIME: Duration = Duration::from_secs(1);
 pub async fn read_body(
     body: axum::body::Body,
     config: &HttpConfig,
-) -> Result<axum::body::Bytes, ApiError> {
+) -> Result<axum::body::Bytes, Refusal> {
     use http_body_util::BodyExt;
     let mut body = body;
     let mut bytes = Vec::new();
     let read = async {
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| {
-                ApiError::invalid("body", format!("reading the request body failed: {e}"))
+                Refusal::invalid("body", format!("reading the request body failed: {e}"))
             })?;
             if let Ok(data) = frame.into_data() {
                 if bytes.len() + data.len() > config.max_body_bytes {
@@ -257,7 +258,7 @@ pub async fn read_body(
                 bytes.extend_from_slice(&data);
             }
         }
-        Ok::<_, ApiError>(true)
+        Ok::<_, Refusal>(true)
     };
     match tokio::time::timeout(config.body_timeout, read).await {
         Ok(Ok(true)) => Ok(bytes.into()),
@@ -272,9 +273,9 @@ pub async fn read_body(
                 }
             };
             let _ = tokio::time::timeout(OVERFLOW_DRAIN_TIME, drain).await;
-            Err(ApiError::body_too_large(config.max_body_bytes))
+            Err(Refusal::body_too_large(config.max_body_bytes))
         }
         Ok(Err(e)) => Err(e),
-        Err(_) => Err(ApiError::body_timeout(config.body_timeout)),
+        Err(_) => Err(Refusal::body_timeout(config.body_timeout)),
     }
 }

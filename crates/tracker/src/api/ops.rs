@@ -9,14 +9,18 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use crate::error::ApiError;
-use crate::http::{bearer, AppState, ModelEntry, RouteHandle};
-use crate::server::read_body;
+use engine::Refusal;
+
+use super::auth::bearer;
+use super::state::AppState;
+use crate::api::error::Answer;
+use crate::api::server::read_body;
+use crate::route::table::{ModelEntry, RouteHandle};
 
 /// A key's usage and budget: `GET /v1/usage` with its bearer secret.
 pub async fn usage_of_key(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     let Some(ledger) = &s.ledger else {
-        return ApiError::invalid(
+        return Refusal::invalid(
             "ledger",
             "this tracker keeps no usage ledger (start it with --ledger)",
         )
@@ -36,8 +40,8 @@ pub async fn usage_of_key(State(s): State<Arc<AppState>>, headers: HeaderMap) ->
             "requests": u.requests.into_iter().map(|(k, v)| (k, json!(v))).collect::<serde_json::Map<_, _>>(),
         }))
         .into_response(),
-        Ok(Err(e)) => ApiError::unavailable(e).into_response(),
-        Err(_) => ApiError::unavailable("the usage ledger stopped").into_response(),
+        Ok(Err(e)) => Refusal::unavailable(e).into_response(),
+        Err(_) => Refusal::unavailable("the usage ledger stopped").into_response(),
     }
 }
 
@@ -51,19 +55,18 @@ pub async fn evict_route(
 ) -> Response {
     match &s.admin_token {
         Some(t) if bearer(&headers) == *t => {}
-        _ => return ApiError::unauthorized().into_response(),
+        _ => return Refusal::unauthorized().into_response(),
     }
     let models = s.table.models();
     let Some((model, route)) = models
         .iter()
         .find_map(|m| m.routes.iter().find(|r| r.name == name).map(|r| (m, r)))
     else {
-        return ApiError::invalid("name", format!("no route is named `{name}`")).into_response();
+        return Refusal::invalid("name", format!("no route is named `{name}`")).into_response();
     };
     if route.pinned {
-        return ApiError::conflict(
-            "pinned",
-            format!("pinned on route {name}"),
+        return Refusal::pinned(
+            &name,
             format!(
                 "model `{}` is pinned on route {name}: a pinned model is never evicted",
                 model.id
@@ -114,7 +117,7 @@ pub async fn model(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Re
         .find(|m| m.resident() && (m.id == id || m.digest == id))
     {
         Some(m) => Json(model_json(m)).into_response(),
-        None => ApiError::model_not_found(&id).into_response(),
+        None => Refusal::model_not_found(&id).into_response(),
     }
 }
 
@@ -123,35 +126,35 @@ fn text_body(
     s: &AppState,
     body: &[u8],
     fields: &[&str],
-) -> Result<(Value, Arc<ModelEntry>), ApiError> {
+) -> Result<(Value, Arc<ModelEntry>), Refusal> {
     let v: Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::invalid("body", format!("the request body is not valid JSON: {e}"))
+        Refusal::invalid("body", format!("the request body is not valid JSON: {e}"))
     })?;
     let obj = v
         .as_object()
-        .ok_or_else(|| ApiError::invalid("body", "the request body must be a JSON object"))?;
+        .ok_or_else(|| Refusal::invalid("body", "the request body must be a JSON object"))?;
     if let Some(k) = obj
         .keys()
         .find(|k| k.as_str() != "model" && !fields.contains(&k.as_str()))
     {
-        return Err(ApiError::invalid(k, format!("`{k}` is not supported here")));
+        return Err(Refusal::invalid(k, format!("`{k}` is not supported here")));
     }
     let model = s.model(v.get("model").and_then(Value::as_str))?;
     Ok((v, model))
 }
 
-fn json_or_error(r: Result<Value, ApiError>) -> Response {
+fn json_or_error(r: Result<Value, Refusal>) -> Response {
     match r {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }
 }
 
-fn flag(v: &Value, key: &str, default: bool) -> Result<bool, ApiError> {
+fn flag(v: &Value, key: &str, default: bool) -> Result<bool, Refusal> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(default),
         Some(Value::Bool(b)) => Ok(*b),
-        Some(other) => Err(ApiError::invalid(
+        Some(other) => Err(Refusal::invalid(
             key,
             format!("`{key}` must be a boolean, got {other}"),
         )),
@@ -176,7 +179,7 @@ pub async fn tokenize(
         let content = v
             .get("content")
             .and_then(Value::as_str)
-            .ok_or_else(|| ApiError::invalid("content", "`content` must be a string"))?
+            .ok_or_else(|| Refusal::invalid("content", "`content` must be a string"))?
             .to_string();
         let (add, parse, pieces) = (
             flag(&v, "add_special", false)?,
@@ -204,7 +207,7 @@ pub async fn tokenize(
             json!({"tokens": tokens})
         })
         .await
-        .map_err(|_| ApiError::unavailable("tokenizing failed"))
+        .map_err(|_| Refusal::unavailable("tokenizing failed"))
     };
     json_or_error(run.await)
 }
@@ -227,14 +230,14 @@ pub async fn detokenize(
                     .map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok()))
                     .collect::<Option<Vec<u32>>>()
             })
-            .ok_or_else(|| ApiError::invalid("tokens", "`tokens` must be a list of token ids"))?;
+            .ok_or_else(|| Refusal::invalid("tokens", "`tokens` must be a list of token ids"))?;
         let tok = Arc::clone(&model.tokenizer);
         let _permit = s.tokenizing.acquire().await;
         let content = tokio::task::spawn_blocking(move || tok.decode(&ids, false))
             .await
-            .map_err(|_| ApiError::unavailable("detokenizing failed"))?
-            .map_err(|e| ApiError::invalid("tokens", e.to_string()))?;
-        Ok::<_, ApiError>(json!({"content": content}))
+            .map_err(|_| Refusal::unavailable("detokenizing failed"))?
+            .map_err(|e| Refusal::invalid("tokens", e.to_string()))?;
+        Ok::<_, Refusal>(json!({"content": content}))
     };
     json_or_error(run.await)
 }

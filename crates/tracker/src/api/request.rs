@@ -3,7 +3,7 @@
 use serde_json::Value;
 use text::ChatMessage;
 
-use crate::error::ApiError;
+use engine::Refusal;
 
 /// Which endpoint a request came through (it shapes the response).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,7 +77,7 @@ pub struct ValidRequest {
     /// The grammar `response_format` asks for.
     pub grammar: Option<String>,
     /// Chat: the tools offered and the choice among them.
-    pub tools: Option<crate::agent::ToolSet>,
+    pub tools: Option<crate::api::agent::ToolSet>,
     /// The end user the caller names (`user`), written in the request's log line.
     pub user: Option<String>,
 }
@@ -133,15 +133,15 @@ fn fresh_seed() -> u64 {
 /// token; a stop string is a marker, not a document.
 pub const MAX_STOP_BYTES: usize = 1024;
 
-fn number(body: &Value, key: &str, min: f64, max: f64) -> Result<Option<f64>, ApiError> {
+fn number(body: &Value, key: &str, min: f64, max: f64) -> Result<Option<f64>, Refusal> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => {
             let x = v.as_f64().ok_or_else(|| {
-                ApiError::invalid(key, format!("`{key}` must be a number, got {v}"))
+                Refusal::invalid(key, format!("`{key}` must be a number, got {v}"))
             })?;
             if !(min..=max).contains(&x) {
-                return Err(ApiError::invalid(
+                return Err(Refusal::invalid(
                     key,
                     format!("`{key}` is {x} but must be between {min} and {max}"),
                 ));
@@ -151,18 +151,18 @@ fn number(body: &Value, key: &str, min: f64, max: f64) -> Result<Option<f64>, Ap
     }
 }
 
-fn integer(body: &Value, key: &str, min: u64, max: u64) -> Result<Option<u64>, ApiError> {
+fn integer(body: &Value, key: &str, min: u64, max: u64) -> Result<Option<u64>, Refusal> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => {
             let x = v.as_u64().ok_or_else(|| {
-                ApiError::invalid(
+                Refusal::invalid(
                     key,
                     format!("`{key}` must be a non-negative integer, got {v}"),
                 )
             })?;
             if !(min..=max).contains(&x) {
-                return Err(ApiError::invalid(
+                return Err(Refusal::invalid(
                     key,
                     format!("`{key}` is {x} but must be between {min} and {max}"),
                 ));
@@ -172,11 +172,11 @@ fn integer(body: &Value, key: &str, min: u64, max: u64) -> Result<Option<u64>, A
     }
 }
 
-fn boolean(body: &Value, key: &str) -> Result<Option<bool>, ApiError> {
+fn boolean(body: &Value, key: &str) -> Result<Option<bool>, Refusal> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(v) => Err(ApiError::invalid(
+        Some(v) => Err(Refusal::invalid(
             key,
             format!("`{key}` must be a boolean, got {v}"),
         )),
@@ -184,7 +184,7 @@ fn boolean(body: &Value, key: &str) -> Result<Option<bool>, ApiError> {
 }
 
 /// A message's content as text, moved out of the body (a long text is not copied).
-fn content_text(v: Value, idx: usize) -> Result<String, ApiError> {
+fn content_text(v: Value, idx: usize) -> Result<String, Refusal> {
     let param = format!("messages[{idx}].content");
     match v {
         Value::String(s) => Ok(s),
@@ -197,7 +197,7 @@ fn content_text(v: Value, idx: usize) -> Result<String, ApiError> {
                 ) {
                     (Some("text"), Some(t)) => out.push_str(t),
                     _ => {
-                        return Err(ApiError::invalid(
+                        return Err(Refusal::invalid(
                             &param,
                             format!("`{param}` parts must be text parts"),
                         ))
@@ -207,7 +207,7 @@ fn content_text(v: Value, idx: usize) -> Result<String, ApiError> {
             Ok(out)
         }
         Value::Null => Ok(String::new()),
-        other => Err(ApiError::invalid(
+        other => Err(Refusal::invalid(
             &param,
             format!("`{param}` must be a string, got {other}"),
         )),
@@ -215,9 +215,9 @@ fn content_text(v: Value, idx: usize) -> Result<String, ApiError> {
 }
 
 /// Validates a request body for `endpoint`; the prompt's text is moved out of it, not copied.
-pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, ApiError> {
+pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Refusal> {
     if !body.is_object() {
-        return Err(ApiError::invalid(
+        return Err(Refusal::invalid(
             "body",
             "the request body must be a JSON object",
         ));
@@ -226,7 +226,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
         Some(v) => {
-            return Err(ApiError::invalid(
+            return Err(Refusal::invalid(
                 "model",
                 format!("`model` must be a string, got {v}"),
             ))
@@ -241,7 +241,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
             .keys()
             .find(|k| !COMMON_FIELDS.contains(&k.as_str()) && !own.contains(&k.as_str()))
         {
-            return Err(ApiError::invalid(
+            return Err(Refusal::invalid(
                 k,
                 format!("`{k}` is not supported on {}", endpoint.path()),
             ));
@@ -250,7 +250,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
     let n = integer(&body, "n", 1, MAX_N)?.unwrap_or(1) as usize;
     if let Some(b) = integer(&body, "best_of", 1, MAX_N)? {
         if b as usize != n {
-            return Err(ApiError::invalid(
+            return Err(Refusal::invalid(
                 "best_of",
                 format!("`best_of` is {b}; only `best_of` equal to `n` ({n}) is supported: strata returns every choice it generates"),
             ));
@@ -271,21 +271,21 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
                     .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
                     .collect::<Option<Vec<u32>>>()
                     .ok_or_else(|| {
-                        ApiError::invalid("prompt", "token ids in `prompt` must fit in 32 bits")
+                        Refusal::invalid("prompt", "token ids in `prompt` must fit in 32 bits")
                     })?;
                 PromptInput::Ids(ids)
             }
             Some(Value::Array(_)) => {
-                return Err(ApiError::invalid(
+                return Err(Refusal::invalid(
                     "prompt",
                     "`prompt` must be a string, a list of one string, or a list of token ids",
                 ))
             }
             None | Some(Value::Null) => {
-                return Err(ApiError::invalid("prompt", "`prompt` is required"))
+                return Err(Refusal::invalid("prompt", "`prompt` is required"))
             }
             Some(v) => {
-                return Err(ApiError::invalid(
+                return Err(Refusal::invalid(
                     "prompt",
                     format!("`prompt` must be a string, got {v}"),
                 ))
@@ -296,10 +296,10 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
                 .get_mut("messages")
                 .and_then(Value::as_array_mut)
                 .ok_or_else(|| {
-                    ApiError::invalid("messages", "`messages` must be a non-empty list")
+                    Refusal::invalid("messages", "`messages` must be a non-empty list")
                 })?;
             if msgs.is_empty() {
-                return Err(ApiError::invalid(
+                return Err(Refusal::invalid(
                     "messages",
                     "`messages` must be a non-empty list",
                 ));
@@ -311,20 +311,20 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
                         .find(|k| !MESSAGE_FIELDS.contains(&k.as_str()))
                         .cloned()
                 }) {
-                    return Err(ApiError::invalid(
+                    return Err(Refusal::invalid(
                         &format!("messages[{i}].{k}"),
                         format!("`messages[{i}].{k}` is not supported"),
                     ));
                 }
                 let content = m.get_mut("content").map(Value::take).unwrap_or(Value::Null);
                 let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
-                    ApiError::invalid(
+                    Refusal::invalid(
                         &format!("messages[{i}].role"),
                         format!("`messages[{i}].role` is required"),
                     )
                 })?;
                 if !matches!(role, "system" | "user" | "assistant" | "developer" | "tool") {
-                    return Err(ApiError::invalid(
+                    return Err(Refusal::invalid(
                         &format!("messages[{i}].role"),
                         format!("`messages[{i}].role` is `{role}`; expected system, user, assistant, developer or tool"),
                     ));
@@ -332,19 +332,19 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
                 let role = if role == "developer" { "system" } else { role };
                 let tool_calls = match m.get("tool_calls").filter(|v| !v.is_null()) {
                     Some(_) if role != "assistant" => {
-                        return Err(ApiError::invalid(
+                        return Err(Refusal::invalid(
                             &format!("messages[{i}].tool_calls"),
                             "only assistant messages carry `tool_calls`",
                         ))
                     }
-                    Some(v) => Some(crate::agent::history_tool_calls(v, i)?),
+                    Some(v) => Some(crate::api::agent::history_tool_calls(v, i)?),
                     None => None,
                 };
-                let text_field = |key: &str| -> Result<Option<String>, ApiError> {
+                let text_field = |key: &str| -> Result<Option<String>, Refusal> {
                     match m.get(key) {
                         None | Some(Value::Null) => Ok(None),
                         Some(Value::String(s)) => Ok(Some(s.clone())),
-                        Some(_) => Err(ApiError::invalid(
+                        Some(_) => Err(Refusal::invalid(
                             &format!("messages[{i}].{key}"),
                             format!("`messages[{i}].{key}` must be a string"),
                         )),
@@ -370,7 +370,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(items)) => {
             if items.len() > 4 {
-                return Err(ApiError::invalid(
+                return Err(Refusal::invalid(
                     "stop",
                     format!("`stop` has {} strings; at most 4 are allowed", items.len()),
                 ));
@@ -380,24 +380,21 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
                 .map(|v| v.as_str().map(str::to_string))
                 .collect::<Option<Vec<String>>>()
                 .ok_or_else(|| {
-                    ApiError::invalid("stop", "`stop` must be a string or a list of strings")
+                    Refusal::invalid("stop", "`stop` must be a string or a list of strings")
                 })?
         }
         Some(v) => {
-            return Err(ApiError::invalid(
+            return Err(Refusal::invalid(
                 "stop",
                 format!("`stop` must be a string or a list, got {v}"),
             ))
         }
     };
     if stop.iter().any(String::is_empty) {
-        return Err(ApiError::invalid(
-            "stop",
-            "`stop` strings must not be empty",
-        ));
+        return Err(Refusal::invalid("stop", "`stop` strings must not be empty"));
     }
     if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
-        return Err(ApiError::over_limit(
+        return Err(Refusal::over_limit(
             "stop",
             "max_stop_bytes",
             format!(
@@ -410,7 +407,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Object(m)) => {
             if m.len() > MAX_LOGIT_BIAS {
-                return Err(ApiError::over_limit(
+                return Err(Refusal::over_limit(
                     "logit_bias",
                     "max_logit_bias",
                     format!(
@@ -422,13 +419,13 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
             let mut out = Vec::with_capacity(m.len());
             for (k, v) in m {
                 let id = k.parse::<u32>().map_err(|_| {
-                    ApiError::invalid(
+                    Refusal::invalid(
                         "logit_bias",
                         format!("`logit_bias` keys are token ids; `{k}` is not one"),
                     )
                 })?;
                 let b = v.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
-                    ApiError::invalid(
+                    Refusal::invalid(
                         "logit_bias",
                         format!("`logit_bias` values are numbers from -100 to 100; token {id} has {v}"),
                     )
@@ -438,7 +435,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
             out
         }
         Some(v) => {
-            return Err(ApiError::invalid(
+            return Err(Refusal::invalid(
                 "logit_bias",
                 format!("`logit_bias` must be an object of token ids to biases, got {v}"),
             ))
@@ -448,7 +445,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
         None | Some(Value::Null) => false,
         Some(Value::Object(o)) => {
             if let Some(k) = o.keys().find(|k| k.as_str() != "include_usage") {
-                return Err(ApiError::invalid(
+                return Err(Refusal::invalid(
                     &format!("stream_options.{k}"),
                     format!("`stream_options.{k}` is not supported"),
                 ));
@@ -457,7 +454,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
                 None | Some(Value::Null) => false,
                 Some(Value::Bool(b)) => *b,
                 Some(v) => {
-                    return Err(ApiError::invalid(
+                    return Err(Refusal::invalid(
                         "stream_options.include_usage",
                         format!("`include_usage` must be a boolean, got {v}"),
                     ))
@@ -465,7 +462,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
             }
         }
         Some(v) => {
-            return Err(ApiError::invalid(
+            return Err(Refusal::invalid(
                 "stream_options",
                 format!("`stream_options` must be an object, got {v}"),
             ))
@@ -473,7 +470,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
     };
     let stream = boolean(&body, "stream")?.unwrap_or(false);
     if body.get("stream_options").is_some_and(|v| !v.is_null()) && !stream {
-        return Err(ApiError::invalid(
+        return Err(Refusal::invalid(
             "stream_options",
             "`stream_options` is only for `stream: true`",
         ));
@@ -485,7 +482,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
             match boolean(&body, "logprobs")? {
                 Some(true) => Some(top.unwrap_or(0)),
                 _ if top.is_some() => {
-                    return Err(ApiError::invalid(
+                    return Err(Refusal::invalid(
                         "top_logprobs",
                         "`top_logprobs` needs `logprobs: true`",
                     ));
@@ -510,14 +507,14 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
                 .map(|s| s as u64)
                 .or_else(|| v.as_u64())
                 .ok_or_else(|| {
-                    ApiError::invalid("seed", format!("`seed` must be an integer, got {v}"))
+                    Refusal::invalid("seed", format!("`seed` must be an integer, got {v}"))
                 })?,
         },
         seeded: body.get("seed").is_some_and(|v| !v.is_null()),
     };
     let echo = boolean(&body, "echo")?.unwrap_or(false);
     if echo && logprobs.is_some() {
-        return Err(ApiError::invalid(
+        return Err(Refusal::invalid(
             "echo",
             "`echo` with `logprobs` is not supported (the prompt's log-probabilities are not computed)",
         ));
@@ -526,25 +523,25 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
         Some(v) => {
-            return Err(ApiError::invalid(
+            return Err(Refusal::invalid(
                 "suffix",
                 format!("`suffix` must be a string, got {v}"),
             ))
         }
     };
     if suffix.is_some() && echo {
-        return Err(ApiError::invalid(
+        return Err(Refusal::invalid(
             "echo",
             "`echo` with `suffix` is not supported",
         ));
     }
-    let grammar = crate::agent::response_format(&body)?;
+    let grammar = crate::api::agent::response_format(&body)?;
     let tools = match endpoint {
-        Endpoint::Chat => crate::agent::tools(&body)?,
+        Endpoint::Chat => crate::api::agent::tools(&body)?,
         Endpoint::Completions => None,
     };
     if grammar.is_some() && tools.as_ref().is_some_and(|t| t.active()) {
-        return Err(ApiError::invalid(
+        return Err(Refusal::invalid(
             "response_format",
             "`response_format` with `tools` is not supported: the answer is either a document or tool calls (give `tool_choice: \"none\"` to keep the tools out)",
         ));
@@ -554,13 +551,13 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
         // A streamed answer with tools goes through the tool-call finder, which passes text
         // on, not tokens.
         if logprobs.is_some() {
-            return Err(ApiError::invalid(
+            return Err(Refusal::invalid(
                 "logprobs",
                 "`logprobs` with `tools` is not supported when streaming",
             ));
         }
         if return_token_ids {
-            return Err(ApiError::invalid(
+            return Err(Refusal::invalid(
                 "return_token_ids",
                 "`return_token_ids` with `tools` is not supported when streaming",
             ));
@@ -568,7 +565,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
     }
     let ignore_eos = boolean(&body, "ignore_eos")?.unwrap_or(false);
     if ignore_eos && (grammar.is_some() || tools.as_ref().is_some_and(|t| t.grammar().is_some())) {
-        return Err(ApiError::invalid(
+        return Err(Refusal::invalid(
             "ignore_eos",
             "`ignore_eos` with a constrained answer is not supported: a complete document ends",
         ));
@@ -577,14 +574,14 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if s.len() <= 256 => Some(s.clone()),
         Some(_) => {
-            return Err(ApiError::invalid(
+            return Err(Refusal::invalid(
                 "user",
                 "`user` must be a string of at most 256 bytes",
             ))
         }
     };
     if sampling.top_p == 0.0 {
-        return Err(ApiError::invalid("top_p", "`top_p` must be greater than 0"));
+        return Err(Refusal::invalid("top_p", "`top_p` must be greater than 0"));
     }
     Ok(ValidRequest {
         endpoint,
@@ -603,7 +600,7 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Api
                 v.as_str()
                     .and_then(engine::Priority::parse)
                     .ok_or_else(|| {
-                        ApiError::invalid(
+                        Refusal::invalid(
                             "priority",
                             format!("`priority` must be \"agent\" or \"grading\", got {v}"),
                         )
@@ -751,7 +748,7 @@ mod tests {
             ),
         ] {
             let e = validate(Endpoint::Completions, body.clone()).unwrap_err();
-            assert_eq!(e.status, 400, "{body}");
+            assert_eq!(e.reason, engine::Reason::InvalidRequest, "{body}");
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
         }
         let e = validate(

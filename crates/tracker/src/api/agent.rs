@@ -10,7 +10,7 @@
 use constrain::grammar::{self, Tool};
 use serde_json::{json, Value};
 
-use crate::error::ApiError;
+use engine::Refusal;
 
 /// Which tools the model may or must call.
 #[derive(Debug, Clone, PartialEq)]
@@ -38,7 +38,7 @@ pub struct ToolSet {
 }
 
 /// The grammar `choice` asks for among `tools`.
-fn choice_grammar(tools: &[Tool], choice: &ToolChoice) -> Result<Option<String>, ApiError> {
+fn choice_grammar(tools: &[Tool], choice: &ToolChoice) -> Result<Option<String>, Refusal> {
     let calls = match choice {
         ToolChoice::Auto | ToolChoice::None => return Ok(None),
         ToolChoice::Required => grammar::tool_calls(tools),
@@ -66,21 +66,21 @@ impl ToolSet {
 pub const MAX_TOOLS: usize = 128;
 
 /// A grammar the engine refuses, or a schema over a limit, as the refusal of `param`.
-pub fn grammar_error(param: &str, e: constrain::Error) -> ApiError {
+pub fn grammar_error(param: &str, e: constrain::Error) -> Refusal {
     match e {
         constrain::Error::TooLarge { limit, .. } => {
-            ApiError::over_limit(param, limit, e.to_string())
+            Refusal::over_limit(param, limit, e.to_string())
         }
         e => invalid(param, e.to_string()),
     }
 }
 
-fn invalid(param: &str, msg: impl Into<String>) -> ApiError {
-    ApiError::invalid(param, msg.into())
+fn invalid(param: &str, msg: impl Into<String>) -> Refusal {
+    Refusal::invalid(param, msg.into())
 }
 
 /// `response_format`: the grammar it asks for (`None` for `text` or when absent).
-pub fn response_format(body: &Value) -> Result<Option<String>, ApiError> {
+pub fn response_format(body: &Value) -> Result<Option<String>, Refusal> {
     let Some(rf) = body.get("response_format").filter(|v| !v.is_null()) else {
         return Ok(None);
     };
@@ -133,7 +133,7 @@ pub fn response_format(body: &Value) -> Result<Option<String>, ApiError> {
 }
 
 /// `tools` and `tool_choice` (and `parallel_tool_calls`, which only `true` or absent may be).
-pub fn tools(body: &Value) -> Result<Option<ToolSet>, ApiError> {
+pub fn tools(body: &Value) -> Result<Option<ToolSet>, Refusal> {
     let choice_v = body.get("tool_choice").filter(|v| !v.is_null());
     let list = match body.get("tools").filter(|v| !v.is_null()) {
         None => {
@@ -147,7 +147,7 @@ pub fn tools(body: &Value) -> Result<Option<ToolSet>, ApiError> {
         Some(_) => return Err(invalid("tools", "`tools` must be a non-empty list")),
     };
     if list.len() > MAX_TOOLS {
-        return Err(ApiError::over_limit(
+        return Err(Refusal::over_limit(
             "tools",
             "max_tools",
             format!(
@@ -199,7 +199,7 @@ pub fn tools(body: &Value) -> Result<Option<ToolSet>, ApiError> {
 }
 
 /// `tools[i]`, checked (a function with a valid, unused name and an object schema).
-fn tool(i: usize, t: &Value, earlier: &[Tool]) -> Result<Tool, ApiError> {
+fn tool(i: usize, t: &Value, earlier: &[Tool]) -> Result<Tool, Refusal> {
     let p = format!("tools[{i}]");
     if t.get("type").and_then(Value::as_str) != Some("function") {
         return Err(invalid(&p, format!("`{p}.type` must be \"function\"")));
@@ -261,7 +261,7 @@ fn tool(i: usize, t: &Value, earlier: &[Tool]) -> Result<Tool, ApiError> {
 }
 
 /// `tool_choice` among `tools` (absent: `auto`).
-fn tool_choice(choice_v: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
+fn tool_choice(choice_v: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, Refusal> {
     Ok(match choice_v {
         None => ToolChoice::Auto,
         Some(Value::String(s)) => match s.as_str() {
@@ -302,7 +302,7 @@ fn tool_choice(choice_v: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, A
 
 /// An assistant message's `tool_calls` as templates read them: the arguments, a JSON string
 /// on the wire, become the object they encode.
-pub fn history_tool_calls(v: &Value, idx: usize) -> Result<Value, ApiError> {
+pub fn history_tool_calls(v: &Value, idx: usize) -> Result<Value, Refusal> {
     let p = format!("messages[{idx}].tool_calls");
     let list = v
         .as_array()

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine::{
-    Admission, Demand, Event, FinishReason, PlanItem, Priority, RefusalKind, Scheduler,
+    Admission, Demand, Event, FinishReason, PlanItem, Priority, Refusal, Scheduler,
     SchedulerConfig, SessionId,
 };
 use futures::StreamExt;
@@ -16,9 +16,9 @@ use proto::ReplyStream;
 use text::{StopMatcher, StopStep, StreamDecoder, Tokenizer};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::cluster::{Cluster, Health};
-use crate::error::ApiError;
 use crate::metrics::{Metrics, COUNT_BUCKETS, LATENCY_BUCKETS};
+use crate::route::cluster::{link_refusal, Cluster, Health};
+use crate::session;
 
 /// A session ready to run: tokenized prompt and sampling.
 #[derive(Debug, Clone)]
@@ -60,18 +60,18 @@ pub enum SessionEvent {
     /// Text held back (an incomplete character or a possible stop string) released at the end.
     Text(String),
     Done {
-        finish_reason: &'static str,
+        finish_reason: FinishReason,
         prompt_tokens: usize,
         completion_tokens: usize,
     },
-    Error(ApiError),
+    Error(Refusal),
 }
 
 pub enum Command {
     Submit {
         job: Box<Job>,
         events: mpsc::UnboundedSender<SessionEvent>,
-        accepted: oneshot::Sender<Result<SessionId, ApiError>>,
+        accepted: oneshot::Sender<Result<SessionId, Refusal>>,
     },
     /// A session another route lost, to continue here; refused, it comes back.
     Resume {
@@ -102,7 +102,7 @@ pub struct Moved {
     pub digest: String,
     pub from: String,
     /// Why it left: what the client gets if no route takes it.
-    pub error: ApiError,
+    pub error: Refusal,
 }
 
 impl Moved {
@@ -136,6 +136,33 @@ pub struct RunnerConfig {
     pub liveness: Duration,
 }
 
+/// Whether another route of a model takes work now (the route table answers): where a
+/// draining route's sessions could go.
+pub trait Replicas: Send + Sync {
+    fn another_takes_work(&self, digest: &str, name: &str) -> bool;
+}
+
+/// What a route's loop is made of.
+pub struct RunnerParts {
+    pub config: RunnerConfig,
+    /// The route's name.
+    pub name: String,
+    pub cluster: Arc<Cluster>,
+    pub tokenizer: Arc<Tokenizer>,
+    /// The route's scoped metrics.
+    pub metrics: Arc<Metrics>,
+    pub health: watch::Receiver<Health>,
+    /// Published: whether the route is open.
+    pub route_up: watch::Sender<bool>,
+    pub admission: Admission,
+    pub ledger: Option<Arc<crate::ledger::Ledger>>,
+    /// Where its sessions go when it fails (`None`: they fail).
+    pub failover: Option<mpsc::UnboundedSender<Box<Moved>>>,
+    pub replicas: Arc<dyn Replicas>,
+    /// Sessions it holds, published for choosing routes.
+    pub load: Arc<std::sync::atomic::AtomicUsize>,
+}
+
 /// The per-owner fairness id of an API key's name.
 fn owner_of(key: &str) -> u64 {
     use std::hash::{Hash, Hasher};
@@ -143,12 +170,6 @@ fn owner_of(key: &str) -> u64 {
     key.hash(&mut h);
     h.finish()
 }
-
-/// Times one session may be recomputed after a shard lost its cache before it fails.
-const MAX_REPLAYS: u32 = 3;
-
-/// Times one session may move to another route before a route failure fails it.
-pub const MAX_MOVES: u32 = 3;
 
 struct Live {
     n_replays: u32,
@@ -193,7 +214,7 @@ pub struct Runner {
     failover: Option<mpsc::UnboundedSender<Box<Moved>>>,
     /// The route table: whether another route of the model could take this one's sessions
     /// when a shard of it drains.
-    table: Arc<crate::table::RouteTable>,
+    table: Arc<dyn Replicas>,
     /// Sessions it holds, published for choosing routes (new work goes to the least loaded).
     load: Arc<std::sync::atomic::AtomicUsize>,
     /// Retired: no new session; the loop ends once it holds none.
@@ -218,7 +239,7 @@ pub struct Runner {
     /// Steps sent and not yet answered, oldest first (replies come back in order).
     in_flight: VecDeque<InFlight>,
     /// Why the route is down, for refusals.
-    down_reason: Option<ApiError>,
+    down_reason: Option<Refusal>,
     next_attempt: Instant,
     /// When the route last said anything (reply, acknowledgement, progress).
     last_heard: Instant,
@@ -258,23 +279,17 @@ async fn sleep_until(due: Option<Instant>) {
     }
 }
 
-/// A route stream that broke: the shard at its far end failed, unless it refused the route
-/// for a recipe mismatch (then nothing but an operator fixes it).
-fn link_error(shard: &str, status: &tonic::Status) -> ApiError {
-    ApiError::from_route_status(shard, status)
-}
-
 /// Why the route refuses work while the health monitor reports some shard down (or holding
 /// something other than what the route was validated with).
-fn health_refusal(health: &Health) -> ApiError {
+fn health_refusal(health: &Health) -> Refusal {
     let draining = health.draining();
     match health.mismatched() {
-        Some(why) => ApiError::recipe_mismatch(why),
-        None if health.all_up() && !draining.is_empty() => ApiError::draining(format!(
+        Some(why) => Refusal::recipe_mismatch(why),
+        None if health.all_up() && !draining.is_empty() => Refusal::draining(format!(
             "shard {} is draining (going away) and takes no new session",
             draining.join(", ")
         )),
-        None => ApiError::shard_failed(
+        None => Refusal::shard_failed(
             &health.down().join(", "),
             "the shard is down; retry when it is back",
         ),
@@ -282,42 +297,29 @@ fn health_refusal(health: &Health) -> ApiError {
 }
 
 impl Runner {
-    pub fn new(
-        config: RunnerConfig,
-        cluster: Arc<Cluster>,
-        tokenizer: Arc<Tokenizer>,
-        metrics: Arc<Metrics>,
-        health: watch::Receiver<Health>,
-        route_up: watch::Sender<bool>,
-        admission: Admission,
-        ledger: Option<Arc<crate::ledger::Ledger>>,
-        name: String,
-        failover: Option<mpsc::UnboundedSender<Box<Moved>>>,
-        table: Arc<crate::table::RouteTable>,
-        load: Arc<std::sync::atomic::AtomicUsize>,
-    ) -> Runner {
+    pub fn new(p: RunnerParts) -> Runner {
         Runner {
-            table,
+            table: p.replicas,
             retired: false,
             commands_closed: false,
-            name,
-            failover,
-            load,
-            route_up,
-            admission,
-            ledger,
-            scheduler: Scheduler::new(config.scheduler),
-            config,
-            cluster,
-            tokenizer,
-            metrics,
-            health,
+            name: p.name,
+            failover: p.failover,
+            load: p.load,
+            route_up: p.route_up,
+            admission: p.admission,
+            ledger: p.ledger,
+            scheduler: Scheduler::new(p.config.scheduler),
+            config: p.config,
+            cluster: p.cluster,
+            tokenizer: p.tokenizer,
+            metrics: p.metrics,
+            health: p.health,
             live: HashMap::new(),
             next_id: 1,
             epoch: 0,
             link: None,
             in_flight: VecDeque::new(),
-            down_reason: Some(ApiError::unavailable("the route is starting")),
+            down_reason: Some(Refusal::unavailable("the route is starting")),
             next_attempt: Instant::now(),
             last_heard: Instant::now(),
         }
@@ -394,7 +396,7 @@ impl Runner {
             .another_takes_work(&self.cluster.model_digest, &self.name)
         {
             let draining = self.health.borrow().draining();
-            self.route_failed(ApiError::draining(format!(
+            self.route_failed(Refusal::draining(format!(
                 "shard {} is draining",
                 draining.join(", ")
             )));
@@ -483,7 +485,7 @@ impl Runner {
             .await
             .unwrap_or_else(|| "on the route".to_string());
         let n_tokens = self.in_flight.front().map_or(0, |f| f.plan.n_tokens());
-        self.route_failed(ApiError::shard_failed(
+        self.route_failed(Refusal::shard_failed(
             &culprit,
             format!(
                 "the route was silent for {} ms while a {n_tokens}-token step was in flight",
@@ -501,17 +503,17 @@ impl Runner {
         match reply {
             Some(Ok(r)) if r.progress.is_some() => {}
             Some(Ok(r)) if r.step_error.is_some() || replies_upstream => self.on_reply(r),
-            Some(Ok(r)) => self.route_failed(ApiError::shard_failed(
+            Some(Ok(r)) => self.route_failed(Refusal::shard_failed(
                 &first,
                 format!(
                     "an unexpected answer to step {} on the route stream",
                     r.step_id
                 ),
             )),
-            Some(Err(status)) => self.route_failed(link_error(&first, &status)),
+            Some(Err(status)) => self.route_failed(link_refusal(&first, &status)),
             // The first shard closed the route stream (also when no step was in flight: the
             // route must be reopened before it is reported up or used).
-            None => self.route_failed(ApiError::shard_failed(&first, "the route stream ended")),
+            None => self.route_failed(Refusal::shard_failed(&first, "the route stream ended")),
         }
     }
 
@@ -522,7 +524,7 @@ impl Runner {
         match reply {
             Some(Ok(r)) if r.progress.is_some() => {}
             Some(Ok(r)) => self.on_reply(r),
-            Some(Err(status)) => self.route_failed(link_error(&last, &status)),
+            Some(Err(status)) => self.route_failed(link_refusal(&last, &status)),
             None => {
                 // The last shard's route ended because a shard before it closed it: the
                 // upstream stream names that shard (or the route's silence runs out).
@@ -537,17 +539,12 @@ impl Runner {
     fn on_reply(&mut self, reply: RouteReply) {
         if let Some(e) = &reply.step_error {
             // The route is broken: every session on it fails (route_failed resets them all).
-            let err = if e.reason == "shard_failed" {
-                ApiError::shard_failed(&e.shard, e.message.clone())
-            } else {
-                ApiError::from_shard_refusal(&e.reason, &e.message)
-            };
-            self.route_failed(err);
+            self.route_failed(e.refusal());
             return;
         }
         let Some(f) = self.in_flight.pop_front() else {
             let last = self.cluster.addresses().last().cloned().unwrap_or_default();
-            self.route_failed(ApiError::shard_failed(
+            self.route_failed(Refusal::shard_failed(
                 &last,
                 format!("a reply for step {} with no step in flight", reply.step_id),
             ));
@@ -555,7 +552,7 @@ impl Runner {
         };
         if reply.step_id != f.plan.step_id {
             let last = self.cluster.addresses().last().cloned().unwrap_or_default();
-            self.route_failed(ApiError::shard_failed(
+            self.route_failed(Refusal::shard_failed(
                 &last,
                 format!(
                     "reply for step {} while step {} was the oldest in flight",
@@ -588,7 +585,7 @@ impl Runner {
             .is_err()
         {
             let shard = self.cluster.addresses()[0].clone();
-            self.route_failed(ApiError::shard_failed(&shard, "the route stream closed"));
+            self.route_failed(Refusal::shard_failed(&shard, "the route stream closed"));
             return;
         }
         for item in &plan.items {
@@ -665,7 +662,7 @@ impl Runner {
             } => {
                 // Refusals are counted where they are answered (the HTTP handler).
                 if self.retired {
-                    let _ = accepted.send(Err(ApiError::draining(format!(
+                    let _ = accepted.send(Err(Refusal::draining(format!(
                         "route {} has left",
                         self.name
                     ))));
@@ -691,13 +688,7 @@ impl Runner {
                 };
                 let queued = self.scheduler.n_waiting_of(job.priority);
                 if let Err(r) = self.admission.admit(id, &demand, queued) {
-                    let err = match r.kind {
-                        RefusalKind::Capacity => {
-                            ApiError::capacity(&r.limit, r.message).retry_after(r.retry_after_secs)
-                        }
-                        RefusalKind::TooLarge => ApiError::too_large(&r.limit, r.message),
-                    };
-                    let _ = accepted.send(Err(err));
+                    let _ = accepted.send(Err(r));
                     return;
                 }
                 self.next_id += 1;
@@ -777,7 +768,7 @@ impl Runner {
                 );
                 self.retired = true;
                 if move_sessions && !self.live.is_empty() {
-                    self.route_failed(ApiError::draining(format!(
+                    self.route_failed(Refusal::draining(format!(
                         "route {} left the registry",
                         self.name
                     )));
@@ -863,13 +854,13 @@ impl Runner {
         }
     }
 
-    fn route_failed(&mut self, err: ApiError) {
+    fn route_failed(&mut self, err: Refusal) {
         tracing::warn!(error = %err.message, "route failed");
         self.link = None;
         self.in_flight.clear();
         self.publish_route_state();
         self.metrics
-            .inc("strata_failures_total", &[("kind", err.reason)], 1.0);
+            .inc("strata_failures_total", &[("kind", err.reason.name())], 1.0);
         let mut known: HashMap<SessionId, (Vec<u32>, usize)> = self
             .scheduler
             .take_all()
@@ -882,13 +873,14 @@ impl Runner {
             // nothing; a route failure is not the session's fault, a non-retryable refusal is
             // not a failure at all.
             match (&self.failover, known.remove(&id)) {
-                (Some(tx), Some((tokens, max_new)))
-                    if err.retryable && l.n_moves < MAX_MOVES && max_new > 0 =>
-                {
+                (Some(tx), Some((tokens, max_new))) if session::moves(&err, l.n_moves, max_new) => {
                     l.n_moves += 1;
                     l.moved_at = Some(Instant::now());
-                    self.metrics
-                        .inc("strata_migrations_total", &[("reason", err.reason)], 1.0);
+                    self.metrics.inc(
+                        "strata_migrations_total",
+                        &[("reason", err.reason.name())],
+                        1.0,
+                    );
                     let moved = Moved {
                         live: l,
                         tokens,
@@ -919,18 +911,16 @@ impl Runner {
             let id = SessionId(e.session_id);
             // A shard forgot the session (eviction): recompute it from its known tokens, a few
             // times at most, instead of failing the client.
-            if e.reason == "cache_miss" {
-                if let Some(l) = self.live.get_mut(&id) {
-                    if l.n_replays < MAX_REPLAYS {
-                        l.n_replays += 1;
-                        replays.push(id);
-                        self.metrics.inc("strata_replays_total", &[], 1.0);
-                        continue;
-                    }
+            if let Some(l) = self.live.get_mut(&id) {
+                if session::replays(e.kind(), l.n_replays) {
+                    l.n_replays += 1;
+                    replays.push(id);
+                    self.metrics.inc("strata_replays_total", &[], 1.0);
+                    continue;
                 }
             }
             failed.push(id);
-            let err = ApiError::from_shard_refusal(&e.reason, &e.message);
+            let err = e.refusal();
             // Counted where the client is answered (the request's record).
             if let Some(l) = self.forget(id, "failed") {
                 let _ = l.events.send(SessionEvent::Error(err));
@@ -967,13 +957,7 @@ impl Runner {
                     let lp = logprobs.get(&session.0).copied();
                     self.on_token(session, token, lp);
                 }
-                Event::Finished { session, reason } => {
-                    let why = match reason {
-                        FinishReason::Length => "length",
-                        FinishReason::Stop => "stop",
-                    };
-                    self.finish(session, why);
-                }
+                Event::Finished { session, reason } => self.finish(session, reason),
             }
         }
     }
@@ -1036,7 +1020,7 @@ impl Runner {
                 logprob,
             });
             self.scheduler.finish(id);
-            self.finish(id, "stop");
+            self.finish(id, FinishReason::Stop);
             return;
         }
         let piece: String = live
@@ -1059,22 +1043,19 @@ impl Runner {
                 });
                 self.scheduler.finish(id);
                 if let Some(l) = self.forget(id, "done") {
-                    self.done(l, "stop");
+                    self.done(l, FinishReason::Stop);
                 }
             }
         }
     }
 
-    fn finish(&mut self, id: SessionId, reason: &'static str) {
+    fn finish(&mut self, id: SessionId, reason: FinishReason) {
         let Some(mut live) = self.forget(id, "done") else {
             return;
         };
-        if reason == "length" {
+        if reason == FinishReason::Length {
             let tail = live.decoder.finish();
-            let text = match live.stops.push(&tail) {
-                StopStep::Continue(t) => t + &live.stops.finish(),
-                StopStep::Stop(t) => t,
-            };
+            let text = session::tail_at_length(&tail, &mut live.stops);
             if !text.is_empty() {
                 let _ = live.events.send(SessionEvent::Text(text));
             }
@@ -1082,7 +1063,7 @@ impl Runner {
         self.done(live, reason);
     }
 
-    fn done(&self, live: Live, reason: &'static str) {
+    fn done(&self, live: Live, reason: FinishReason) {
         let _ = live.events.send(SessionEvent::Done {
             finish_reason: reason,
             prompt_tokens: live.n_prompt,

@@ -5,226 +5,33 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{HeaderMap, Method, Uri};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::Router;
+use engine::{Priority, Refusal};
+
+use super::error::Answer;
 use serde_json::Value;
-use text::{ChatTemplate, Tokenizer};
-use tokio::sync::{mpsc, oneshot, watch, Semaphore};
+use text::Tokenizer;
 
-use crate::cluster::{Cluster, Health};
-use crate::error::ApiError;
-use crate::ledger::{ApiKey, Ledger};
-use crate::metrics::Metrics;
-use crate::record::{Outcome, RequestRecord};
-use crate::request::{validate, Endpoint, PromptInput, ValidRequest};
-use crate::respond::{stream_response, whole_response, CancelOnDrop};
-use crate::runner::{Command, Job, SessionEvent};
-use crate::server::{read_body, HttpConfig};
-use engine::Priority;
-
-/// What the handlers share (all immutable or internally synchronized).
-pub struct AppState {
-    /// The resident models, each with the routes (nodes) that hold it; routes join and leave
-    /// while the tracker runs when it follows a registry.
-    pub table: Arc<crate::table::RouteTable>,
-    pub metrics: Arc<Metrics>,
-    /// `max_tokens` when a chat request gives none.
-    pub default_chat_max_tokens: usize,
-    pub ledger: Option<Arc<Ledger>>,
-    /// The one API key every request must present, when configured (`--api-key`).
-    pub api_key: Option<String>,
-    /// Whether `/health` and `/metrics` are open to anyone although API keys are on.
-    pub public_metrics: bool,
-    /// Bearer token of the admin API (`None`: no admin API).
-    pub admin_token: Option<String>,
-    pub http: HttpConfig,
-    /// Long bodies parsed and prompts tokenized at once (each on a blocking thread): all cores
-    /// but one, so a flood of long prompts waits here instead of taking the cores that shards
-    /// and other requests need.
-    pub tokenizing: Semaphore,
-    /// Numbers the responses (ids unique across routes: each route numbers its sessions).
-    pub responses: std::sync::atomic::AtomicU64,
-}
-
-/// One resident model: its tokenizer and the routes whose shards hold it.
-#[derive(Clone)]
-pub struct ModelEntry {
-    pub id: String,
-    pub digest: String,
-    pub n_layers: u32,
-    /// The smallest context any of its routes allows.
-    pub n_ctx: usize,
-    pub tokenizer: Arc<Tokenizer>,
-    /// The vocabulary request grammars are checked against before they are queued.
-    pub grammars: Arc<constrain::LazyVocabulary>,
-    pub template: Option<Arc<ChatTemplate>>,
-    pub routes: Vec<Arc<RouteHandle>>,
-}
-
-/// One route's scheduling loop.
-pub struct RouteHandle {
-    pub name: String,
-    pub cluster: Arc<Cluster>,
-    pub commands: mpsc::Sender<Command>,
-    pub health: watch::Receiver<Health>,
-    /// Whether the route can take work (open end to end, every shard answering as validated):
-    /// published by the route's runner.
-    pub up: watch::Receiver<bool>,
-    /// A shard of the route was started with `--pin`: the model is never evicted from it.
-    pub pinned: bool,
-    /// An operator evicted the model from this route: no new request goes to it.
-    pub evicted: Arc<std::sync::atomic::AtomicBool>,
-    /// Sessions its loop holds (published by it) and requests on their way to it: new work
-    /// goes to the route with the fewest.
-    pub load: Arc<std::sync::atomic::AtomicUsize>,
-    pub submitting: std::sync::atomic::AtomicUsize,
-}
-
-impl RouteHandle {
-    pub fn resident(&self) -> bool {
-        !self.evicted.load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    /// Open, serving and resident: it takes new sessions and moved ones.
-    pub fn takes_work(&self) -> bool {
-        *self.up.borrow() && self.resident()
-    }
-}
-
-impl ModelEntry {
-    pub fn resident(&self) -> bool {
-        self.routes.iter().any(|r| r.resident())
-    }
-}
-
-impl AppState {
-    /// The model a request names (or the only one, when it names none). A model no route
-    /// holds is refused as `not_resident`: nothing is ever loaded to answer a request. With
-    /// no route at all (none joined yet, or the model's routes all left), the refusal is a
-    /// retryable `no_route`.
-    pub fn model(&self, requested: Option<&str>) -> Result<Arc<ModelEntry>, ApiError> {
-        let models = self.table.models();
-        let resident: Vec<&Arc<ModelEntry>> = models.iter().filter(|m| m.resident()).collect();
-        let no_route = |what: &str| {
-            ApiError::no_route(format!(
-                "no route serves {what} now; shards join the registry at any time, retry shortly"
-            ))
-        };
-        // Known, but every route of it left (an evicted route is still there: that model is
-        // not resident, which only an operator changes).
-        let departed = |e: &ModelEntry| e.routes.is_empty();
-        match requested {
-            Some(m) => match resident.iter().find(|e| e.id == m || e.digest == m) {
-                Some(e) => Ok(Arc::clone(e)),
-                None if models.is_empty() => Err(no_route(&format!("`{m}`"))),
-                None if models
-                    .iter()
-                    .any(|e| (e.id == m || e.digest == m) && departed(e)) =>
-                {
-                    Err(no_route(&format!("`{m}`")))
-                }
-                None => Err(ApiError::not_resident(m, &self.residency())),
-            },
-            None if resident.len() == 1 => Ok(Arc::clone(resident[0])),
-            None if resident.is_empty() && models.iter().all(|e| departed(e)) => {
-                Err(no_route("any model"))
-            }
-            None => Err(ApiError::invalid(
-                "model",
-                format!(
-                    "`model` is required: this tracker serves {}",
-                    self.residency()
-                ),
-            )),
-        }
-    }
-
-    /// "model on route, route; model on route" for messages.
-    pub fn residency(&self) -> String {
-        self.table
-            .models()
-            .iter()
-            .filter(|m| m.resident())
-            .map(|m| {
-                let routes: Vec<&str> = m
-                    .routes
-                    .iter()
-                    .filter(|r| r.resident())
-                    .map(|r| r.name.as_str())
-                    .collect();
-                format!("`{}` on {}", m.id, routes.join(", "))
-            })
-            .collect::<Vec<_>>()
-            .join("; ")
-    }
-
-    /// Whether requests must present an API key.
-    pub fn keys_on(&self) -> bool {
-        self.api_key.is_some() || self.ledger.as_ref().is_some_and(|l| l.has_keys())
-    }
-
-    /// The caller's key for a completion: checked against `--api-key`, or looked up in the
-    /// ledger (which then records the request's usage under it).
-    pub fn key(&self, headers: &HeaderMap) -> Result<Option<ApiKey>, ApiError> {
-        let secret = bearer(headers);
-        if let Some(expected) = &self.api_key {
-            if !proto::secrets_equal(&secret, expected) {
-                return Err(ApiError::unauthorized());
-            }
-        }
-        self.ledger
-            .as_ref()
-            .map(|l| l.authenticate(&secret))
-            .transpose()
-    }
-
-    /// `/health` and `/metrics` tell an operator about the cluster: with API keys on they
-    /// need a valid key, unless the tracker was started with `--public-metrics`.
-    pub fn may_observe(&self, headers: &HeaderMap) -> Result<(), ApiError> {
-        if self.public_metrics || !self.keys_on() {
-            return Ok(());
-        }
-        self.key(headers).map(|_| ())
-    }
-}
-
-pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(crate::ops::models))
-        .route("/v1/models/{id}", get(crate::ops::model))
-        .route("/tokenize", post(crate::ops::tokenize))
-        .route("/detokenize", post(crate::ops::detokenize))
-        .route("/v1/usage", get(crate::ops::usage_of_key))
-        .route("/admin/routes/{name}/evict", post(crate::ops::evict_route))
-        .route("/health", get(crate::ops::health))
-        .route("/metrics", get(crate::ops::metrics))
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
-        .with_state(state)
-}
-
-async fn not_found(uri: Uri) -> Response {
-    ApiError::not_found(uri.path()).into_response()
-}
-
-async fn method_not_allowed(method: Method, uri: Uri) -> Response {
-    ApiError::method_not_allowed(method.as_str(), uri.path()).into_response()
-}
+use super::record::{Outcome, RequestRecord};
+use super::request::{validate, Endpoint, PromptInput, ValidRequest};
+use super::respond::{stream_response, whole_response, Accepted, CancelOnDrop, Choice};
+use super::server::read_body;
+use super::state::AppState;
+use crate::route::driver::Job;
+use crate::route::offer::submit;
+use crate::route::table::ModelEntry;
 
 /// Bodies up to this size are parsed on the async runtime (microseconds); longer ones on a
 /// blocking thread.
 const INLINE_BODY_BYTES: usize = 64 << 10;
 
-fn parse_body(bytes: &[u8]) -> Result<Value, ApiError> {
+fn parse_body(bytes: &[u8]) -> Result<Value, Refusal> {
     serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::invalid("body", format!("the request body is not valid JSON: {e}")))
+        .map_err(|e| Refusal::invalid("body", format!("the request body is not valid JSON: {e}")))
 }
 
-async fn completions(
+pub async fn completions(
     State(s): State<Arc<AppState>>,
     headers: HeaderMap,
     body: axum::body::Body,
@@ -232,7 +39,7 @@ async fn completions(
     handle(s, Endpoint::Completions, &headers, body).await
 }
 
-async fn chat_completions(
+pub async fn chat_completions(
     State(s): State<Arc<AppState>>,
     headers: HeaderMap,
     body: axum::body::Body,
@@ -242,7 +49,7 @@ async fn chat_completions(
 
 /// The priority class: the request's `priority` field, else the `x-strata-priority` header,
 /// else agent.
-fn priority_of(req: &ValidRequest, headers: &HeaderMap) -> Result<Priority, ApiError> {
+fn priority_of(req: &ValidRequest, headers: &HeaderMap) -> Result<Priority, Refusal> {
     if let Some(p) = req.priority {
         return Ok(p);
     }
@@ -253,31 +60,12 @@ fn priority_of(req: &ValidRequest, headers: &HeaderMap) -> Result<Priority, ApiE
             .ok()
             .and_then(|v| Priority::parse(v.trim()))
             .ok_or_else(|| {
-                ApiError::invalid(
+                Refusal::invalid(
                     "x-strata-priority",
                     "the x-strata-priority header must be \"agent\" or \"grading\"",
                 )
             }),
     }
-}
-
-/// The secret from `Authorization: Bearer <key>` ("" when there is none).
-pub fn bearer(headers: &HeaderMap) -> String {
-    headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(bearer_token)
-        .unwrap_or_default()
-}
-
-/// The token of an `Authorization` value in the Bearer scheme, whose name is
-/// case-insensitive (RFC 7235): `Bearer k`, `bearer k` and `BEARER k` all carry `k`.
-fn bearer_token(value: &str) -> Option<String> {
-    let (scheme, token) = value.trim_start().split_once(' ')?;
-    scheme
-        .eq_ignore_ascii_case("bearer")
-        .then(|| token.trim().to_string())
-        .filter(|t| !t.is_empty())
 }
 
 /// Prompt ids for a validated request, at most `limit` of them (a longer prompt is refused as
@@ -289,11 +77,11 @@ async fn tokenize(
     prompt: PromptInput,
     tools: Option<Value>,
     limit: usize,
-) -> Result<Vec<u32>, ApiError> {
+) -> Result<Vec<u32>, Refusal> {
     let tokenizer = Arc::clone(&model.tokenizer);
     let n_vocab = tokenizer.n_vocab();
     let too_long = |at_least: usize| {
-        ApiError::over_limit(
+        Refusal::over_limit(
             "prompt",
             "n_ctx",
             format!("the prompt has at least {at_least} tokens, but the context length `n_ctx` is {limit}"),
@@ -302,7 +90,7 @@ async fn tokenize(
     let ids = match prompt {
         PromptInput::Ids(ids) => {
             if let Some(bad) = ids.iter().find(|&&i| i as usize >= n_vocab) {
-                return Err(ApiError::invalid(
+                return Err(Refusal::invalid(
                     "prompt",
                     format!("token id {bad} is out of range (vocabulary has {n_vocab} tokens)"),
                 ));
@@ -316,62 +104,33 @@ async fn tokenize(
             let _permit = s.tokenizing.acquire().await;
             tokio::task::spawn_blocking(move || tokenizer.encode_within(&t, true, true, limit))
                 .await
-                .map_err(|_| ApiError::unavailable("tokenizing the prompt failed"))?
+                .map_err(|_| Refusal::unavailable("tokenizing the prompt failed"))?
                 .map_err(|e| too_long(e.at_least))?
         }
         PromptInput::Messages(m) => {
             let template = model
                 .template
                 .clone()
-                .ok_or_else(|| ApiError::invalid("messages", "this model has no chat template"))?;
+                .ok_or_else(|| Refusal::invalid("messages", "this model has no chat template"))?;
             let _permit = s.tokenizing.acquire().await;
             tokio::task::spawn_blocking(move || {
                 tokenizer.encode_chat_within(&template, &m, tools.as_ref(), limit)
             })
             .await
-            .map_err(|_| ApiError::unavailable("tokenizing the prompt failed"))?
+            .map_err(|_| Refusal::unavailable("tokenizing the prompt failed"))?
             .map_err(|e| match e {
                 text::Error::TooManyTokens(t) => too_long(t.at_least),
-                other => ApiError::invalid("messages", other.to_string()),
+                other => Refusal::invalid("messages", other.to_string()),
             })?
         }
     };
     if ids.is_empty() {
-        return Err(ApiError::invalid(
+        return Err(Refusal::invalid(
             "prompt",
             "the prompt is empty: at least one token is needed",
         ));
     }
     Ok(ids)
-}
-
-/// One choice of an accepted request: its session and what it sends.
-pub struct Choice {
-    pub events: mpsc::UnboundedReceiver<SessionEvent>,
-    pub guard: CancelOnDrop,
-    /// An event taken off `events` already (the first choice's first, awaited before the
-    /// other choices are submitted), to be handled first.
-    pub first: Option<SessionEvent>,
-}
-
-impl Choice {
-    pub async fn next(&mut self) -> Option<SessionEvent> {
-        match self.first.take() {
-            Some(e) => Some(e),
-            None => self.events.recv().await,
-        }
-    }
-}
-
-/// A request accepted by a route: what its response needs.
-pub struct Accepted {
-    pub req: ValidRequest,
-    pub model_id: String,
-    /// The response's id (the first choice's session).
-    pub id: String,
-    pub choices: Vec<Choice>,
-    /// `echo`: the prompt's text, put before each choice's answer.
-    pub echo: Option<String>,
 }
 
 async fn handle(
@@ -412,7 +171,7 @@ async fn check_grammar(
     model: &ModelEntry,
     grammar: &str,
     param: &str,
-) -> Result<(), ApiError> {
+) -> Result<(), Refusal> {
     let _permit = s.tokenizing.acquire().await;
     let (vocab, g) = (Arc::clone(&model.grammars), grammar.to_string());
     tokio::task::spawn_blocking(move || {
@@ -421,8 +180,8 @@ async fn check_grammar(
         checked
     })
     .await
-    .map_err(|_| ApiError::unavailable("compiling the grammar failed"))?
-    .map_err(|e| crate::agent::grammar_error(param, e))
+    .map_err(|_| Refusal::unavailable("compiling the grammar failed"))?
+    .map_err(|e| crate::api::agent::grammar_error(param, e))
 }
 
 /// Hands the heap's free pages back to the system. Compiling a large grammar allocates tens
@@ -443,25 +202,22 @@ fn fim_ids(
     prompt: &PromptInput,
     suffix: &str,
     limit: usize,
-) -> Result<Vec<u32>, ApiError> {
+) -> Result<Vec<u32>, Refusal> {
     let (Some(pre), Some(suf), Some(mid)) = (
         t.token_id("<|fim_prefix|>"),
         t.token_id("<|fim_suffix|>"),
         t.token_id("<|fim_middle|>"),
     ) else {
-        return Err(ApiError::invalid(
+        return Err(Refusal::invalid(
             "suffix",
             "this model has no fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>)",
         ));
     };
     let PromptInput::Text(text) = prompt else {
-        return Err(ApiError::invalid(
-            "suffix",
-            "`suffix` needs a text `prompt`",
-        ));
+        return Err(Refusal::invalid("suffix", "`suffix` needs a text `prompt`"));
     };
     if text.len() + suffix.len() > limit.saturating_mul(64) {
-        return Err(ApiError::over_limit(
+        return Err(Refusal::over_limit(
             "prompt",
             "n_ctx",
             "the prompt and suffix are longer than the context".to_string(),
@@ -473,7 +229,7 @@ fn fim_ids(
     ids.extend(t.encode(suffix, false, false));
     ids.push(mid);
     if ids.len() > limit {
-        return Err(ApiError::over_limit(
+        return Err(Refusal::over_limit(
             "prompt",
             "n_ctx",
             format!(
@@ -488,7 +244,7 @@ fn fim_ids(
 /// What the model decides about a request: `logit_bias` ids inside its vocabulary, `tools`
 /// only with a template that has a tool-call format, and no control-token text in what its
 /// template prints as markup (tool definitions, tool calls, tool-call ids, names).
-fn check_against_model(model: &ModelEntry, req: &ValidRequest) -> Result<(), ApiError> {
+fn check_against_model(model: &ModelEntry, req: &ValidRequest) -> Result<(), Refusal> {
     let n_vocab = model.tokenizer.n_vocab();
     if let Some(&(bad, _)) = req
         .sampling
@@ -496,7 +252,7 @@ fn check_against_model(model: &ModelEntry, req: &ValidRequest) -> Result<(), Api
         .iter()
         .find(|(t, _)| *t as usize >= n_vocab)
     {
-        return Err(ApiError::invalid(
+        return Err(Refusal::invalid(
             "logit_bias",
             format!("`logit_bias` names token {bad}, but the vocabulary has {n_vocab} tokens"),
         ));
@@ -507,13 +263,13 @@ fn check_against_model(model: &ModelEntry, req: &ValidRequest) -> Result<(), Api
             .as_ref()
             .is_some_and(|t| t.has_hermes_tools())
         {
-            return Err(ApiError::invalid(
+            return Err(Refusal::invalid(
                 "tools",
                 format!("the chat template of `{}` has no tool-call format strata knows (Hermes `<tool_call>`, as Qwen2.5's)", model.id),
             ));
         }
         if let Some(c) = model.tokenizer.control_text_in(&t.json.to_string()) {
-            return Err(ApiError::invalid(
+            return Err(Refusal::invalid(
                 "tools",
                 format!("`tools` holds the control token text `{c}`"),
             ));
@@ -531,7 +287,7 @@ fn check_against_model(model: &ModelEntry, req: &ValidRequest) -> Result<(), Api
                     .as_deref()
                     .and_then(|t| model.tokenizer.control_text_in(t))
                 {
-                    return Err(ApiError::invalid(
+                    return Err(Refusal::invalid(
                         &format!("messages[{i}].{field}"),
                         format!("`messages[{i}].{field}` holds the control token text `{c}`"),
                     ));
@@ -548,7 +304,7 @@ async fn request_grammar(
     s: &AppState,
     model: &ModelEntry,
     req: &ValidRequest,
-) -> Result<Option<String>, ApiError> {
+) -> Result<Option<String>, Refusal> {
     if let Some(g) = &req.grammar {
         check_grammar(s, model, g, "response_format").await?;
         return Ok(Some(g.clone()));
@@ -575,7 +331,7 @@ async fn admit(
     headers: &HeaderMap,
     body: axum::body::Body,
     record: &mut RequestRecord,
-) -> Result<Accepted, ApiError> {
+) -> Result<Accepted, Refusal> {
     let body = read_body(body, &s.http).await?;
     let mut req = if body.len() <= INLINE_BODY_BYTES {
         validate(endpoint, parse_body(&body)?)?
@@ -585,7 +341,7 @@ async fn admit(
         let _permit = s.tokenizing.acquire().await;
         tokio::task::spawn_blocking(move || validate(endpoint, parse_body(&body)?))
             .await
-            .map_err(|_| ApiError::unavailable("parsing the request failed"))??
+            .map_err(|_| Refusal::unavailable("parsing the request failed"))??
     };
     record.priority = priority_of(&req, headers)?;
     record.user = req.user.clone().unwrap_or_default();
@@ -603,7 +359,7 @@ async fn admit(
             model
                 .tokenizer
                 .decode(ids, false)
-                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+                .map_err(|e| Refusal::invalid("prompt", e.to_string()))?,
         ),
         (PromptInput::Messages(_), true) => None,
     };
@@ -615,7 +371,7 @@ async fn admit(
             let (t, suffix) = (Arc::clone(&model.tokenizer), suffix.clone());
             tokio::task::spawn_blocking(move || fim_ids(&t, &prompt, &suffix, n_ctx))
                 .await
-                .map_err(|_| ApiError::unavailable("tokenizing the prompt failed"))??
+                .map_err(|_| Refusal::unavailable("tokenizing the prompt failed"))??
         }
         None => {
             tokenize(
@@ -638,7 +394,7 @@ async fn admit(
             .max(1),
     };
     if prompt_ids.len() + max_tokens > n_ctx {
-        return Err(ApiError::over_limit("max_tokens", "n_ctx", format!(
+        return Err(Refusal::over_limit("max_tokens", "n_ctx", format!(
             "prompt has {} tokens and `max_tokens` is {max_tokens}, but the context length `n_ctx` is {n_ctx}",
             prompt_ids.len()
         )));
@@ -688,7 +444,7 @@ async fn admit(
                 let (l2, k, max) = (Arc::clone(l), k.clone(), job.max_tokens as u64);
                 let row = tokio::task::spawn_blocking(move || l2.reserve(&k, billed_prompt, max))
                     .await
-                    .map_err(|_| ApiError::unavailable("the usage ledger stopped"))??;
+                    .map_err(|_| Refusal::unavailable("the usage ledger stopped"))??;
                 Some(row)
             }
             _ => None,
@@ -728,80 +484,4 @@ async fn admit(
         choices,
         echo,
     })
-}
-
-/// Offers the job to the model's routes in turn; the first that admits it runs it. When every
-/// route refuses for capacity the last refusal is returned; any other refusal is final.
-async fn submit(
-    model: &ModelEntry,
-    job: Job,
-) -> Result<
-    (
-        Arc<RouteHandle>,
-        engine::SessionId,
-        mpsc::UnboundedReceiver<SessionEvent>,
-    ),
-    ApiError,
-> {
-    use std::sync::atomic::Ordering::Relaxed;
-    let mut last = ApiError::no_route("the model has no route now; retry shortly");
-    // The least loaded route first (sessions held and requests on their way; between equals,
-    // the one whose tightest shard has the most free KV); the others in turn when it refuses
-    // for capacity.
-    let mut routes: Vec<&Arc<RouteHandle>> = model.routes.iter().filter(|r| r.resident()).collect();
-    routes.sort_by_key(|r| {
-        (
-            r.load.load(Relaxed) + r.submitting.load(Relaxed),
-            std::cmp::Reverse(r.health.borrow().kv_headroom()),
-        )
-    });
-    for route in routes {
-        route.submitting.fetch_add(1, Relaxed);
-        let answer = offer(route, &job).await;
-        route.submitting.fetch_sub(1, Relaxed);
-        match answer {
-            Ok((id, events)) => return Ok((Arc::clone(route), id, events)),
-            Err(e) if e.status == 503 => last = e,
-            Err(e) => return Err(e),
-        }
-    }
-    Err(last)
-}
-
-/// Offers the job to one route: its session id and events, or its refusal.
-async fn offer(
-    route: &RouteHandle,
-    job: &Job,
-) -> Result<(engine::SessionId, mpsc::UnboundedReceiver<SessionEvent>), ApiError> {
-    let (events_tx, events_rx) = mpsc::unbounded_channel();
-    let (acc_tx, acc_rx) = oneshot::channel();
-    route
-        .commands
-        .send(Command::Submit {
-            job: Box::new(job.clone()),
-            events: events_tx,
-            accepted: acc_tx,
-        })
-        .await
-        .map_err(|_| ApiError::unavailable("the scheduler is shutting down"))?;
-    match acc_rx.await {
-        Ok(Ok(id)) => Ok((id, events_rx)),
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err(ApiError::unavailable("the scheduler is shutting down")),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::bearer_token;
-
-    #[test]
-    fn the_bearer_scheme_is_case_insensitive() {
-        for v in ["Bearer k1", "bearer k1", "BEARER  k1 ", "  bEaReR k1"] {
-            assert_eq!(bearer_token(v).as_deref(), Some("k1"), "{v:?}");
-        }
-        for v in ["Basic k1", "Bearerk1", "Bearer ", "k1", ""] {
-            assert_eq!(bearer_token(v), None, "{v:?}");
-        }
-    }
 }

@@ -13,17 +13,47 @@ use futures::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::agent;
-use crate::error::ApiError;
-use crate::http::{Accepted, Choice};
-use crate::record::{Outcome, RequestRecord};
-use crate::request::{Endpoint, ValidRequest};
-use crate::runner::{Command, SessionEvent, TokenLogprob};
+use crate::api::agent;
+use engine::{FinishReason, Refusal};
+
+use crate::api::error::Answer;
+use crate::api::record::{Outcome, RequestRecord};
+use crate::api::request::{Endpoint, ValidRequest};
+use crate::route::driver::{Command, SessionEvent, TokenLogprob};
 
 fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// One choice of an accepted request: its session and what it sends.
+pub struct Choice {
+    pub events: mpsc::UnboundedReceiver<SessionEvent>,
+    pub guard: CancelOnDrop,
+    /// An event taken off `events` already (the first choice's first, awaited before the
+    /// other choices are submitted), to be handled first.
+    pub first: Option<SessionEvent>,
+}
+
+impl Choice {
+    pub async fn next(&mut self) -> Option<SessionEvent> {
+        match self.first.take() {
+            Some(e) => Some(e),
+            None => self.events.recv().await,
+        }
+    }
+}
+
+/// A request accepted by a route: what its response needs.
+pub struct Accepted {
+    pub req: ValidRequest,
+    pub model_id: String,
+    /// The response's id (the first choice's session).
+    pub id: String,
+    pub choices: Vec<Choice>,
+    /// `echo`: the prompt's text, put before each choice's answer.
+    pub echo: Option<String>,
 }
 
 /// Cancels the session when the response is dropped before it finished (client went away).
@@ -75,7 +105,7 @@ fn usage(prompt: usize, completion: usize) -> Value {
 
 /// How a choice ended.
 struct Ended {
-    finish: &'static str,
+    finish: FinishReason,
     prompt_tokens: usize,
     completion_tokens: usize,
 }
@@ -94,6 +124,7 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
     let mut out = Vec::with_capacity(a.choices.len());
     let mut prompt_tokens = 0;
     let mut completion_tokens = 0;
+    let mut first_finish = None;
     for (index, c) in a.choices.iter_mut().enumerate() {
         let mut text = a.echo.clone().unwrap_or_default();
         let mut lps = Vec::new();
@@ -129,7 +160,7 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
                 }
                 None => {
                     c.guard.armed = false;
-                    let e = ApiError::unavailable("the session ended without a result");
+                    let e = Refusal::unavailable("the session ended without a result");
                     record.finish(Outcome::Failed(&e));
                     return e.into_response();
                 }
@@ -138,48 +169,12 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
         c.guard.armed = false;
         prompt_tokens = ended.prompt_tokens;
         completion_tokens += ended.completion_tokens;
-        let logprobs = a.req.logprobs.map(|_| logprob_json(a.req.endpoint, &lps));
-        let mut choice = match a.req.endpoint {
-            Endpoint::Completions => {
-                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": ended.finish})
-            }
-            Endpoint::Chat if parses_tools(&a.req) => {
-                let (content, calls) = agent::split_calls(&text);
-                // Calls made and the answer ended by itself: `tool_calls` (a cut answer stays
-                // `length`).
-                let finish = if !calls.is_empty() && ended.finish == "stop" {
-                    "tool_calls"
-                } else {
-                    ended.finish
-                };
-                let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { json!(content) }});
-                if !calls.is_empty() {
-                    message["tool_calls"] = calls
-                        .iter()
-                        .enumerate()
-                        .map(|(k, call)| {
-                            let mut v = call.json(&call_id(&a.id, index, k), k);
-                            v.as_object_mut().map(|o| o.remove("index"));
-                            v
-                        })
-                        .collect();
-                }
-                json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
-            }
-            Endpoint::Chat => {
-                json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": ended.finish})
-            }
-        };
-        if a.req.return_token_ids {
-            choice["token_ids"] = json!(ids);
-        }
+        let (choice, finish) = choice_json(&a.req, &a.id, index, text, &lps, &ids, ended.finish);
+        first_finish.get_or_insert(finish);
         out.push(choice);
     }
     record.finish(Outcome::Done {
-        finish_reason: out
-            .first()
-            .and_then(|c| c["finish_reason"].as_str())
-            .map_or("stop", finish_name),
+        finish_reason: first_finish.unwrap_or(FinishReason::Stop),
         completion_tokens,
     });
     let object = match a.req.endpoint {
@@ -194,13 +189,52 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
     (StatusCode::OK, Json(body)).into_response()
 }
 
-/// A finish reason as the static name metrics take.
-fn finish_name(s: &str) -> &'static str {
-    match s {
-        "length" => "length",
-        "tool_calls" => "tool_calls",
-        _ => "stop",
+/// One choice of a whole answer, and how it finished (a chat answer that called tools and
+/// ended by itself: `tool_calls`).
+fn choice_json(
+    req: &ValidRequest,
+    id: &str,
+    index: usize,
+    text: String,
+    lps: &[TokenLogprob],
+    ids: &[u32],
+    finish: FinishReason,
+) -> (Value, FinishReason) {
+    let logprobs = req.logprobs.map(|_| logprob_json(req.endpoint, lps));
+    let (mut choice, finish) = match req.endpoint {
+        Endpoint::Completions => (
+            json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish.name()}),
+            finish,
+        ),
+        Endpoint::Chat if parses_tools(req) => {
+            let (content, calls) = agent::split_calls(&text);
+            let finish = finish.with_calls(calls.len());
+            let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { json!(content) }});
+            if !calls.is_empty() {
+                message["tool_calls"] = calls
+                    .iter()
+                    .enumerate()
+                    .map(|(k, call)| {
+                        let mut v = call.json(&call_id(id, index, k), k);
+                        v.as_object_mut().map(|o| o.remove("index"));
+                        v
+                    })
+                    .collect();
+            }
+            (
+                json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish.name()}),
+                finish,
+            )
+        }
+        Endpoint::Chat => (
+            json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish.name()}),
+            finish,
+        ),
+    };
+    if req.return_token_ids {
+        choice["token_ids"] = json!(ids);
     }
+    (choice, finish)
 }
 
 /// A choice's stream of events, tagged with its index; the choice's guard is disarmed once
@@ -214,7 +248,7 @@ fn choice_events(index: usize, c: Choice) -> impl Stream<Item = (usize, SessionE
             c.guard.armed = false;
         }
         let ev = ev.unwrap_or_else(|| {
-            SessionEvent::Error(ApiError::unavailable("the session ended without a result"))
+            SessionEvent::Error(Refusal::unavailable("the session ended without a result"))
         });
         Some(((index, ev), (!ended).then_some(c)))
     })
@@ -347,12 +381,8 @@ impl StreamState {
                     let rest = t.finish();
                     self.pieces(index, rest);
                 }
-                let finish = if self.choices[index].n_calls > 0 && finish_reason == "stop" {
-                    "tool_calls"
-                } else {
-                    finish_reason
-                };
-                let c = self.chunk(index, None, &[], None, Some(finish), None);
+                let finish = finish_reason.with_calls(self.choices[index].n_calls);
+                let c = self.chunk(index, None, &[], None, Some(finish.name()), None);
                 self.ready.push_back(c);
                 self.prompt_tokens = prompt_tokens;
                 self.completion_tokens += completion_tokens;
@@ -364,7 +394,7 @@ impl StreamState {
                         self.ready.push_back(u.to_string());
                     }
                     self.record.finish(Outcome::Done {
-                        finish_reason: finish_name(finish),
+                        finish_reason: finish,
                         completion_tokens: self.completion_tokens,
                     });
                     self.ready.push_back("[DONE]".to_string());
@@ -422,7 +452,7 @@ pub fn stream_response(
             match st.events.next().await {
                 Some((index, ev)) => st.on_event(index, ev),
                 None => {
-                    let e = ApiError::unavailable("the session ended without a result");
+                    let e = Refusal::unavailable("the session ended without a result");
                     st.record.finish(Outcome::Failed(&e));
                     st.ready.push_back(e.body().to_string());
                     st.finished = true;

@@ -7,7 +7,62 @@ use std::sync::{Arc, RwLock};
 
 use tokio::sync::watch;
 
-use crate::http::{ModelEntry, RouteHandle};
+use text::{ChatTemplate, Tokenizer};
+use tokio::sync::mpsc;
+
+use super::cluster::{Cluster, Health};
+use super::driver::Command;
+
+/// One resident model: its tokenizer and the routes whose shards hold it.
+#[derive(Clone)]
+pub struct ModelEntry {
+    pub id: String,
+    pub digest: String,
+    pub n_layers: u32,
+    /// The smallest context any of its routes allows.
+    pub n_ctx: usize,
+    pub tokenizer: Arc<Tokenizer>,
+    /// The vocabulary request grammars are checked against before they are queued.
+    pub grammars: Arc<constrain::LazyVocabulary>,
+    pub template: Option<Arc<ChatTemplate>>,
+    pub routes: Vec<Arc<RouteHandle>>,
+}
+
+/// One route's scheduling loop.
+pub struct RouteHandle {
+    pub name: String,
+    pub cluster: Arc<Cluster>,
+    pub commands: mpsc::Sender<Command>,
+    pub health: watch::Receiver<Health>,
+    /// Whether the route can take work (open end to end, every shard answering as validated):
+    /// published by the route's runner.
+    pub up: watch::Receiver<bool>,
+    /// A shard of the route was started with `--pin`: the model is never evicted from it.
+    pub pinned: bool,
+    /// An operator evicted the model from this route: no new request goes to it.
+    pub evicted: Arc<std::sync::atomic::AtomicBool>,
+    /// Sessions its loop holds (published by it) and requests on their way to it: new work
+    /// goes to the route with the fewest.
+    pub load: Arc<std::sync::atomic::AtomicUsize>,
+    pub submitting: std::sync::atomic::AtomicUsize,
+}
+
+impl RouteHandle {
+    pub fn resident(&self) -> bool {
+        !self.evicted.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Open, serving and resident: it takes new sessions and moved ones.
+    pub fn takes_work(&self) -> bool {
+        *self.up.borrow() && self.resident()
+    }
+}
+
+impl ModelEntry {
+    pub fn resident(&self) -> bool {
+        self.routes.iter().any(|r| r.resident())
+    }
+}
 
 pub struct RouteTable {
     models: RwLock<Arc<Vec<Arc<ModelEntry>>>>,
@@ -101,6 +156,12 @@ impl RouteTable {
                     .map(|r| (r.name.clone(), r.cluster.addresses().to_vec()))
             })
             .collect()
+    }
+}
+
+impl super::driver::Replicas for RouteTable {
+    fn another_takes_work(&self, digest: &str, name: &str) -> bool {
+        RouteTable::another_takes_work(self, digest, name)
     }
 }
 

@@ -8,8 +8,8 @@ use proto::v1::{route_msg, RouteMsg, RouteSetup, SeamDtype, ShardInfo, ShardStat
 use proto::{ReplyStream, ShardTransport};
 use tokio::sync::{mpsc, watch};
 
-use crate::error::ApiError;
 use crate::metrics::Metrics;
+use engine::{Reason, Refusal};
 
 /// The validated route: shards in layer order with what they said about themselves.
 pub struct Cluster {
@@ -97,6 +97,12 @@ impl Health {
             .map(|s| s.address.clone())
             .collect()
     }
+}
+
+/// A route stream a shard refused or broke: the refusal it sent typed (a recipe or protocol it
+/// does not hold), else that shard failing.
+pub fn link_refusal(shard: &str, status: &tonic::Status) -> Refusal {
+    proto::status_refusal(status).unwrap_or_else(|| Refusal::shard_failed(shard, status.message()))
 }
 
 fn range(i: &ShardInfo) -> String {
@@ -231,7 +237,7 @@ impl Cluster {
 
     /// Opens a route stream through every shard for `epoch`; the refusal says whether a retry
     /// may help (a shard down) or not (a recipe mismatch).
-    pub async fn open_route(&self, epoch: u64, seam: SeamDtype) -> Result<RouteLink, ApiError> {
+    pub async fn open_route(&self, epoch: u64, seam: SeamDtype) -> Result<RouteLink, Refusal> {
         // On a route of several shards the last one answers here directly: its replies stream
         // is opened first, under a key the route's setup then names.
         let (reply_key, direct) = match self.shards.len() {
@@ -246,12 +252,13 @@ impl Cluster {
                 let direct = last
                     .replies(key)
                     .await
-                    .map_err(|e| ApiError::from_route_status(last.address(), &e))?;
+                    .map_err(|e| link_refusal(last.address(), &e))?;
                 (key, Some(direct))
             }
         };
         let (tx, rx) = mpsc::channel(64);
         let setup = RouteSetup {
+            protocol_version: proto::PROTOCOL_VERSION,
             epoch,
             downstream: self.addresses()[1..].to_vec(),
             seam_dtype: seam as i32,
@@ -267,12 +274,12 @@ impl Cluster {
             msg: Some(route_msg::Msg::Setup(setup)),
         })
         .await
-        .map_err(|_| ApiError::unavailable("the route channel closed"))?;
+        .map_err(|_| Refusal::unavailable("the route channel closed"))?;
         let first = &self.shards[0];
         let upstream = first
             .route(rx)
             .await
-            .map_err(|e| ApiError::from_route_status(first.address(), &e))?;
+            .map_err(|e| link_refusal(first.address(), &e))?;
         Ok(RouteLink {
             tx,
             upstream,
@@ -310,7 +317,8 @@ fn identity_change(addr: &str, validated: &ShardInfo, now: &ShardInfo) -> Option
         || a.protocol_version != b.protocol_version
     {
         return Some(format!(
-            "recipe_mismatch: shard {addr} now serves layers {}..{} of model {}, but the route was validated with layers {}..{} of model {} (and its cache recipe); restart it as it was, or restart the tracker",
+            "{}: shard {addr} now serves layers {}..{} of model {}, but the route was validated with layers {}..{} of model {} (and its cache recipe); restart it as it was, or restart the tracker",
+            Reason::RecipeMismatch,
             b.layer_start, b.layer_end, b.model_digest, a.layer_start, a.layer_end, a.model_digest
         ));
     }

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::ledger::Ledger;
-use crate::runner::{Command, Moved};
-use crate::table::RouteTable;
+use crate::route::driver::{Command, Moved};
+use crate::route::table::RouteTable;
 
 /// Places every moved session, each on its own task.
 pub async fn dispatch(

@@ -1,0 +1,49 @@
+//! The API layer: the OpenAI-compatible endpoints and the operator's, over the route layer.
+//! It owns HTTP: the server, request validation into typed requests, answers, and the one
+//! mapping from a refusal to a status and body ([`error`]).
+
+use std::sync::Arc;
+
+use axum::http::{Method, Uri};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+use engine::Refusal;
+
+pub mod agent;
+pub mod auth;
+pub mod completions;
+pub mod error;
+pub mod ops;
+pub mod record;
+pub mod request;
+pub mod respond;
+pub mod server;
+pub mod state;
+
+use state::AppState;
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(completions::chat_completions))
+        .route("/v1/models", get(ops::models))
+        .route("/v1/models/{id}", get(ops::model))
+        .route("/tokenize", post(ops::tokenize))
+        .route("/detokenize", post(ops::detokenize))
+        .route("/v1/usage", get(ops::usage_of_key))
+        .route("/admin/routes/{name}/evict", post(ops::evict_route))
+        .route("/health", get(ops::health))
+        .route("/metrics", get(ops::metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+async fn not_found(uri: Uri) -> Response {
+    error::response(&Refusal::not_found(uri.path()))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    error::response(&Refusal::method_not_allowed(method.as_str(), uri.path()))
+}

@@ -1,0 +1,129 @@
+//! What the API's handlers share, and the questions they ask of it: which model a request
+//! names, whether it must present a key and which key it presented.
+
+use std::sync::Arc;
+
+use axum::http::HeaderMap;
+use engine::Refusal;
+use tokio::sync::Semaphore;
+
+use super::auth::bearer;
+use super::server::HttpConfig;
+use crate::ledger::{ApiKey, Ledger};
+use crate::metrics::Metrics;
+use crate::route::table::{ModelEntry, RouteTable};
+
+/// What the handlers share (all immutable or internally synchronized).
+pub struct AppState {
+    /// The resident models, each with the routes (nodes) that hold it; routes join and leave
+    /// while the tracker runs when it follows a registry.
+    pub table: Arc<RouteTable>,
+    pub metrics: Arc<Metrics>,
+    /// `max_tokens` when a chat request gives none.
+    pub default_chat_max_tokens: usize,
+    pub ledger: Option<Arc<Ledger>>,
+    /// The one API key every request must present, when configured (`--api-key`).
+    pub api_key: Option<String>,
+    /// Whether `/health` and `/metrics` are open to anyone although API keys are on.
+    pub public_metrics: bool,
+    /// Bearer token of the admin API (`None`: no admin API).
+    pub admin_token: Option<String>,
+    pub http: HttpConfig,
+    /// Long bodies parsed and prompts tokenized at once (each on a blocking thread): all cores
+    /// but one, so a flood of long prompts waits here instead of taking the cores that shards
+    /// and other requests need.
+    pub tokenizing: Semaphore,
+    /// Numbers the responses (ids unique across routes: each route numbers its sessions).
+    pub responses: std::sync::atomic::AtomicU64,
+}
+
+impl AppState {
+    /// The model a request names (or the only one, when it names none). A model no route
+    /// holds is refused as `not_resident`: nothing is ever loaded to answer a request. With
+    /// no route at all (none joined yet, or the model's routes all left), the refusal is a
+    /// retryable `no_route`.
+    pub fn model(&self, requested: Option<&str>) -> Result<Arc<ModelEntry>, Refusal> {
+        let models = self.table.models();
+        let resident: Vec<&Arc<ModelEntry>> = models.iter().filter(|m| m.resident()).collect();
+        let no_route = |what: &str| {
+            Refusal::no_route(format!(
+                "no route serves {what} now; shards join the registry at any time, retry shortly"
+            ))
+        };
+        // Known, but every route of it left (an evicted route is still there: that model is
+        // not resident, which only an operator changes).
+        let departed = |e: &ModelEntry| e.routes.is_empty();
+        match requested {
+            Some(m) => match resident.iter().find(|e| e.id == m || e.digest == m) {
+                Some(e) => Ok(Arc::clone(e)),
+                None if models.is_empty() => Err(no_route(&format!("`{m}`"))),
+                None if models
+                    .iter()
+                    .any(|e| (e.id == m || e.digest == m) && departed(e)) =>
+                {
+                    Err(no_route(&format!("`{m}`")))
+                }
+                None => Err(Refusal::not_resident(m, &self.residency())),
+            },
+            None if resident.len() == 1 => Ok(Arc::clone(resident[0])),
+            None if resident.is_empty() && models.iter().all(|e| departed(e)) => {
+                Err(no_route("any model"))
+            }
+            None => Err(Refusal::invalid(
+                "model",
+                format!(
+                    "`model` is required: this tracker serves {}",
+                    self.residency()
+                ),
+            )),
+        }
+    }
+
+    /// "model on route, route; model on route" for messages.
+    pub fn residency(&self) -> String {
+        self.table
+            .models()
+            .iter()
+            .filter(|m| m.resident())
+            .map(|m| {
+                let routes: Vec<&str> = m
+                    .routes
+                    .iter()
+                    .filter(|r| r.resident())
+                    .map(|r| r.name.as_str())
+                    .collect();
+                format!("`{}` on {}", m.id, routes.join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
+    /// Whether requests must present an API key.
+    pub fn keys_on(&self) -> bool {
+        self.api_key.is_some() || self.ledger.as_ref().is_some_and(|l| l.has_keys())
+    }
+
+    /// The caller's key for a completion: checked against `--api-key`, or looked up in the
+    /// ledger (which then records the request's usage under it).
+    pub fn key(&self, headers: &HeaderMap) -> Result<Option<ApiKey>, Refusal> {
+        let secret = bearer(headers);
+        if let Some(expected) = &self.api_key {
+            if !proto::secrets_equal(&secret, expected) {
+                return Err(Refusal::unauthorized());
+            }
+        }
+        self.ledger
+            .as_ref()
+            .map(|l| l.authenticate(&secret))
+            .transpose()
+    }
+
+    /// `/health` and `/metrics` tell an operator about the cluster: with API keys on they
+    /// need a valid key, unless the tracker was started with `--public-metrics`.
+    pub fn may_observe(&self, headers: &HeaderMap) -> Result<(), Refusal> {
+        if self.public_metrics || !self.keys_on() {
+            return Ok(());
+        }
+        self.key(headers).map(|_| ())
+    }
+}

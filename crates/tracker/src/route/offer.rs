@@ -1,0 +1,98 @@
+//! Offering a job to a model's routes: the least loaded first, the next when one refuses for
+//! a reason another route may not have.
+
+use std::sync::Arc;
+
+use engine::{Reason, Refusal};
+use tokio::sync::{mpsc, oneshot};
+
+use super::driver::{Command, Job, SessionEvent};
+use super::table::{ModelEntry, RouteHandle};
+
+/// Whether a route's refusal leaves the job to the model's next route: this route is full,
+/// failed, draining or changed, and another may not be; anything about the request itself is
+/// the answer.
+fn another_may_take(e: &Refusal) -> bool {
+    match e.reason {
+        Reason::Capacity
+        | Reason::NoRoute
+        | Reason::Draining
+        | Reason::ShardFailed
+        | Reason::RecipeMismatch
+        | Reason::CacheMiss
+        | Reason::ProtocolMismatch => true,
+        Reason::InvalidRequest
+        | Reason::TooLarge
+        | Reason::Timeout
+        | Reason::Unauthorized
+        | Reason::NotFound
+        | Reason::MethodNotAllowed
+        | Reason::ModelNotFound
+        | Reason::NotResident
+        | Reason::Budget
+        | Reason::Pinned
+        | Reason::StaleEpoch
+        | Reason::GrammarBudget => false,
+    }
+}
+
+/// Offers the job to the model's routes in turn; the first that admits it runs it. When every
+/// route refuses for capacity the last refusal is returned; any other refusal is final.
+pub async fn submit(
+    model: &ModelEntry,
+    job: Job,
+) -> Result<
+    (
+        Arc<RouteHandle>,
+        engine::SessionId,
+        mpsc::UnboundedReceiver<SessionEvent>,
+    ),
+    Refusal,
+> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut last = Refusal::no_route("the model has no route now; retry shortly");
+    // The least loaded route first (sessions held and requests on their way; between equals,
+    // the one whose tightest shard has the most free KV); the others in turn when it refuses
+    // for capacity.
+    let mut routes: Vec<&Arc<RouteHandle>> = model.routes.iter().filter(|r| r.resident()).collect();
+    routes.sort_by_key(|r| {
+        (
+            r.load.load(Relaxed) + r.submitting.load(Relaxed),
+            std::cmp::Reverse(r.health.borrow().kv_headroom()),
+        )
+    });
+    for route in routes {
+        route.submitting.fetch_add(1, Relaxed);
+        let answer = offer(route, &job).await;
+        route.submitting.fetch_sub(1, Relaxed);
+        match answer {
+            Ok((id, events)) => return Ok((Arc::clone(route), id, events)),
+            Err(e) if another_may_take(&e) => last = e,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last)
+}
+
+/// Offers the job to one route: its session id and events, or its refusal.
+async fn offer(
+    route: &RouteHandle,
+    job: &Job,
+) -> Result<(engine::SessionId, mpsc::UnboundedReceiver<SessionEvent>), Refusal> {
+    let (events_tx, events_rx) = mpsc::unbounded_channel();
+    let (acc_tx, acc_rx) = oneshot::channel();
+    route
+        .commands
+        .send(Command::Submit {
+            job: Box::new(job.clone()),
+            events: events_tx,
+            accepted: acc_tx,
+        })
+        .await
+        .map_err(|_| Refusal::unavailable("the scheduler is shutting down"))?;
+    match acc_rx.await {
+        Ok(Ok(id)) => Ok((id, events_rx)),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(Refusal::unavailable("the scheduler is shutting down")),
+    }
+}
