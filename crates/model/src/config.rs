@@ -1,10 +1,7 @@
 //! A model's hyperparameters, whatever its family: the shape of its layers and how each layer's
-//! block is assembled from the shared building blocks ([`BlockSpec`], [`LayerSpec`]). Each
-//! family's file in [`crate::arch`] reads its own metadata keys into this.
+//! block is assembled from the shared building blocks ([`BlockSpec`], [`LayerSpec`]). Plain
+//! data: each family's file in `crate::arch` reads its own metadata keys into this.
 
-use gguf::Header;
-
-use crate::arch::Family;
 use crate::Error;
 
 /// The gated feed-forward network's activation.
@@ -82,15 +79,6 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    /// Reads the config of whatever family `general.architecture` names.
-    pub fn from_header(h: &Header) -> Result<Self, Error> {
-        let arch = h.str("general.architecture")?;
-        let family = Family::named(arch)?;
-        let c = family.config(&Keys { h, arch })?;
-        c.check()?;
-        Ok(c)
-    }
-
     /// Width of one position's K (or V) for one layer.
     pub fn kv_dim(&self) -> usize {
         self.n_head_kv * self.head_dim
@@ -106,7 +94,7 @@ impl ModelConfig {
         self.layers.iter().any(|l| l.window.is_some())
     }
 
-    fn check(&self) -> Result<(), Error> {
+    pub(crate) fn check(&self) -> Result<(), Error> {
         let bad = |field: &'static str, value: usize, why: &'static str| Error::BadConfig {
             field,
             value: value.to_string(),
@@ -154,70 +142,40 @@ impl ModelConfig {
     }
 }
 
-/// A family's metadata keys (`{arch}.{key}`), read with typed errors naming the key.
-pub(crate) struct Keys<'a> {
-    pub h: &'a Header,
-    pub arch: &'a str,
+/// The families strata runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// Llama 2/3, SmolLM2, TinyLlama, Mistral.
+    Llama,
+    /// Qwen2 and Qwen2.5: biases on Q, K and V.
+    Qwen2,
+    /// Qwen3: per-head Q and K norms, no biases.
+    Qwen3,
+    /// Gemma 3: scaled embedding, QK norms, norms after attention and FFN, GELU, sliding
+    /// windows on five of every six layers.
+    Gemma3,
 }
 
-impl Keys<'_> {
-    fn key(&self, k: &str) -> String {
-        format!("{}.{k}", self.arch)
-    }
-
-    pub fn usize(&self, k: &str) -> Result<usize, Error> {
-        Ok(self.h.u64(&self.key(k))? as usize)
-    }
-
-    pub fn opt_usize(&self, k: &str) -> Result<Option<usize>, Error> {
-        Ok(self
-            .h
-            .opt(&self.key(k), |h, k| h.u64(k))?
-            .map(|v| v as usize))
-    }
-
-    pub fn f32(&self, k: &str) -> Result<f32, Error> {
-        Ok(self.h.f64(&self.key(k))? as f32)
-    }
-
-    pub fn opt_f32(&self, k: &str) -> Result<Option<f32>, Error> {
-        Ok(self.h.opt(&self.key(k), |h, k| h.f64(k))?.map(|v| v as f32))
-    }
-
-    pub fn opt_str(&self, k: &str) -> Result<Option<String>, Error> {
-        self.h
-            .opt(&self.key(k), |h, k| h.str(k).map(str::to_string))
-            .map_err(Error::from)
-    }
-
-    /// The vocabulary size: `{arch}.vocab_size`, else the tokenizer's token count.
-    pub fn n_vocab(&self) -> Result<usize, Error> {
-        match self.opt_usize("vocab_size")? {
-            Some(v) => Ok(v),
-            None => Ok(self.h.array("tokenizer.ggml.tokens")?.len()),
+impl Family {
+    pub fn named(arch: &str) -> Result<Family, Error> {
+        match arch {
+            "llama" => Ok(Family::Llama),
+            "qwen2" => Ok(Family::Qwen2),
+            "qwen3" => Ok(Family::Qwen3),
+            "gemma3" => Ok(Family::Gemma3),
+            other => Err(Error::UnsupportedArchitecture {
+                arch: other.to_string(),
+            }),
         }
     }
 
-    /// Linear RoPE scaling as a factor on positions (1.0 = none); another scaling type is an
-    /// error naming it.
-    pub fn rope_freq_scale(&self) -> Result<f32, Error> {
-        if let Some(t) = self
-            .opt_str("rope.scaling.type")?
-            .filter(|t| t != "linear" && t != "none")
-        {
-            return Err(Error::BadConfig {
-                field: "rope.scaling.type",
-                value: t,
-                why: "only linear rope scaling is supported",
-            });
+    /// The `general.architecture` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Gemma3 => "gemma3",
         }
-        let factor = match self.opt_f32("rope.scaling.factor")? {
-            Some(f) => Some(f),
-            None => self.opt_f32("rope.scale_linear")?,
-        };
-        Ok(match factor {
-            Some(f) if f > 0.0 => 1.0 / f,
-            _ => 1.0,
-        })
     }
 }

@@ -18,7 +18,7 @@ pub mod pool;
 pub mod sampling;
 mod weights;
 
-pub use arch::Family;
+pub use config::Family;
 pub use config::{BlockSpec, FfnAct, LayerSpec, ModelConfig, RopeStyle};
 pub use error::Error;
 pub use forward::{Batch, Model, ModelOptions, Output, Row};

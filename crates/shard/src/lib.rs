@@ -10,6 +10,7 @@
 
 mod core;
 mod grammar;
+mod messages;
 mod relay;
 mod replies;
 mod route;
@@ -18,7 +19,8 @@ mod worker;
 
 use std::path::PathBuf;
 
-pub use crate::core::{ComputeStopped, Counters, ShardCore};
+pub use crate::core::{ComputeStopped, ShardCore};
+pub use messages::Counters;
 pub use route::run_route;
 pub use service::{serve, LocalShard, ShardService};
 

@@ -19,7 +19,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
-use crate::core::{ComputeStopped, Early, EarlyJob, ShardCore, StepJob, StepOutcome};
+use crate::core::{ComputeStopped, ShardCore};
+use crate::messages::{Early, EarlyJob, StepJob, StepOutcome};
 use crate::mib;
 use crate::relay::{shard_failed, Pending, Relay, SeamRtts};
 use crate::replies::ReplyTx;

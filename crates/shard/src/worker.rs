@@ -15,8 +15,8 @@ use model::sampling::{log_probs, top_k, Sampler, SamplingParams};
 use model::{Batch, KvCache, KvPool, Model, Row, BLOCK_POSITIONS};
 use proto::v1::{Fragment, SessionError, SessionOutput, TopLogprob};
 
-use crate::core::{Counters, Early, EarlyJob, StepJob, StepOutcome};
 use crate::grammar::{Done, Grammar, GrammarThreads, Pending};
+use crate::messages::{Counters, Early, EarlyJob, StepJob, StepOutcome};
 use crate::{mib, ShardConfig};
 
 /// A session as a shard knows it: the route stream that opened it and its id there.

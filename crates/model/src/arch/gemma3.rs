@@ -8,8 +8,8 @@
 //! Gemma 3); every sixth layer attends to all positions with the file's base. The head is tied to
 //! `token_embd` (no `output` tensor), with no final soft-capping.
 
-use crate::arch::{common, Family};
-use crate::config::{FfnAct, Keys, ModelConfig, RopeStyle};
+use super::common::{common, Keys};
+use crate::config::{Family, FfnAct, ModelConfig, RopeStyle};
 use crate::Error;
 
 /// Every sixth layer (5, 11, 17, ...) attends to all positions; the others through the window.

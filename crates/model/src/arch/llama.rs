@@ -3,8 +3,8 @@
 //! it. Tensors per layer: `attn_norm`, `attn_q`, `attn_k`, `attn_v`, `attn_output`, `ffn_norm`,
 //! `ffn_gate`, `ffn_up`, `ffn_down`; `output` is optional (tied to `token_embd` without it).
 
-use crate::arch::{common, Family};
-use crate::config::{Keys, ModelConfig};
+use super::common::{common, Keys};
+use crate::config::{Family, ModelConfig};
 use crate::Error;
 
 pub(super) fn config(keys: &Keys<'_>) -> Result<ModelConfig, Error> {

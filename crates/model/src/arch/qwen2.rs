@@ -3,8 +3,8 @@
 //! halves rotated together) with the file's base (1e6 for Qwen2.5). `output` is optional (the
 //! small models tie it to `token_embd`).
 
-use crate::arch::{common, Family};
-use crate::config::{Keys, ModelConfig, RopeStyle};
+use super::common::{common, Keys};
+use crate::config::{Family, ModelConfig, RopeStyle};
 use crate::Error;
 
 pub(super) fn config(keys: &Keys<'_>) -> Result<ModelConfig, Error> {

@@ -3,8 +3,8 @@
 //! per head dimension); the head size is `attention.key_length` (128, wider than
 //! `n_embd / n_head` on some sizes).
 
-use crate::arch::{common, Family};
-use crate::config::{Keys, ModelConfig, RopeStyle};
+use super::common::{common, Keys};
+use crate::config::{Family, ModelConfig, RopeStyle};
 use crate::Error;
 
 pub(super) fn config(keys: &Keys<'_>) -> Result<ModelConfig, Error> {
