@@ -22,6 +22,13 @@ use crate::route::driver::Job;
 use crate::route::offer::submit;
 use crate::route::table::ModelEntry;
 
+/// The seed of a request that gives none: requests without a seed differ. Drawn here, at the
+/// edge, so that validation reads no clock and no random source.
+fn fresh_seed() -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(std::time::SystemTime::now())
+}
+
 /// Bodies up to this size are parsed on the async runtime (microseconds); longer ones on a
 /// blocking thread.
 const INLINE_BODY_BYTES: usize = 64 << 10;
@@ -334,12 +341,13 @@ async fn admit(
 ) -> Result<Accepted, Refusal> {
     let body = read_body(body, &s.http).await?;
     let mut req = if body.len() <= INLINE_BODY_BYTES {
-        validate(endpoint, parse_body(&body)?)?
+        validate(endpoint, parse_body(&body)?, fresh_seed())?
     } else {
         // A long body is parsed where prompts are tokenized: off the async runtime, one core's
         // worth at a time, so a flood of them never takes the cores other requests need.
         let _permit = s.tokenizing.acquire().await;
-        tokio::task::spawn_blocking(move || validate(endpoint, parse_body(&body)?))
+        let seed = fresh_seed();
+        tokio::task::spawn_blocking(move || validate(endpoint, parse_body(&body)?, seed))
             .await
             .map_err(|_| Refusal::unavailable("parsing the request failed"))??
     };

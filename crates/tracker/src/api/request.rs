@@ -124,11 +124,6 @@ pub const MAX_N: u64 = 16;
 /// Most `logit_bias` entries.
 pub const MAX_LOGIT_BIAS: usize = 1024;
 
-fn fresh_seed() -> u64 {
-    use std::hash::BuildHasher;
-    std::collections::hash_map::RandomState::new().hash_one(std::time::SystemTime::now())
-}
-
 /// Longest stop string accepted, in bytes. Stop strings are matched against every generated
 /// token; a stop string is a marker, not a document.
 pub const MAX_STOP_BYTES: usize = 1024;
@@ -215,7 +210,65 @@ fn content_text(v: Value, idx: usize) -> Result<String, Refusal> {
 }
 
 /// Validates a request body for `endpoint`; the prompt's text is moved out of it, not copied.
-pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Refusal> {
+/// `fresh_seed` is the seed of a request that gives none (the caller draws it: nothing here
+/// reads a clock or a random source). Checks run in a fixed order: the first fault found is
+/// the one named.
+pub fn validate(
+    endpoint: Endpoint,
+    mut body: Value,
+    fresh_seed: u64,
+) -> Result<ValidRequest, Refusal> {
+    let model = model_and_fields(endpoint, &body)?;
+    let n = choices(&body)?;
+    let prompt = match endpoint {
+        Endpoint::Completions => completion_prompt(&mut body)?,
+        Endpoint::Chat => chat_messages(&mut body)?,
+    };
+    let max_tokens = match integer(&body, "max_completion_tokens", 1, 1 << 20)? {
+        Some(v) => Some(v as usize),
+        None => integer(&body, "max_tokens", 1, 1 << 20)?.map(|v| v as usize),
+    };
+    let stop = stop(&body)?;
+    let logit_bias = logit_bias(&body)?;
+    let (stream, include_usage) = streaming(&body)?;
+    let logprobs = logprobs(endpoint, &body)?;
+    let sampling = sampling(&body, logit_bias, fresh_seed)?;
+    let (echo, suffix) = echo_and_suffix(&body, logprobs)?;
+    let grammar = crate::api::agent::response_format(&body)?;
+    let tools = match endpoint {
+        Endpoint::Chat => crate::api::agent::tools(&body)?,
+        Endpoint::Completions => None,
+    };
+    let (return_token_ids, ignore_eos) =
+        constrained_rules(&body, &grammar, tools.as_ref(), stream, logprobs)?;
+    let user = user(&body)?;
+    if sampling.top_p == 0.0 {
+        return Err(Refusal::invalid("top_p", "`top_p` must be greater than 0"));
+    }
+    Ok(ValidRequest {
+        endpoint,
+        model,
+        prompt,
+        max_tokens,
+        sampling,
+        stop,
+        stream,
+        logprobs,
+        return_token_ids,
+        ignore_eos,
+        priority: priority(&body)?,
+        n,
+        echo,
+        suffix,
+        include_usage,
+        grammar,
+        tools,
+        user,
+    })
+}
+
+/// The `model` field, after refusing any field the endpoint does not take.
+fn model_and_fields(endpoint: Endpoint, body: &Value) -> Result<Option<String>, Refusal> {
     if !body.is_object() {
         return Err(Refusal::invalid(
             "body",
@@ -247,8 +300,13 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Ref
             ));
         }
     }
-    let n = integer(&body, "n", 1, MAX_N)?.unwrap_or(1) as usize;
-    if let Some(b) = integer(&body, "best_of", 1, MAX_N)? {
+    Ok(model)
+}
+
+/// `n`, and `best_of`, which must equal it.
+fn choices(body: &Value) -> Result<usize, Refusal> {
+    let n = integer(body, "n", 1, MAX_N)?.unwrap_or(1) as usize;
+    if let Some(b) = integer(body, "best_of", 1, MAX_N)? {
         if b as usize != n {
             return Err(Refusal::invalid(
                 "best_of",
@@ -256,115 +314,121 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Ref
             ));
         }
     }
-    let prompt = match endpoint {
-        Endpoint::Completions => match body.get_mut("prompt").map(Value::take) {
-            Some(Value::String(s)) => PromptInput::Text(s),
-            Some(Value::Array(mut items)) if items.len() == 1 && items[0].is_string() => {
-                PromptInput::Text(match items.pop() {
-                    Some(Value::String(s)) => s,
-                    _ => String::new(),
-                })
-            }
-            Some(Value::Array(items)) if !items.is_empty() && items.iter().all(|v| v.is_u64()) => {
-                let ids = items
-                    .iter()
-                    .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
-                    .collect::<Option<Vec<u32>>>()
-                    .ok_or_else(|| {
-                        Refusal::invalid("prompt", "token ids in `prompt` must fit in 32 bits")
-                    })?;
-                PromptInput::Ids(ids)
-            }
-            Some(Value::Array(_)) => {
-                return Err(Refusal::invalid(
-                    "prompt",
-                    "`prompt` must be a string, a list of one string, or a list of token ids",
-                ))
-            }
-            None | Some(Value::Null) => {
-                return Err(Refusal::invalid("prompt", "`prompt` is required"))
-            }
-            Some(v) => {
-                return Err(Refusal::invalid(
-                    "prompt",
-                    format!("`prompt` must be a string, got {v}"),
-                ))
-            }
-        },
-        Endpoint::Chat => {
-            let msgs = body
-                .get_mut("messages")
-                .and_then(Value::as_array_mut)
+    Ok(n)
+}
+
+/// A completion's `prompt`: a text, a list of one text, or token ids.
+fn completion_prompt(body: &mut Value) -> Result<PromptInput, Refusal> {
+    Ok(match body.get_mut("prompt").map(Value::take) {
+        Some(Value::String(s)) => PromptInput::Text(s),
+        Some(Value::Array(mut items)) if items.len() == 1 && items[0].is_string() => {
+            PromptInput::Text(match items.pop() {
+                Some(Value::String(s)) => s,
+                _ => String::new(),
+            })
+        }
+        Some(Value::Array(items)) if !items.is_empty() && items.iter().all(|v| v.is_u64()) => {
+            let ids = items
+                .iter()
+                .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
+                .collect::<Option<Vec<u32>>>()
                 .ok_or_else(|| {
-                    Refusal::invalid("messages", "`messages` must be a non-empty list")
+                    Refusal::invalid("prompt", "token ids in `prompt` must fit in 32 bits")
                 })?;
-            if msgs.is_empty() {
-                return Err(Refusal::invalid(
-                    "messages",
-                    "`messages` must be a non-empty list",
-                ));
-            }
-            let mut out = Vec::with_capacity(msgs.len());
-            for (i, m) in msgs.iter_mut().enumerate() {
-                if let Some(k) = m.as_object().and_then(|o| {
-                    o.keys()
-                        .find(|k| !MESSAGE_FIELDS.contains(&k.as_str()))
-                        .cloned()
-                }) {
-                    return Err(Refusal::invalid(
-                        &format!("messages[{i}].{k}"),
-                        format!("`messages[{i}].{k}` is not supported"),
-                    ));
-                }
-                let content = m.get_mut("content").map(Value::take).unwrap_or(Value::Null);
-                let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
-                    Refusal::invalid(
-                        &format!("messages[{i}].role"),
-                        format!("`messages[{i}].role` is required"),
-                    )
-                })?;
-                if !matches!(role, "system" | "user" | "assistant" | "developer" | "tool") {
-                    return Err(Refusal::invalid(
-                        &format!("messages[{i}].role"),
-                        format!("`messages[{i}].role` is `{role}`; expected system, user, assistant, developer or tool"),
-                    ));
-                }
-                let role = if role == "developer" { "system" } else { role };
-                let tool_calls = match m.get("tool_calls").filter(|v| !v.is_null()) {
-                    Some(_) if role != "assistant" => {
-                        return Err(Refusal::invalid(
-                            &format!("messages[{i}].tool_calls"),
-                            "only assistant messages carry `tool_calls`",
-                        ))
-                    }
-                    Some(v) => Some(crate::api::agent::history_tool_calls(v, i)?),
-                    None => None,
-                };
-                let text_field = |key: &str| -> Result<Option<String>, Refusal> {
-                    match m.get(key) {
-                        None | Some(Value::Null) => Ok(None),
-                        Some(Value::String(s)) => Ok(Some(s.clone())),
-                        Some(_) => Err(Refusal::invalid(
-                            &format!("messages[{i}].{key}"),
-                            format!("`messages[{i}].{key}` must be a string"),
-                        )),
-                    }
-                };
-                out.push(ChatMessage {
-                    role: role.to_string(),
-                    content: content_text(content, i)?,
-                    tool_calls,
-                    tool_call_id: text_field("tool_call_id")?,
-                    name: text_field("name")?,
-                });
-            }
-            PromptInput::Messages(out)
+            PromptInput::Ids(ids)
+        }
+        Some(Value::Array(_)) => {
+            return Err(Refusal::invalid(
+                "prompt",
+                "`prompt` must be a string, a list of one string, or a list of token ids",
+            ))
+        }
+        None | Some(Value::Null) => return Err(Refusal::invalid("prompt", "`prompt` is required")),
+        Some(v) => {
+            return Err(Refusal::invalid(
+                "prompt",
+                format!("`prompt` must be a string, got {v}"),
+            ))
+        }
+    })
+}
+
+/// A chat's `messages`, each checked.
+fn chat_messages(body: &mut Value) -> Result<PromptInput, Refusal> {
+    let msgs = body
+        .get_mut("messages")
+        .and_then(Value::as_array_mut)
+        .ok_or_else(|| Refusal::invalid("messages", "`messages` must be a non-empty list"))?;
+    if msgs.is_empty() {
+        return Err(Refusal::invalid(
+            "messages",
+            "`messages` must be a non-empty list",
+        ));
+    }
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.iter_mut().enumerate() {
+        out.push(message(i, m)?);
+    }
+    Ok(PromptInput::Messages(out))
+}
+
+/// Message `i` of a chat (its content moved out of the body).
+fn message(i: usize, m: &mut Value) -> Result<ChatMessage, Refusal> {
+    if let Some(k) = m.as_object().and_then(|o| {
+        o.keys()
+            .find(|k| !MESSAGE_FIELDS.contains(&k.as_str()))
+            .cloned()
+    }) {
+        return Err(Refusal::invalid(
+            &format!("messages[{i}].{k}"),
+            format!("`messages[{i}].{k}` is not supported"),
+        ));
+    }
+    let content = m.get_mut("content").map(Value::take).unwrap_or(Value::Null);
+    let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
+        Refusal::invalid(
+            &format!("messages[{i}].role"),
+            format!("`messages[{i}].role` is required"),
+        )
+    })?;
+    if !matches!(role, "system" | "user" | "assistant" | "developer" | "tool") {
+        return Err(Refusal::invalid(
+            &format!("messages[{i}].role"),
+            format!("`messages[{i}].role` is `{role}`; expected system, user, assistant, developer or tool"),
+        ));
+    }
+    let role = if role == "developer" { "system" } else { role };
+    let tool_calls = match m.get("tool_calls").filter(|v| !v.is_null()) {
+        Some(_) if role != "assistant" => {
+            return Err(Refusal::invalid(
+                &format!("messages[{i}].tool_calls"),
+                "only assistant messages carry `tool_calls`",
+            ))
+        }
+        Some(v) => Some(crate::api::agent::history_tool_calls(v, i)?),
+        None => None,
+    };
+    let text_field = |key: &str| -> Result<Option<String>, Refusal> {
+        match m.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(Refusal::invalid(
+                &format!("messages[{i}].{key}"),
+                format!("`messages[{i}].{key}` must be a string"),
+            )),
         }
     };
-    let max_tokens = match integer(&body, "max_completion_tokens", 1, 1 << 20)? {
-        Some(v) => Some(v as usize),
-        None => integer(&body, "max_tokens", 1, 1 << 20)?.map(|v| v as usize),
-    };
+    Ok(ChatMessage {
+        role: role.to_string(),
+        content: content_text(content, i)?,
+        tool_calls,
+        tool_call_id: text_field("tool_call_id")?,
+        name: text_field("name")?,
+    })
+}
+
+/// `stop`: at most 4 strings, none empty or over [`MAX_STOP_BYTES`].
+fn stop(body: &Value) -> Result<Vec<String>, Refusal> {
     let stop = match body.get("stop") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -403,7 +467,12 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Ref
             ),
         ));
     }
-    let logit_bias = match body.get("logit_bias") {
+    Ok(stop)
+}
+
+/// `logit_bias`: token ids to biases in [-100, 100].
+fn logit_bias(body: &Value) -> Result<Vec<(u32, f32)>, Refusal> {
+    Ok(match body.get("logit_bias") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Object(m)) => {
             if m.len() > MAX_LOGIT_BIAS {
@@ -440,7 +509,11 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Ref
                 format!("`logit_bias` must be an object of token ids to biases, got {v}"),
             ))
         }
-    };
+    })
+}
+
+/// `stream`, and `stream_options.include_usage` (only with `stream: true`).
+fn streaming(body: &Value) -> Result<(bool, bool), Refusal> {
     let include_usage = match body.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(Value::Object(o)) => {
@@ -468,18 +541,23 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Ref
             ))
         }
     };
-    let stream = boolean(&body, "stream")?.unwrap_or(false);
+    let stream = boolean(body, "stream")?.unwrap_or(false);
     if body.get("stream_options").is_some_and(|v| !v.is_null()) && !stream {
         return Err(Refusal::invalid(
             "stream_options",
             "`stream_options` is only for `stream: true`",
         ));
     }
-    let logprobs = match endpoint {
-        Endpoint::Completions => integer(&body, "logprobs", 0, 20)?.map(|v| v as u32),
+    Ok((stream, include_usage))
+}
+
+/// `logprobs` (and chat's `top_logprobs`): how many alternatives to report, if any.
+fn logprobs(endpoint: Endpoint, body: &Value) -> Result<Option<u32>, Refusal> {
+    Ok(match endpoint {
+        Endpoint::Completions => integer(body, "logprobs", 0, 20)?.map(|v| v as u32),
         Endpoint::Chat => {
-            let top = integer(&body, "top_logprobs", 0, 20)?.map(|v| v as u32);
-            match boolean(&body, "logprobs")? {
+            let top = integer(body, "top_logprobs", 0, 20)?.map(|v| v as u32);
+            match boolean(body, "logprobs")? {
                 Some(true) => Some(top.unwrap_or(0)),
                 _ if top.is_some() => {
                     return Err(Refusal::invalid(
@@ -490,18 +568,26 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Ref
                 _ => None,
             }
         }
-    };
-    let sampling = SamplingRequest {
-        temperature: number(&body, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32,
-        top_p: number(&body, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
-        top_k: integer(&body, "top_k", 0, 1 << 20)?.unwrap_or(0) as u32,
-        min_p: number(&body, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
-        repeat_penalty: number(&body, "repetition_penalty", 0.01, 10.0)?.unwrap_or(1.0) as f32,
-        presence_penalty: number(&body, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
-        frequency_penalty: number(&body, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+    })
+}
+
+/// The sampling fields, with their defaults.
+fn sampling(
+    body: &Value,
+    logit_bias: Vec<(u32, f32)>,
+    fresh_seed: u64,
+) -> Result<SamplingRequest, Refusal> {
+    Ok(SamplingRequest {
+        temperature: number(body, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32,
+        top_p: number(body, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32,
+        top_k: integer(body, "top_k", 0, 1 << 20)?.unwrap_or(0) as u32,
+        min_p: number(body, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
+        repeat_penalty: number(body, "repetition_penalty", 0.01, 10.0)?.unwrap_or(1.0) as f32,
+        presence_penalty: number(body, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        frequency_penalty: number(body, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
         logit_bias,
         seed: match body.get("seed") {
-            None | Some(Value::Null) => fresh_seed(),
+            None | Some(Value::Null) => fresh_seed,
             Some(v) => v
                 .as_i64()
                 .map(|s| s as u64)
@@ -511,8 +597,12 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Ref
                 })?,
         },
         seeded: body.get("seed").is_some_and(|v| !v.is_null()),
-    };
-    let echo = boolean(&body, "echo")?.unwrap_or(false);
+    })
+}
+
+/// `echo` and `suffix` (completions), neither beside `logprobs` or each other.
+fn echo_and_suffix(body: &Value, logprobs: Option<u32>) -> Result<(bool, Option<String>), Refusal> {
+    let echo = boolean(body, "echo")?.unwrap_or(false);
     if echo && logprobs.is_some() {
         return Err(Refusal::invalid(
             "echo",
@@ -535,19 +625,26 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Ref
             "`echo` with `suffix` is not supported",
         ));
     }
-    let grammar = crate::api::agent::response_format(&body)?;
-    let tools = match endpoint {
-        Endpoint::Chat => crate::api::agent::tools(&body)?,
-        Endpoint::Completions => None,
-    };
-    if grammar.is_some() && tools.as_ref().is_some_and(|t| t.active()) {
+    Ok((echo, suffix))
+}
+
+/// The rules that tie `response_format`, `tools`, streaming and `ignore_eos` together;
+/// `return_token_ids` and `ignore_eos` as asked.
+fn constrained_rules(
+    body: &Value,
+    grammar: &Option<String>,
+    tools: Option<&crate::api::agent::ToolSet>,
+    stream: bool,
+    logprobs: Option<u32>,
+) -> Result<(bool, bool), Refusal> {
+    if grammar.is_some() && tools.is_some_and(|t| t.active()) {
         return Err(Refusal::invalid(
             "response_format",
             "`response_format` with `tools` is not supported: the answer is either a document or tool calls (give `tool_choice: \"none\"` to keep the tools out)",
         ));
     }
-    let return_token_ids = boolean(&body, "return_token_ids")?.unwrap_or(false);
-    if stream && tools.as_ref().is_some_and(|t| t.active()) {
+    let return_token_ids = boolean(body, "return_token_ids")?.unwrap_or(false);
+    if stream && tools.is_some_and(|t| t.active()) {
         // A streamed answer with tools goes through the tool-call finder, which passes text
         // on, not tokens.
         if logprobs.is_some() {
@@ -563,14 +660,36 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Ref
             ));
         }
     }
-    let ignore_eos = boolean(&body, "ignore_eos")?.unwrap_or(false);
-    if ignore_eos && (grammar.is_some() || tools.as_ref().is_some_and(|t| t.grammar().is_some())) {
+    let ignore_eos = boolean(body, "ignore_eos")?.unwrap_or(false);
+    if ignore_eos && (grammar.is_some() || tools.is_some_and(|t| t.grammar().is_some())) {
         return Err(Refusal::invalid(
             "ignore_eos",
             "`ignore_eos` with a constrained answer is not supported: a complete document ends",
         ));
     }
-    let user = match body.get("user") {
+    Ok((return_token_ids, ignore_eos))
+}
+
+/// `priority`: `agent` or `grading`, when given.
+fn priority(body: &Value) -> Result<Option<engine::Priority>, Refusal> {
+    match body.get("priority") {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_str()
+            .and_then(engine::Priority::parse)
+            .map(Some)
+            .ok_or_else(|| {
+                Refusal::invalid(
+                    "priority",
+                    format!("`priority` must be \"agent\" or \"grading\", got {v}"),
+                )
+            }),
+    }
+}
+
+/// `user`: the end user the caller names, at most 256 bytes.
+fn user(body: &Value) -> Result<Option<String>, Refusal> {
+    Ok(match body.get("user") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if s.len() <= 256 => Some(s.clone()),
         Some(_) => {
@@ -579,41 +698,6 @@ pub fn validate(endpoint: Endpoint, mut body: Value) -> Result<ValidRequest, Ref
                 "`user` must be a string of at most 256 bytes",
             ))
         }
-    };
-    if sampling.top_p == 0.0 {
-        return Err(Refusal::invalid("top_p", "`top_p` must be greater than 0"));
-    }
-    Ok(ValidRequest {
-        endpoint,
-        model,
-        prompt,
-        max_tokens,
-        sampling,
-        stop,
-        stream,
-        logprobs,
-        return_token_ids,
-        ignore_eos,
-        priority: match body.get("priority") {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(
-                v.as_str()
-                    .and_then(engine::Priority::parse)
-                    .ok_or_else(|| {
-                        Refusal::invalid(
-                            "priority",
-                            format!("`priority` must be \"agent\" or \"grading\", got {v}"),
-                        )
-                    })?,
-            ),
-        },
-        n,
-        echo,
-        suffix,
-        include_usage,
-        grammar,
-        tools,
-        user,
     })
 }
 
@@ -627,6 +711,7 @@ mod tests {
         let r = validate(
             Endpoint::Completions,
             json!({"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0}),
+            7,
         )
         .unwrap();
         assert_eq!(r.prompt, PromptInput::Text("hi".into()));
@@ -707,24 +792,25 @@ mod tests {
                 "logprobs",
             ),
         ] {
-            let e = validate(endpoint, body.clone()).unwrap_err();
+            let e = validate(endpoint, body.clone(), 7).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
         }
     }
 
     #[test]
-    fn seeds_are_fresh_unless_given_and_penalties_are_kept() {
+    fn the_caller_s_seed_is_used_unless_given_and_penalties_are_kept() {
         let body = json!({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"7": -100}});
-        let a = validate(Endpoint::Completions, body.clone()).unwrap();
-        let b = validate(Endpoint::Completions, body).unwrap();
+        let a = validate(Endpoint::Completions, body.clone(), 7).unwrap();
+        let b = validate(Endpoint::Completions, body, 8).unwrap();
         assert!(!a.sampling.seeded);
-        assert_ne!(a.sampling.seed, b.sampling.seed);
+        assert_eq!((a.sampling.seed, b.sampling.seed), (7, 8));
         assert_eq!(a.sampling.presence_penalty, 0.5);
         assert_eq!(a.sampling.frequency_penalty, -1.0);
         assert_eq!(a.sampling.logit_bias, vec![(7, -100.0)]);
         let s = validate(
             Endpoint::Completions,
             json!({"prompt": "x", "seed": 5, "n": 3}),
+            7,
         )
         .unwrap();
         assert!(s.sampling.seeded);
@@ -747,17 +833,18 @@ mod tests {
                 "stop",
             ),
         ] {
-            let e = validate(Endpoint::Completions, body.clone()).unwrap_err();
+            let e = validate(Endpoint::Completions, body.clone(), 7).unwrap_err();
             assert_eq!(e.reason, engine::Reason::InvalidRequest, "{body}");
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
         }
         let e = validate(
             Endpoint::Chat,
             json!({"messages": [{"role": "wizard", "content": "x"}]}),
+            7,
         )
         .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
-        let e = validate(Endpoint::Chat, json!({"messages": []})).unwrap_err();
+        let e = validate(Endpoint::Chat, json!({"messages": []}), 7).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages"));
     }
 
@@ -766,8 +853,7 @@ mod tests {
         let r = validate(
             Endpoint::Chat,
             json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-                    "logprobs": true, "top_logprobs": 3}),
-        )
+                    "logprobs": true, "top_logprobs": 3}), 7)
         .unwrap();
         assert_eq!(r.logprobs, Some(3));
         assert_eq!(
