@@ -18,6 +18,7 @@ use super::request::{validate, Endpoint, PromptInput, ValidRequest};
 use super::respond::{stream_response, whole_response, Accepted, CancelOnDrop, Choice};
 use super::server::read_body;
 use super::state::AppState;
+use crate::ledger::ApiKey;
 use crate::route::driver::Job;
 use crate::route::offer::submit;
 use crate::route::table::ModelEntry;
@@ -339,94 +340,20 @@ async fn admit(
     body: axum::body::Body,
     record: &mut RequestRecord,
 ) -> Result<Accepted, Refusal> {
-    let body = read_body(body, &s.http).await?;
-    let mut req = if body.len() <= INLINE_BODY_BYTES {
-        validate(endpoint, parse_body(&body)?, fresh_seed())?
-    } else {
-        // A long body is parsed where prompts are tokenized: off the async runtime, one core's
-        // worth at a time, so a flood of them never takes the cores other requests need.
-        let _permit = s.tokenizing.acquire().await;
-        let seed = fresh_seed();
-        tokio::task::spawn_blocking(move || validate(endpoint, parse_body(&body)?, seed))
-            .await
-            .map_err(|_| Refusal::unavailable("parsing the request failed"))??
-    };
+    let mut req = read_request(s, endpoint, body).await?;
     record.priority = priority_of(&req, headers)?;
     record.user = req.user.clone().unwrap_or_default();
     let model = s.model(req.model.as_deref())?;
     record.model = model.id.clone();
     let key = s.key(headers)?;
-    let n_ctx = model.n_ctx;
     check_against_model(&model, &req)?;
-    let tools = req.tools.clone().filter(|t| t.active());
     let grammar = request_grammar(s, &model, &req).await?;
-    let echo = match (&req.prompt, req.echo) {
-        (_, false) => None,
-        (PromptInput::Text(t), true) => Some(t.clone()),
-        (PromptInput::Ids(ids), true) => Some(
-            model
-                .tokenizer
-                .decode(ids, false)
-                .map_err(|e| Refusal::invalid("prompt", e.to_string()))?,
-        ),
-        (PromptInput::Messages(_), true) => None,
-    };
-    let prompt = std::mem::replace(&mut req.prompt, PromptInput::Ids(Vec::new()));
-    let prompt_ids = match &req.suffix {
-        Some(suffix) => {
-            // Tokenized where prompts are: off the async runtime, one core's worth at a time.
-            let _permit = s.tokenizing.acquire().await;
-            let (t, suffix) = (Arc::clone(&model.tokenizer), suffix.clone());
-            tokio::task::spawn_blocking(move || fim_ids(&t, &prompt, &suffix, n_ctx))
-                .await
-                .map_err(|_| Refusal::unavailable("tokenizing the prompt failed"))??
-        }
-        None => {
-            tokenize(
-                s,
-                &model,
-                prompt,
-                tools.as_ref().map(|t| t.json.clone()),
-                n_ctx,
-            )
-            .await?
-        }
-    };
+    let echo = echo_text(&model, &req)?;
+    let prompt_ids = prompt_ids(s, &model, &mut req).await?;
     record.prompt_tokens = prompt_ids.len();
-    let max_tokens = match (req.max_tokens, endpoint) {
-        (Some(m), _) => m,
-        (None, Endpoint::Completions) => 16,
-        (None, Endpoint::Chat) => s
-            .default_chat_max_tokens
-            .min(n_ctx.saturating_sub(prompt_ids.len()))
-            .max(1),
-    };
-    if prompt_ids.len() + max_tokens > n_ctx {
-        return Err(Refusal::over_limit("max_tokens", "n_ctx", format!(
-            "prompt has {} tokens and `max_tokens` is {max_tokens}, but the context length `n_ctx` is {n_ctx}",
-            prompt_ids.len()
-        )));
-    }
-    let r = &req.sampling;
+    let max_tokens = max_tokens(s, &req, model.n_ctx, prompt_ids.len())?;
     let job = Job {
-        sampling: proto::v1::Sampling {
-            temperature: r.temperature,
-            top_k: r.top_k,
-            top_p: r.top_p,
-            min_p: r.min_p,
-            repeat_penalty: r.repeat_penalty,
-            repeat_last_n: 64,
-            seed: r.seed,
-            presence_penalty: r.presence_penalty,
-            frequency_penalty: r.frequency_penalty,
-            logit_bias: r
-                .logit_bias
-                .iter()
-                .map(|&(token, bias)| proto::v1::LogitBias { token, bias })
-                .collect(),
-            n_prompt: prompt_ids.len() as u32,
-            grammar: grammar.unwrap_or_default(),
-        },
+        sampling: req.sampling.to_wire(prompt_ids.len(), grammar),
         prompt_ids,
         max_tokens,
         stop: req.stop.clone(),
@@ -437,17 +364,121 @@ async fn admit(
         ledger_row: None,
         billed_prompt: 0,
     };
+    let choices = submit_choices(s, &model, key.as_ref(), job, req.n).await?;
+    let n = s
+        .responses
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    Ok(Accepted {
+        req,
+        model_id: model.id.clone(),
+        id: response_id(endpoint, n + 1),
+        choices,
+        echo,
+    })
+}
+
+/// The request's body, read within the server's limits and validated. A long body is parsed
+/// where prompts are tokenized: off the async runtime, one core's worth at a time, so a flood
+/// of them never takes the cores other requests need.
+async fn read_request(
+    s: &AppState,
+    endpoint: Endpoint,
+    body: axum::body::Body,
+) -> Result<ValidRequest, Refusal> {
+    let body = read_body(body, &s.http).await?;
+    let seed = fresh_seed();
+    if body.len() <= INLINE_BODY_BYTES {
+        return validate(endpoint, parse_body(&body)?, seed);
+    }
+    let _permit = s.tokenizing.acquire().await;
+    tokio::task::spawn_blocking(move || validate(endpoint, parse_body(&body)?, seed))
+        .await
+        .map_err(|_| Refusal::unavailable("parsing the request failed"))?
+}
+
+/// `echo`: the prompt's text, put before each choice's answer.
+fn echo_text(model: &ModelEntry, req: &ValidRequest) -> Result<Option<String>, Refusal> {
+    Ok(match (&req.prompt, req.echo) {
+        (_, false) => None,
+        (PromptInput::Text(t), true) => Some(t.clone()),
+        (PromptInput::Ids(ids), true) => Some(
+            model
+                .tokenizer
+                .decode(ids, false)
+                .map_err(|e| Refusal::invalid("prompt", e.to_string()))?,
+        ),
+        (PromptInput::Messages(_), true) => None,
+    })
+}
+
+/// The prompt's ids (the request's prompt moved out): fill-in-the-middle with a `suffix`,
+/// else the text, ids or messages tokenized, at most the model's context of them.
+async fn prompt_ids(
+    s: &AppState,
+    model: &ModelEntry,
+    req: &mut ValidRequest,
+) -> Result<Vec<u32>, Refusal> {
+    let n_ctx = model.n_ctx;
+    let prompt = std::mem::replace(&mut req.prompt, PromptInput::Ids(Vec::new()));
+    match &req.suffix {
+        Some(suffix) => {
+            // Tokenized where prompts are: off the async runtime, one core's worth at a time.
+            let _permit = s.tokenizing.acquire().await;
+            let (t, suffix) = (Arc::clone(&model.tokenizer), suffix.clone());
+            tokio::task::spawn_blocking(move || fim_ids(&t, &prompt, &suffix, n_ctx))
+                .await
+                .map_err(|_| Refusal::unavailable("tokenizing the prompt failed"))?
+        }
+        None => {
+            let tools = req.tools.as_ref().filter(|t| t.active());
+            let tools = tools.map(|t| t.json.clone());
+            tokenize(s, model, prompt, tools, n_ctx).await
+        }
+    }
+}
+
+/// `max_tokens`, or the endpoint's default, checked against the context with the prompt.
+fn max_tokens(
+    s: &AppState,
+    req: &ValidRequest,
+    n_ctx: usize,
+    n_prompt: usize,
+) -> Result<usize, Refusal> {
+    let max_tokens = match (req.max_tokens, req.endpoint) {
+        (Some(m), _) => m,
+        (None, Endpoint::Completions) => 16,
+        (None, Endpoint::Chat) => s
+            .default_chat_max_tokens
+            .min(n_ctx.saturating_sub(n_prompt))
+            .max(1),
+    };
+    if n_prompt + max_tokens > n_ctx {
+        return Err(Refusal::over_limit("max_tokens", "n_ctx", format!(
+            "prompt has {n_prompt} tokens and `max_tokens` is {max_tokens}, but the context length `n_ctx` is {n_ctx}"
+        )));
+    }
+    Ok(max_tokens)
+}
+
+/// Submits the `n` choices of a job, each with its own seed and ledger row (the prompt is
+/// billed once). The ledger row is committed before the choice is submitted: an accepted
+/// request is never lost, whatever happens to this process afterwards. A refusal of any
+/// choice refuses the request (dropping the choices already admitted cancels them).
+async fn submit_choices(
+    s: &AppState,
+    model: &ModelEntry,
+    key: Option<&ApiKey>,
+    job: Job,
+    n: usize,
+) -> Result<Vec<Choice>, Refusal> {
     let n_prompt = job.prompt_ids.len() as u64;
-    let mut choices: Vec<Choice> = Vec::with_capacity(req.n);
-    for i in 0..req.n {
+    let mut choices: Vec<Choice> = Vec::with_capacity(n);
+    for i in 0..n {
         let mut job_i = job.clone();
-        // Each choice has its own seed and its own ledger row (the prompt is billed once).
         job_i.sampling.seed = job.sampling.seed.wrapping_add(i as u64);
         let billed_prompt = if i == 0 { n_prompt } else { 0 };
         job_i.billed_prompt = billed_prompt as usize;
-        // The ledger row is committed before the request is submitted: an accepted request
-        // is never lost, whatever happens to this process afterwards.
-        job_i.ledger_row = match (&s.ledger, &key) {
+        job_i.ledger_row = match (&s.ledger, key) {
             (Some(l), Some(k)) => {
                 let (l2, k, max) = (Arc::clone(l), k.clone(), job.max_tokens as u64);
                 let row = tokio::task::spawn_blocking(move || l2.reserve(&k, billed_prompt, max))
@@ -458,14 +489,14 @@ async fn admit(
             _ => None,
         };
         let ledger_row = job_i.ledger_row;
-        match submit(&model, job_i).await {
+        match submit(model, job_i).await {
             Ok((route, id, events)) => {
                 let mut c = Choice {
                     events,
                     guard: CancelOnDrop::new(id, route.commands.clone()),
                     first: None,
                 };
-                if i == 0 && req.n > 1 {
+                if i == 0 && n > 1 {
                     // The other choices start once the first has its prompt in the KV cache:
                     // its full blocks are in the prefix cache then, and the others share them.
                     c.first = c.events.recv().await;
@@ -476,20 +507,9 @@ async fn admit(
                 if let (Some(l), Some(row)) = (&s.ledger, ledger_row) {
                     l.settle(row, billed_prompt, 0, "refused");
                 }
-                // Dropping the choices already admitted cancels them.
                 return Err(e);
             }
         }
     }
-    let n = s
-        .responses
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let id = response_id(endpoint, n + 1);
-    Ok(Accepted {
-        req,
-        model_id: model.id.clone(),
-        id,
-        choices,
-        echo,
-    })
+    Ok(choices)
 }

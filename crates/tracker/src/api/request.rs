@@ -29,6 +29,9 @@ pub enum PromptInput {
     Messages(Vec<ChatMessage>),
 }
 
+/// How many of the last tokens the repetition penalty looks at (llama.cpp's default).
+pub const REPEAT_LAST_N: u32 = 64;
+
 /// Sampling as requested.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingRequest {
@@ -46,6 +49,31 @@ pub struct SamplingRequest {
     pub seed: u64,
     /// Whether the request gave the seed (choice `i` of `n` then uses `seed + i`).
     pub seeded: bool,
+}
+
+impl SamplingRequest {
+    /// The sampling the last shard runs for a session of `n_prompt` prompt tokens, held to
+    /// `grammar` when there is one: the one conversion from request to wire.
+    pub fn to_wire(&self, n_prompt: usize, grammar: Option<String>) -> proto::v1::Sampling {
+        proto::v1::Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: REPEAT_LAST_N,
+            seed: self.seed,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            logit_bias: self
+                .logit_bias
+                .iter()
+                .map(|&(token, bias)| proto::v1::LogitBias { token, bias })
+                .collect(),
+            n_prompt: n_prompt as u32,
+            grammar: grammar.unwrap_or_default(),
+        }
+    }
 }
 
 /// A request that passed validation (token-level checks happen once it is tokenized).

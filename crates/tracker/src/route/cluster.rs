@@ -349,81 +349,7 @@ pub async fn monitor(
             let probe = s.stats(timeout).await;
             let (up, last_error, stats) = match probe {
                 Ok(st) => {
-                    metrics.set(
-                        "strata_shard_prefill_tokens_total",
-                        &l,
-                        st.prefill_tokens as f64,
-                    );
-                    metrics.set(
-                        "strata_shard_decode_tokens_total",
-                        &l,
-                        st.decode_tokens as f64,
-                    );
-                    metrics.set("strata_shard_steps_total", &l, st.steps as f64);
-                    metrics.set(
-                        "strata_shard_prefix_reused_tokens_total",
-                        &l,
-                        st.prefix_reused_tokens as f64,
-                    );
-                    metrics.set("strata_shard_kv_blocks_idle", &l, st.kv_blocks_idle as f64);
-                    metrics.set(
-                        "strata_shard_kernel_thread_moves_total",
-                        &l,
-                        st.kernel_thread_moves as f64,
-                    );
-                    for (outcome, n) in [
-                        ("started", st.early_steps_started),
-                        ("used", st.early_steps_used),
-                        ("discarded", st.early_steps_discarded),
-                    ] {
-                        metrics.set(
-                            "strata_shard_early_steps_total",
-                            &[("shard", addr.as_str()), ("outcome", outcome)],
-                            n as f64,
-                        );
-                    }
-                    metrics.set("strata_shard_kv_bytes", &l, st.kv_bytes_in_use as f64);
-                    metrics.set(
-                        "strata_shard_kv_budget_bytes",
-                        &l,
-                        st.kv_bytes_budget as f64,
-                    );
-                    metrics.set("strata_shard_kv_blocks", &l, st.kv_blocks_in_use as f64);
-                    metrics.set(
-                        "strata_shard_kv_blocks_capacity",
-                        &l,
-                        st.kv_blocks_total as f64,
-                    );
-                    if st.kv_bytes_budget > 0 {
-                        metrics.set(
-                            "strata_shard_kv_usage_ratio",
-                            &l,
-                            st.kv_bytes_in_use as f64 / st.kv_bytes_budget as f64,
-                        );
-                    }
-                    metrics.set("strata_shard_sessions", &l, st.sessions as f64);
-                    metrics.set("strata_shard_rss_bytes", &l, st.rss_bytes as f64);
-                    metrics.set("strata_shard_weight_bytes", &l, st.weight_bytes as f64);
-                    metrics.set(
-                        "strata_shard_seam_bytes_out_total",
-                        &l,
-                        st.seam_bytes_out as f64,
-                    );
-                    // Every pool's use and budget (memory pressure per pool per shard).
-                    for (pool, used, budget) in [
-                        ("weights", st.weight_bytes, st.weights_bytes_budget),
-                        ("kv", st.kv_bytes_in_use, st.kv_bytes_budget),
-                        (
-                            "scratch",
-                            st.scratch_bytes_last_step,
-                            st.scratch_bytes_budget,
-                        ),
-                        ("inflight", st.inflight_bytes, st.inflight_bytes_budget),
-                    ] {
-                        let pl = [("shard", addr.as_str()), ("pool", pool)];
-                        metrics.set("strata_shard_pool_bytes", &pl, used as f64);
-                        metrics.set("strata_shard_pool_budget_bytes", &pl, budget as f64);
-                    }
+                    publish_stats(&metrics, &addr, &st);
                     (mismatch.is_none(), mismatch.clone(), Some(st))
                 }
                 Err(e) => (false, Some(e.message().to_string()), None),
@@ -447,6 +373,86 @@ pub async fn monitor(
             }
             return;
         }
+    }
+}
+
+/// A shard's probed counters and gauges as metric series of that shard.
+fn publish_stats(metrics: &Metrics, addr: &str, st: &ShardStats) {
+    let l = [("shard", addr)];
+    metrics.set(
+        "strata_shard_prefill_tokens_total",
+        &l,
+        st.prefill_tokens as f64,
+    );
+    metrics.set(
+        "strata_shard_decode_tokens_total",
+        &l,
+        st.decode_tokens as f64,
+    );
+    metrics.set("strata_shard_steps_total", &l, st.steps as f64);
+    metrics.set(
+        "strata_shard_prefix_reused_tokens_total",
+        &l,
+        st.prefix_reused_tokens as f64,
+    );
+    metrics.set("strata_shard_kv_blocks_idle", &l, st.kv_blocks_idle as f64);
+    metrics.set(
+        "strata_shard_kernel_thread_moves_total",
+        &l,
+        st.kernel_thread_moves as f64,
+    );
+    for (outcome, n) in [
+        ("started", st.early_steps_started),
+        ("used", st.early_steps_used),
+        ("discarded", st.early_steps_discarded),
+    ] {
+        metrics.set(
+            "strata_shard_early_steps_total",
+            &[("shard", addr), ("outcome", outcome)],
+            n as f64,
+        );
+    }
+    metrics.set("strata_shard_kv_bytes", &l, st.kv_bytes_in_use as f64);
+    metrics.set(
+        "strata_shard_kv_budget_bytes",
+        &l,
+        st.kv_bytes_budget as f64,
+    );
+    metrics.set("strata_shard_kv_blocks", &l, st.kv_blocks_in_use as f64);
+    metrics.set(
+        "strata_shard_kv_blocks_capacity",
+        &l,
+        st.kv_blocks_total as f64,
+    );
+    if st.kv_bytes_budget > 0 {
+        metrics.set(
+            "strata_shard_kv_usage_ratio",
+            &l,
+            st.kv_bytes_in_use as f64 / st.kv_bytes_budget as f64,
+        );
+    }
+    metrics.set("strata_shard_sessions", &l, st.sessions as f64);
+    metrics.set("strata_shard_rss_bytes", &l, st.rss_bytes as f64);
+    metrics.set("strata_shard_weight_bytes", &l, st.weight_bytes as f64);
+    metrics.set(
+        "strata_shard_seam_bytes_out_total",
+        &l,
+        st.seam_bytes_out as f64,
+    );
+    // Every pool's use and budget (memory pressure per pool per shard).
+    for (pool, used, budget) in [
+        ("weights", st.weight_bytes, st.weights_bytes_budget),
+        ("kv", st.kv_bytes_in_use, st.kv_bytes_budget),
+        (
+            "scratch",
+            st.scratch_bytes_last_step,
+            st.scratch_bytes_budget,
+        ),
+        ("inflight", st.inflight_bytes, st.inflight_bytes_budget),
+    ] {
+        let pl = [("shard", addr), ("pool", pool)];
+        metrics.set("strata_shard_pool_bytes", &pl, used as f64);
+        metrics.set("strata_shard_pool_budget_bytes", &pl, budget as f64);
     }
 }
 

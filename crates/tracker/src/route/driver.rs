@@ -659,105 +659,8 @@ impl Runner {
                 job,
                 events,
                 accepted,
-            } => {
-                // Refusals are counted where they are answered (the HTTP handler).
-                if self.retired {
-                    let _ = accepted.send(Err(Refusal::draining(format!(
-                        "route {} has left",
-                        self.name
-                    ))));
-                    return;
-                }
-                if let Some(reason) = &self.down_reason {
-                    let _ = accepted.send(Err(reason.clone()));
-                    return;
-                }
-                // The route is open but a shard stopped answering its probes (frozen, or
-                // replaced by one holding something else): work sent now would only wait for
-                // the route's silence to run out.
-                let health = self.health.borrow().clone();
-                if !health.serving() {
-                    let _ = accepted.send(Err(health_refusal(&health)));
-                    return;
-                }
-                let id = SessionId(self.next_id);
-                let demand = Demand {
-                    n_positions: job.prompt_ids.len() + job.max_tokens,
-                    priority: job.priority,
-                    key: &job.key,
-                };
-                let queued = self.scheduler.n_waiting_of(job.priority);
-                if let Err(r) = self.admission.admit(id, &demand, queued) {
-                    let _ = accepted.send(Err(r));
-                    return;
-                }
-                self.next_id += 1;
-                let owner = owner_of(&job.key);
-                self.scheduler.add(
-                    id,
-                    job.prompt_ids.clone(),
-                    job.max_tokens,
-                    job.priority,
-                    owner,
-                );
-                self.live.insert(
-                    id,
-                    Live {
-                        n_replays: 0,
-                        n_moves: 0,
-                        moved_at: None,
-                        key: job.key.clone(),
-                        events,
-                        decoder: StreamDecoder::new(),
-                        stops: StopMatcher::new(job.stop),
-                        n_prompt: job.prompt_ids.len(),
-                        n_generated: 0,
-                        started: Instant::now(),
-                        last_token: None,
-                        logprobs: job.logprobs,
-                        sampling: job.sampling,
-                        ignore_eos: job.ignore_eos,
-                        priority: job.priority,
-                        queued: true,
-                        ledger_row: job.ledger_row,
-                        billed_prompt: job.billed_prompt,
-                    },
-                );
-                self.publish_load();
-                let _ = accepted.send(Ok(id));
-            }
-            Command::Resume { moved, accepted } => {
-                let refused =
-                    self.retired || self.down_reason.is_some() || !self.health.borrow().serving();
-                let id = SessionId(self.next_id);
-                let demand = Demand {
-                    n_positions: moved.tokens.len() + moved.max_new,
-                    priority: moved.live.priority,
-                    key: &moved.live.key,
-                };
-                let queued = self.scheduler.n_waiting_of(moved.live.priority);
-                if refused || self.admission.admit(id, &demand, queued).is_err() {
-                    let _ = accepted.send(Err(moved));
-                    return;
-                }
-                self.next_id += 1;
-                let Moved {
-                    mut live,
-                    tokens,
-                    max_new,
-                    ..
-                } = *moved;
-                live.queued = true;
-                live.n_replays = 0;
-                self.metrics
-                    .inc("strata_migrated_tokens_total", &[], tokens.len() as f64);
-                let owner = owner_of(&live.key);
-                self.scheduler
-                    .add(id, tokens, max_new, live.priority, owner);
-                self.live.insert(id, live);
-                self.publish_load();
-                let _ = accepted.send(Ok(id));
-            }
+            } => self.submit(*job, events, accepted),
+            Command::Resume { moved, accepted } => self.resume(moved, accepted),
             Command::Cancel(id) => self.cancel(id),
             Command::Retire { move_sessions } => {
                 tracing::info!(
@@ -775,6 +678,119 @@ impl Runner {
                 }
             }
         }
+    }
+
+    /// A new session: refused (typed) while the route is retired, down or not serving, or
+    /// when admission has no room; else queued.
+    fn submit(
+        &mut self,
+        job: Job,
+        events: mpsc::UnboundedSender<SessionEvent>,
+        accepted: oneshot::Sender<Result<SessionId, Refusal>>,
+    ) {
+        // Refusals are counted where they are answered (the HTTP handler).
+        if self.retired {
+            let _ = accepted.send(Err(Refusal::draining(format!(
+                "route {} has left",
+                self.name
+            ))));
+            return;
+        }
+        if let Some(reason) = &self.down_reason {
+            let _ = accepted.send(Err(reason.clone()));
+            return;
+        }
+        // The route is open but a shard stopped answering its probes (frozen, or
+        // replaced by one holding something else): work sent now would only wait for
+        // the route's silence to run out.
+        let health = self.health.borrow().clone();
+        if !health.serving() {
+            let _ = accepted.send(Err(health_refusal(&health)));
+            return;
+        }
+        let id = SessionId(self.next_id);
+        let demand = Demand {
+            n_positions: job.prompt_ids.len() + job.max_tokens,
+            priority: job.priority,
+            key: &job.key,
+        };
+        let queued = self.scheduler.n_waiting_of(job.priority);
+        if let Err(r) = self.admission.admit(id, &demand, queued) {
+            let _ = accepted.send(Err(r));
+            return;
+        }
+        self.next_id += 1;
+        let owner = owner_of(&job.key);
+        self.scheduler.add(
+            id,
+            job.prompt_ids.clone(),
+            job.max_tokens,
+            job.priority,
+            owner,
+        );
+        self.live.insert(
+            id,
+            Live {
+                n_replays: 0,
+                n_moves: 0,
+                moved_at: None,
+                key: job.key.clone(),
+                events,
+                decoder: StreamDecoder::new(),
+                stops: StopMatcher::new(job.stop),
+                n_prompt: job.prompt_ids.len(),
+                n_generated: 0,
+                started: Instant::now(),
+                last_token: None,
+                logprobs: job.logprobs,
+                sampling: job.sampling,
+                ignore_eos: job.ignore_eos,
+                priority: job.priority,
+                queued: true,
+                ledger_row: job.ledger_row,
+                billed_prompt: job.billed_prompt,
+            },
+        );
+        self.publish_load();
+        let _ = accepted.send(Ok(id));
+    }
+
+    /// A session another route lost: taken when the route serves and admission has room,
+    /// else handed back.
+    fn resume(
+        &mut self,
+        moved: Box<Moved>,
+        accepted: oneshot::Sender<Result<SessionId, Box<Moved>>>,
+    ) {
+        let refused = self.retired || self.down_reason.is_some() || !self.health.borrow().serving();
+        let id = SessionId(self.next_id);
+        let demand = Demand {
+            n_positions: moved.tokens.len() + moved.max_new,
+            priority: moved.live.priority,
+            key: &moved.live.key,
+        };
+        let queued = self.scheduler.n_waiting_of(moved.live.priority);
+        if refused || self.admission.admit(id, &demand, queued).is_err() {
+            let _ = accepted.send(Err(moved));
+            return;
+        }
+        self.next_id += 1;
+        let Moved {
+            mut live,
+            tokens,
+            max_new,
+            ..
+        } = *moved;
+        live.queued = true;
+        live.n_replays = 0;
+        self.metrics
+            .inc("strata_migrated_tokens_total", &[], tokens.len() as f64);
+        let owner = owner_of(&live.key);
+        self.scheduler
+            .add(id, tokens, max_new, live.priority, owner);
+        self.live.insert(id, live);
+        self.publish_load();
+        let _ = accepted.send(Ok(id));
     }
 
     /// Removes a session from the live set, returns what it reserved at admission and settles
@@ -967,9 +983,14 @@ impl Runner {
             .into_owned()
     }
 
-    fn on_token(&mut self, id: SessionId, token: u32, out: Option<&proto::v1::SessionOutput>) {
-        let now = Instant::now();
-        let logprob = match (self.live.get(&id).and_then(|l| l.logprobs), out) {
+    /// The token's log-probabilities as text, when its session asked for them.
+    fn logprob(
+        &self,
+        id: SessionId,
+        token: u32,
+        out: Option<&proto::v1::SessionOutput>,
+    ) -> Option<TokenLogprob> {
+        match (self.live.get(&id).and_then(|l| l.logprobs), out) {
             (Some(_), Some(o)) => Some(TokenLogprob {
                 token: self.piece(token),
                 logprob: o.logprob,
@@ -980,7 +1001,12 @@ impl Runner {
                     .collect(),
             }),
             _ => None,
-        };
+        }
+    }
+
+    fn on_token(&mut self, id: SessionId, token: u32, out: Option<&proto::v1::SessionOutput>) {
+        let now = Instant::now();
+        let logprob = self.logprob(id, token, out);
         let Some(live) = self.live.get_mut(&id) else {
             return;
         };

@@ -176,26 +176,10 @@ fn step_limits(config: &TrackerConfig, name: &str, cluster: &Cluster) -> engine:
     }
 }
 
-/// Starts one route's health monitor and scheduling loop and waits until the route is open.
-async fn start_route(
-    config: &TrackerConfig,
-    name: &str,
-    cluster: Arc<Cluster>,
-    tokenizer: Arc<Tokenizer>,
-    metrics: &Arc<Metrics>,
-    moved: mpsc::UnboundedSender<Box<driver::Moved>>,
-    table: Arc<RouteTable>,
-    wait: Duration,
-) -> Result<RouteHandle, String> {
-    let scoped = Arc::new(metrics.scoped(&[("model", &cluster.model_name), ("route", name)]));
-    let (health_tx, health_rx) = watch::channel(Health::default());
-    tokio::spawn(cluster::monitor(
-        Arc::clone(&cluster),
-        config.health_period,
-        health_tx,
-        Arc::clone(metrics),
-    ));
-    let admission = engine::Admission::new(
+/// The route's admission ledger: every shard's KV budget and session places, and the
+/// configured queue and active places per class.
+fn admission_of(config: &TrackerConfig, cluster: &Cluster) -> engine::Admission {
+    engine::Admission::new(
         cluster
             .infos
             .iter()
@@ -224,7 +208,29 @@ async fn start_route(
             ],
             ..config.admission.clone()
         },
-    );
+    )
+}
+
+/// Starts one route's health monitor and scheduling loop and waits until the route is open.
+async fn start_route(
+    config: &TrackerConfig,
+    name: &str,
+    cluster: Arc<Cluster>,
+    tokenizer: Arc<Tokenizer>,
+    metrics: &Arc<Metrics>,
+    moved: mpsc::UnboundedSender<Box<driver::Moved>>,
+    table: Arc<RouteTable>,
+    wait: Duration,
+) -> Result<RouteHandle, String> {
+    let scoped = Arc::new(metrics.scoped(&[("model", &cluster.model_name), ("route", name)]));
+    let (health_tx, health_rx) = watch::channel(Health::default());
+    tokio::spawn(cluster::monitor(
+        Arc::clone(&cluster),
+        config.health_period,
+        health_tx,
+        Arc::clone(metrics),
+    ));
+    let admission = admission_of(config, &cluster);
     let scheduler = step_limits(config, name, &cluster);
     let (cmd_tx, cmd_rx) = mpsc::channel(1024);
     let (route_tx, mut route_rx) = watch::channel(false);
