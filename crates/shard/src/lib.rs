@@ -9,6 +9,8 @@
 //! activations of what it accepted to the next shard of the route.
 
 mod core;
+#[cfg(feature = "fault-injection")]
+mod faulty;
 mod grammar;
 mod messages;
 mod relay;
@@ -20,6 +22,8 @@ mod worker;
 use std::path::PathBuf;
 
 pub use crate::core::{ComputeStopped, ShardCore};
+#[cfg(feature = "fault-injection")]
+pub use faulty::{Fault, FaultyShard};
 pub use messages::Counters;
 pub use route::run_route;
 pub use service::{serve, LocalShard, ShardService};

@@ -3,114 +3,29 @@
 //! `connection: close` and the whole JSON body (addresses and ports written as `ADDR`).
 //!
 //! Refusals that a shard sends (cache miss, stale epoch, a shard's capacity or budget, a
-//! grammar over its budget, a failed step) are injected by a transport that rewrites the
-//! shard's replies, so each reaches the client exactly as a real one would.
+//! grammar over its budget, a failed step) are injected by `shard::FaultyShard`, which rewrites
+//! the shard's replies, so each reaches the client exactly as a real one would.
 //!
 //! The snapshot is `tests/snapshots/error_bodies.txt`; `UPDATE_SNAPSHOTS=1` rewrites it (a
 //! change to it is a change of the API every client sees: review it as one).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine::{Reason, Refusal};
-use futures::StreamExt;
-use proto::v1::{RouteMsg, RouteReply, SessionError, ShardInfo, StepError};
-use proto::{ReplyStream, ShardTransport};
+use proto::v1::{SessionError, StepError};
 use serde_json::{json, Value};
+use shard::Fault;
 use testkit::http::{get, post_json, request, Response, SseStream};
-use tokio::sync::mpsc;
 use tonic::Status;
-
-/// What the injecting transport does to the shard's answers.
-#[derive(Clone, Default)]
-enum Fault {
-    #[default]
-    None,
-    /// Every sampled token becomes this refusal of its session.
-    Refuse(SessionError),
-    /// Every reply becomes this failure of the whole step.
-    FailStep(StepError),
-    /// `describe` says the shard holds other layers than it did.
-    OtherLayers,
-    /// Opening a route stream is refused with this status.
-    RefuseRoute(Status),
-}
-
-/// A shard in this process whose answers a test can rewrite.
-struct Injecting {
-    inner: shard::LocalShard,
-    fault: Arc<Mutex<Fault>>,
-}
-
-fn rewrite(fault: &Fault, mut reply: RouteReply) -> RouteReply {
-    match fault {
-        Fault::Refuse(e) if !reply.outputs.is_empty() => {
-            for o in std::mem::take(&mut reply.outputs) {
-                reply.errors.push(SessionError {
-                    session_id: o.session_id,
-                    ..e.clone()
-                });
-            }
-            reply
-        }
-        Fault::FailStep(e) if reply.progress.is_none() => RouteReply {
-            step_error: Some(e.clone()),
-            outputs: Vec::new(),
-            ..reply
-        },
-        _ => reply,
-    }
-}
-
-#[tonic::async_trait]
-impl ShardTransport for Injecting {
-    fn address(&self) -> &str {
-        self.inner.address()
-    }
-
-    async fn describe(&self, t: Duration) -> Result<ShardInfo, Status> {
-        let mut info = self.inner.describe(t).await?;
-        if matches!(*self.fault.lock().unwrap(), Fault::OtherLayers) {
-            info.layer_end -= 1;
-            if let Some(r) = info.recipe.as_mut() {
-                r.layer_end -= 1;
-            }
-        }
-        Ok(info)
-    }
-
-    async fn vocab(&self) -> Result<proto::v1::VocabReply, Status> {
-        self.inner.vocab().await
-    }
-
-    async fn stats(&self, t: Duration) -> Result<proto::v1::ShardStats, Status> {
-        self.inner.stats(t).await
-    }
-
-    async fn route(&self, outbound: mpsc::Receiver<RouteMsg>) -> Result<ReplyStream, Status> {
-        if let Fault::RefuseRoute(s) = &*self.fault.lock().unwrap() {
-            return Err(s.clone());
-        }
-        let fault = Arc::clone(&self.fault);
-        let replies = self.inner.route(outbound).await?;
-        Ok(Box::pin(replies.map(move |r| {
-            let f = fault.lock().unwrap().clone();
-            r.map(|reply| rewrite(&f, reply))
-        })))
-    }
-
-    async fn replies(&self, key: u64) -> Result<ReplyStream, Status> {
-        self.inner.replies(key).await
-    }
-}
 
 /// One tracker with one shard of the tiny model, serving HTTP on 127.0.0.1.
 struct Node {
     addr: String,
     core: Arc<shard::ShardCore>,
-    fault: Arc<Mutex<Fault>>,
+    shard: shard::FaultyShard,
 }
 
 fn shard_config(name: &str) -> shard::ShardConfig {
@@ -153,17 +68,13 @@ fn start(
     let mut sc = shard_config(name);
     shard(&mut sc);
     let core = shard::ShardCore::load(sc).unwrap();
-    let fault = Arc::new(Mutex::new(Fault::None));
-    let transport = Injecting {
-        inner: shard::LocalShard::new(Arc::clone(&core)),
-        fault: Arc::clone(&fault),
-    };
+    let shard = shard::FaultyShard::new(Arc::clone(&core));
     let routes = vec![tracker::RouteSpec {
         name: "local".into(),
-        shards: vec![Arc::new(transport)],
+        shards: vec![Arc::new(shard.clone())],
     }];
     let addr = serve(rt, config, routes);
-    Node { addr, core, fault }
+    Node { addr, core, shard }
 }
 
 fn serve(
@@ -507,7 +418,7 @@ fn shard_refusals(rt: &tokio::runtime::Runtime, out: &mut Vec<String>) {
         ("no_such_reason", None, "something new"),
     ];
     for (reason, limit, message) in session_faults {
-        *n.fault.lock().unwrap() = refusal(reason, limit, message);
+        n.shard.set(refusal(reason, limit, message));
         let name = format!("a shard's {reason} refusal ({message})");
         out.push(line(&name, &completion(&addr, prompt())));
     }
@@ -526,38 +437,40 @@ fn shard_refusals(rt: &tokio::runtime::Runtime, out: &mut Vec<String>) {
         stream.status,
         normalize(&data.join(" / "))
     ));
-    *n.fault.lock().unwrap() = Fault::FailStep(StepError::new(
+    n.shard.set(Fault::FailStep(StepError::new(
         "embedded",
         &Refusal::new(Reason::ShardFailed, "the compute thread stopped"),
-    ));
+    )));
     out.push(line("a failed step", &completion(&addr, prompt())));
-    *n.fault.lock().unwrap() = Fault::RefuseRoute(proto::refusal_status(
+    n.shard.set(Fault::RefuseRoute(proto::refusal_status(
         tonic::Code::FailedPrecondition,
         &Refusal::recipe_mismatch(
             "recipe_mismatch: shard embedded has layer_end 3 but the route expects 4",
         ),
-    ));
+    )));
     let r = until_reason(&addr, &prompt(), "recipe_mismatch");
     out.push(line("a route refused for its recipe", &r));
-    *n.fault.lock().unwrap() = Fault::RefuseRoute(Status::unavailable("connection refused"));
+    n.shard.set(Fault::RefuseRoute(Status::unavailable(
+        "connection refused",
+    )));
     let r = until_reason(&addr, &prompt(), "shard_failed");
     out.push(line("a route whose shard does not answer", &r));
-    *n.fault.lock().unwrap() = Fault::FailStep(StepError::new(
+    n.shard.set(Fault::FailStep(StepError::new(
         "embedded",
         &Refusal::capacity(
             "inflight_bytes",
             "inflight_bytes on shard embedded: 70 MiB in flight",
         ),
-    ));
+    )));
     wait_up(&addr);
     out.push(line(
         "a step refused for capacity",
         &completion(&addr, prompt()),
     ));
-    *n.fault.lock().unwrap() = Fault::OtherLayers;
+    n.shard.set(Fault::OtherLayers);
     let r = until_reason(&addr, &prompt(), "recipe_mismatch");
     out.push(line("a shard holding other layers", &r));
-    *n.fault.lock().unwrap() = Fault::None;
+    n.shard.set(Fault::None);
     wait_up(&addr);
     n.core.drain();
     let r = until_reason(&addr, &prompt(), "draining");

@@ -557,10 +557,14 @@ pub fn declare(m: &Metrics) {
     );
     // Both refusal classes exist from the start, for every priority class.
     for p in engine::Priority::ALL {
-        for class in ["capacity", "budget"] {
+        for reason in [engine::Reason::Capacity, engine::Reason::Budget] {
             m.inc(
                 "strata_refusals_total",
-                &[("reason", class), ("class", class), ("priority", p.name())],
+                &[
+                    ("reason", reason.name()),
+                    ("class", reason.class().name()),
+                    ("priority", p.name()),
+                ],
                 0.0,
             );
         }

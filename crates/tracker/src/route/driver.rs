@@ -1138,3 +1138,7 @@ impl Runner {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "driver_tests.rs"]
+mod tests;

@@ -178,7 +178,7 @@ fn step_limits(config: &TrackerConfig, name: &str, cluster: &Cluster) -> engine:
 
 /// The route's admission ledger: every shard's KV budget and session places, and the
 /// configured queue and active places per class.
-fn admission_of(config: &TrackerConfig, cluster: &Cluster) -> engine::Admission {
+pub(crate) fn admission_of(config: &TrackerConfig, cluster: &Cluster) -> engine::Admission {
     engine::Admission::new(
         cluster
             .infos
