@@ -140,3 +140,28 @@ impl ShardTransport for FaultyShard {
         self.inner.replies(key).await
     }
 }
+
+impl crate::ShardConfig {
+    /// A whole-model shard in the test's own process (labelled `embedded`): one thread, a
+    /// context of 256, 16 MiB of KV, 16 sessions.
+    pub fn in_process(model_path: std::path::PathBuf) -> Self {
+        crate::ShardConfig {
+            model_path,
+            layers: None,
+            n_threads: 1,
+            n_ctx: 256,
+            kv_budget_bytes: 16 << 20,
+            kv_ttl: Duration::from_secs(600),
+            max_sessions: 16,
+            weights_budget_bytes: 1 << 30,
+            scratch_budget_bytes: 64 << 20,
+            inflight_budget_bytes: 64 << 20,
+            pinned: false,
+            prefix_cache: true,
+            label: "embedded".into(),
+            link: proto::Link::plain("unused-in-process-token"),
+            tls_identity: None,
+            grammar_budget: Duration::from_millis(200),
+        }
+    }
+}

@@ -16,25 +16,7 @@ fn a_dead_compute_thread_turns_health_down_and_requests_into_typed_failures() {
         .build()
         .unwrap();
     let path = testkit::write_tiny_model(&testkit::TinySpec::default(), "compute-failure");
-    let core = shard::ShardCore::load(shard::ShardConfig {
-        model_path: path,
-        layers: None,
-        n_threads: 1,
-        n_ctx: 256,
-        kv_budget_bytes: 16 << 20,
-        kv_ttl: Duration::from_secs(600),
-        max_sessions: 16,
-        weights_budget_bytes: 1 << 30,
-        scratch_budget_bytes: 64 << 20,
-        inflight_budget_bytes: 64 << 20,
-        pinned: false,
-        prefix_cache: true,
-        label: "embedded".into(),
-        link: proto::Link::plain("unused-in-process-token"),
-        tls_identity: None,
-        grammar_budget: std::time::Duration::from_millis(200),
-    })
-    .unwrap();
+    let core = shard::ShardCore::load(shard::ShardConfig::in_process(path)).unwrap();
     let addr = rt.block_on(async {
         let config = tracker::TrackerConfig {
             health_period: Duration::from_millis(50),

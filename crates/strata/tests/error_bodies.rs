@@ -29,24 +29,10 @@ struct Node {
 }
 
 fn shard_config(name: &str) -> shard::ShardConfig {
-    shard::ShardConfig {
-        model_path: testkit::write_tiny_model(&testkit::TinySpec::default(), name),
-        layers: None,
-        n_threads: 1,
-        n_ctx: 256,
-        kv_budget_bytes: 16 << 20,
-        kv_ttl: Duration::from_secs(600),
-        max_sessions: 16,
-        weights_budget_bytes: 1 << 30,
-        scratch_budget_bytes: 64 << 20,
-        inflight_budget_bytes: 64 << 20,
-        pinned: false,
-        prefix_cache: true,
-        label: "embedded".into(),
-        link: proto::Link::plain("unused-in-process-token"),
-        tls_identity: None,
-        grammar_budget: Duration::from_millis(200),
-    }
+    shard::ShardConfig::in_process(testkit::write_tiny_model(
+        &testkit::TinySpec::default(),
+        name,
+    ))
 }
 
 fn tracker_config() -> tracker::TrackerConfig {

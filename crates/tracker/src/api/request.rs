@@ -195,6 +195,17 @@ fn integer(body: &Value, key: &str, min: u64, max: u64) -> Result<Option<u64>, R
     }
 }
 
+fn string(body: &Value, key: &str) -> Result<Option<String>, Refusal> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(v) => Err(Refusal::invalid(
+            key,
+            format!("`{key}` must be a string, got {v}"),
+        )),
+    }
+}
+
 fn boolean(body: &Value, key: &str) -> Result<Option<bool>, Refusal> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
@@ -303,16 +314,7 @@ fn model_and_fields(endpoint: Endpoint, body: &Value) -> Result<Option<String>, 
             "the request body must be a JSON object",
         ));
     }
-    let model = match body.get("model") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(v) => {
-            return Err(Refusal::invalid(
-                "model",
-                format!("`model` must be a string, got {v}"),
-            ))
-        }
-    };
+    let model = string(body, "model")?;
     if let Some(obj) = body.as_object() {
         let own = match endpoint {
             Endpoint::Completions => COMPLETION_FIELDS,
@@ -637,16 +639,7 @@ fn echo_and_suffix(body: &Value, logprobs: Option<u32>) -> Result<(bool, Option<
             "`echo` with `logprobs` is not supported (the prompt's log-probabilities are not computed)",
         ));
     }
-    let suffix = match body.get("suffix") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(v) => {
-            return Err(Refusal::invalid(
-                "suffix",
-                format!("`suffix` must be a string, got {v}"),
-            ))
-        }
-    };
+    let suffix = string(body, "suffix")?;
     if suffix.is_some() && echo {
         return Err(Refusal::invalid(
             "echo",
