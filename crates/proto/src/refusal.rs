@@ -58,8 +58,12 @@ pub fn reason_from_wire(n: i32) -> Reason {
     }
 }
 
-fn limit_of(limit: &str) -> Option<String> {
-    (!limit.is_empty()).then(|| limit.to_string())
+/// A shard's refusal as the wire carries it: retryable as a shard's refusal of its reason is,
+/// with its limit when it names one.
+fn from_wire(reason: i32, message: String, limit: &str) -> Refusal {
+    let mut r = Refusal::from_shard(reason_from_wire(reason), message);
+    r.limit = (!limit.is_empty()).then(|| limit.to_string());
+    r
 }
 
 impl v1::SessionError {
@@ -75,9 +79,7 @@ impl v1::SessionError {
 
     /// The refusal it carries, retryable as a shard's refusal of its reason is.
     pub fn refusal(&self) -> Refusal {
-        let mut r = Refusal::from_shard(reason_from_wire(self.reason), self.message.clone());
-        r.limit = limit_of(&self.limit);
-        r
+        from_wire(self.reason, self.message.clone(), &self.limit)
     }
 
     /// Its reason, typed.
@@ -107,11 +109,7 @@ impl v1::StepError {
     pub fn refusal(&self) -> Refusal {
         match reason_from_wire(self.reason) {
             Reason::ShardFailed => Refusal::shard_failed(&self.shard, self.message.clone()),
-            reason => {
-                let mut r = Refusal::from_shard(reason, self.message.clone());
-                r.limit = limit_of(&self.limit);
-                r
-            }
+            _ => from_wire(self.reason, self.message.clone(), &self.limit),
         }
     }
 }
@@ -134,9 +132,7 @@ pub fn status_refusal(status: &Status) -> Option<Refusal> {
     if d.reason == v1::Reason::Unspecified as i32 {
         return None;
     }
-    let mut r = Refusal::from_shard(reason_from_wire(d.reason), d.message);
-    r.limit = limit_of(&d.limit);
-    Some(r)
+    Some(from_wire(d.reason, d.message, &d.limit))
 }
 
 #[cfg(test)]
