@@ -133,10 +133,26 @@ fn call_schema(tools: &[Tool]) -> Value {
     with_layout(schema)
 }
 
-/// Output that is one or more calls of `tools` in the Hermes format Qwen2.5's template
-/// teaches (`<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`, calls separated by a
-/// newline), and nothing else: what `tool_choice` `required` or a named function asks for.
-pub fn tool_calls(tools: &[Tool]) -> Result<String, Error> {
+/// How the calls of a tool grammar are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallRules {
+    /// Free text may come first and the answer may have no call at all; once the model opens
+    /// a call (`<tool_call>`), the call is held to the tools (`tool_choice: auto`, as
+    /// llama.cpp's lazy grammars). Otherwise the answer is calls and nothing else (`required`
+    /// or a named function).
+    pub lazy: bool,
+    /// Several calls one after another (`parallel_tool_calls`), or exactly one.
+    pub parallel: bool,
+}
+
+/// Free text that does not open a call: any text without the opening tag.
+const FREE_TEXT: &str = r"/(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/";
+
+/// Calls of `tools` in the Hermes format Qwen2.5's template teaches
+/// (`<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`, calls separated by a
+/// newline), held as `rules` say: every call the model makes parses and its arguments match
+/// the tool's schema.
+pub fn tool_calls(tools: &[Tool], rules: CallRules) -> Result<String, Error> {
     if tools.is_empty() {
         return Err(Error::Grammar("no tools to call".into()));
     }
@@ -148,9 +164,24 @@ pub fn tool_calls(tools: &[Tool]) -> Result<String, Error> {
     let call = call_schema(tools);
     LIMITS.check(&call)?;
     let schema = serde_json::to_string(&call).expect("a schema serializes");
-    let lark = format!(
-        "start: call (\"\\n\" call)*\ncall: \"<tool_call>\\n\" args \"\\n</tool_call>\"\nargs: %json {schema}\n"
-    );
+    let more = if rules.parallel {
+        " (\"\\n\" call)*"
+    } else {
+        ""
+    };
+    let body = "\"\\n\" args \"\\n</tool_call>\"";
+    let lark = if rules.lazy {
+        // Two lexemes compete from the first byte: text that never opens a call, and text
+        // that ends at the first opening tag (lazy: it stops there), after which the call's
+        // body is held to the schema. A lone `<` or a partial tag stays text.
+        format!(
+            "start: FREE | opened body{more}\nFREE: {FREE_TEXT}\nopened[suffix=\"<tool_call>\"]: /(?s:.*)/\nbody: {body}\ncall: \"<tool_call>\" body\nargs: %json {schema}\n"
+        )
+    } else {
+        format!(
+            "start: call{more}\ncall: \"<tool_call>\" body\nbody: {body}\nargs: %json {schema}\n"
+        )
+    };
     Ok(to_json(&TopLevelGrammar::from_lark(lark)))
 }
 
@@ -178,12 +209,18 @@ mod tests {
                 parameters: json!({"type": "object"}),
             },
         ];
-        let g = tool_calls(&tools).unwrap();
-        assert!(
-            g.contains("get_weather") && g.contains("\\\"add\\\""),
-            "{g}"
-        );
-        assert!(tool_calls(&[]).is_err());
+        for lazy in [false, true] {
+            let rules = CallRules {
+                lazy,
+                parallel: true,
+            };
+            let g = tool_calls(&tools, rules).unwrap();
+            assert!(
+                g.contains("get_weather") && g.contains("\\\"add\\\""),
+                "{g}"
+            );
+            assert!(tool_calls(&[], rules).is_err());
+        }
     }
 
     #[test]

@@ -123,20 +123,94 @@ fn unsupported_schema_features_and_garbage_are_named() {
         .is_err());
 }
 
+const REQUIRED: grammar::CallRules = grammar::CallRules {
+    lazy: false,
+    parallel: true,
+};
+
 #[test]
 fn tool_calls_parse_and_their_arguments_match() {
     let tok = tokenizer(&testkit::named_model("qwen2.5-coder-0.5b"));
     let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
-    let g = grammar::tool_calls(&[grammar::Tool {
+    let weather = [grammar::Tool {
         name: "get_weather".into(),
         parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
-    }])
-    .unwrap();
+    }];
+    let g = grammar::tool_calls(&weather, REQUIRED).unwrap();
     let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
     assert_eq!(walk(&vocab, &tok, &g, call), (true, true));
     let wrong = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
     assert!(!walk(&vocab, &tok, &g, wrong).0);
     assert!(!walk(&vocab, &tok, &g, "Sure! <tool_call>").0);
+    let two = format!("{call}\n{call}");
+    assert_eq!(walk(&vocab, &tok, &g, &two), (true, true));
+    let one = grammar::tool_calls(
+        &weather,
+        grammar::CallRules {
+            lazy: false,
+            parallel: false,
+        },
+    )
+    .unwrap();
+    assert_eq!(walk(&vocab, &tok, &one, call), (true, true));
+    assert!(!walk(&vocab, &tok, &one, &two).0, "one call only");
+}
+
+#[test]
+fn a_lazy_tool_grammar_leaves_text_free_and_holds_every_call_it_opens() {
+    let tok = tokenizer(&testkit::named_model("qwen2.5-coder-0.5b"));
+    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+    let weather = [grammar::Tool {
+        name: "get_weather".into(),
+        parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": false}),
+    }];
+    let rules = grammar::CallRules {
+        lazy: true,
+        parallel: true,
+    };
+    let g = grammar::tool_calls(&weather, rules).unwrap();
+    let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    // Free text, with angle brackets and partial tags in it, ends whenever it likes.
+    for text in [
+        "Sure, it is sunny.",
+        "a < b and <b>bold</b>, <tool_ is not a tag",
+        "",
+    ] {
+        assert_eq!(walk(&vocab, &tok, &g, text), (true, true), "{text:?}");
+    }
+    // Text then calls, or calls alone.
+    for answer in [
+        format!("Let me check.\n{call}"),
+        call.to_string(),
+        format!("{call}\n{call}"),
+    ] {
+        assert_eq!(walk(&vocab, &tok, &g, &answer), (true, true), "{answer:?}");
+    }
+    // A call once opened must be a call of an offered tool with matching arguments, and
+    // it must be finished; nothing but another call follows it.
+    let unknown = "ok <tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
+    let bad_args =
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"town\": 1}}\n</tool_call>";
+    let broken = "<tool_call>\n{{\"name\": \"get_weather\"}}}";
+    for answer in [unknown, bad_args, broken] {
+        assert!(!walk(&vocab, &tok, &g, answer).0, "{answer:?}");
+    }
+    assert_eq!(
+        walk(&vocab, &tok, &g, "Checking <tool_call>"),
+        (true, false),
+        "an opened call cannot end the answer"
+    );
+    assert!(!walk(&vocab, &tok, &g, &format!("{call} and more text")).0);
+    let one = grammar::tool_calls(
+        &weather,
+        grammar::CallRules {
+            lazy: true,
+            parallel: false,
+        },
+    )
+    .unwrap();
+    assert_eq!(walk(&vocab, &tok, &one, call), (true, true));
+    assert!(!walk(&vocab, &tok, &one, &format!("{call}\n{call}")).0);
 }
 
 #[test]
@@ -172,15 +246,18 @@ fn a_tool_whose_parameters_use_definitions_compiles_and_holds() {
     let tok = tiny();
     let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
     // As pydantic writes a model with a nested one.
-    let g = grammar::tool_calls(&[grammar::Tool {
-        name: "book".into(),
+    let g = grammar::tool_calls(
+        &[grammar::Tool {
+            name: "book".into(),
         parameters: json!({
             "type": "object",
             "properties": {"guest": {"$ref": "#/$defs/Guest"}},
             "required": ["guest"],
             "$defs": {"Guest": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"], "additionalProperties": false}}
         }),
-    }])
+        }],
+        REQUIRED,
+    )
     .unwrap();
     let call = "<tool_call>\n{\"name\": \"book\", \"arguments\": {\"guest\": {\"name\": \"Ada\"}}}\n</tool_call>";
     assert_eq!(walk(&vocab, &tok, &g, call), (true, true));

@@ -82,7 +82,14 @@ fn tool_calls_at_the_total_limit_compile_and_check() {
             parameters: wide(per),
         })
         .collect();
-    let g = grammar::tool_calls(&tools).unwrap();
+    let g = grammar::tool_calls(
+        &tools,
+        grammar::CallRules {
+            lazy: false,
+            parallel: true,
+        },
+    )
+    .unwrap();
     let t = Instant::now();
     vocab.check(&g).unwrap();
     eprintln!(

@@ -484,7 +484,14 @@ fn heavy_grammar() -> String {
             parameters: serde_json::json!({"type": "object", "properties": wide}),
         })
         .collect();
-    constrain::grammar::tool_calls(&tools).unwrap()
+    constrain::grammar::tool_calls(
+        &tools,
+        constrain::grammar::CallRules {
+            lazy: false,
+            parallel: true,
+        },
+    )
+    .unwrap()
 }
 
 /// On the last shard a grammar runs beside the forward pass: one not ready within the step's
