@@ -36,6 +36,8 @@ pub struct TinySpec {
     pub head_dim: Option<usize>,
     /// gemma3's sliding window.
     pub window: usize,
+    /// The chat template the file carries ([`CHATML`], or [`CHATML_THINKING`]).
+    pub chat_template: &'static str,
 }
 
 impl Default for TinySpec {
@@ -53,6 +55,7 @@ impl Default for TinySpec {
             arch: "llama",
             head_dim: None,
             window: 8,
+            chat_template: CHATML,
         }
     }
 }
@@ -62,6 +65,10 @@ const MERGES: [&str; 12] = [
     "Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "Ġ w", "o r", "Ġw or",
 ];
 const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+/// ChatML with a thinking section, in the way Qwen3's template has one: the generation
+/// prompt opens `<think>` (the answer starts inside it), or with `enable_thinking` false
+/// closes an empty one; an assistant turn's `reasoning_content` is printed in its section.
+pub const CHATML_THINKING: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}{% if message['role'] == 'assistant' and message['reasoning_content'] %}{{'<think>\n' + message['reasoning_content'] + '\n</think>\n\n'}}{% endif %}{{ message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{% else %}{{ '<think>\n' }}{% endif %}{% endif %}";
 pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 /// The tiny vocabulary: specials, the 256 byte characters, then one token per merge.
@@ -147,7 +154,10 @@ pub fn tiny_model_bytes(spec: &TinySpec) -> Vec<u8> {
         .metadata("tokenizer.ggml.bos_token_id", u32v(1))
         .metadata("tokenizer.ggml.eos_token_id", u32v(2))
         .metadata("tokenizer.ggml.add_bos_token", Value::Bool(false))
-        .metadata("tokenizer.chat_template", Value::String(CHATML.into()));
+        .metadata(
+            "tokenizer.chat_template",
+            Value::String(spec.chat_template.into()),
+        );
 
     let matrix =
         |w: &mut Writer, name: &str, n_cols: usize, n_rows: usize, ty: GgmlType, rng: &mut Rng| {

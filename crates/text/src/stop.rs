@@ -57,6 +57,8 @@ pub struct StopMatcher {
     stops: Vec<Automaton>,
     /// Text not yet released: at most the longest stop string's length.
     held: String,
+    /// Which stop string ended the text.
+    matched: Option<usize>,
 }
 
 /// What [`StopMatcher::push`] decided.
@@ -77,23 +79,33 @@ impl StopMatcher {
                 .map(|s| Automaton::new(&s))
                 .collect(),
             held: String::new(),
+            matched: None,
         }
+    }
+
+    /// The stop string that ended the text, once one has.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched
+            .and_then(|i| std::str::from_utf8(&self.stops[i].stop).ok())
     }
 
     pub fn push(&mut self, text: &str) -> StopStep {
         let base = self.held.len();
         self.held.push_str(text);
         // The earliest start of any stop string completed within this text.
-        let mut first: Option<usize> = None;
+        let mut first: Option<(usize, usize)> = None;
         for (i, &b) in text.as_bytes().iter().enumerate() {
-            for a in &mut self.stops {
+            for (k, a) in self.stops.iter_mut().enumerate() {
                 if a.feed(b) {
                     let start = base + i + 1 - a.stop.len();
-                    first = Some(first.map_or(start, |f| f.min(start)));
+                    if first.is_none_or(|(f, _)| start < f) {
+                        first = Some((start, k));
+                    }
                 }
             }
         }
-        if let Some(at) = first {
+        if let Some((at, k)) = first {
+            self.matched = Some(k);
             let out = self.held[..at].to_string();
             self.held.clear();
             for a in &mut self.stops {
@@ -140,6 +152,7 @@ mod tests {
     fn earliest_of_several_stops_wins() {
         let mut m = StopMatcher::new(["b".to_string(), "cd".to_string()]);
         assert_eq!(m.push("a cd b"), StopStep::Stop("a ".into()));
+        assert_eq!(m.matched(), Some("cd"));
         let mut m = StopMatcher::new(["bc".to_string(), "abcd".to_string()]);
         assert_eq!(m.push("xabcd"), StopStep::Stop("x".into()));
     }

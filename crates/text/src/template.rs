@@ -22,6 +22,20 @@ pub struct ChatMessage {
     /// A tool message's tool name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant message's thinking, for templates that print it (Qwen3's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+}
+
+/// What a template is rendered with beside the messages.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Vars<'a> {
+    /// The tools a request offers (`[{"type": "function", "function": {...}}]`, as OpenAI
+    /// sends them), in the template's `tools` variable.
+    pub tools: Option<&'a serde_json::Value>,
+    /// Further variables (`enable_thinking`, ...); the caller keeps them off the names the
+    /// renderer sets itself.
+    pub kwargs: Option<&'a serde_json::Map<String, serde_json::Value>>,
 }
 
 impl ChatMessage {
@@ -38,6 +52,8 @@ impl ChatMessage {
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template's text, for what it says about formats (tools, thinking).
+    source: String,
     bos: String,
     eos: String,
 }
@@ -96,6 +112,7 @@ impl ChatTemplate {
             .map_err(template_error)?;
         Ok(ChatTemplate {
             env,
+            source: source.to_string(),
             bos: bos.to_string(),
             eos: eos.to_string(),
         })
@@ -125,28 +142,28 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, Error> {
-        self.render_tools(messages, None, add_generation_prompt)
+        self.render_vars(messages, Vars::default(), add_generation_prompt)
     }
 
-    /// [`ChatTemplate::render`] with the tools a request offers (`[{"type": "function",
-    /// "function": {...}}]`, as OpenAI sends them) in the template's `tools` variable.
-    pub fn render_tools(
+    /// [`ChatTemplate::render`] with the request's tools and variables.
+    pub fn render_vars(
         &self,
         messages: &[ChatMessage],
-        tools: Option<&serde_json::Value>,
+        vars: Vars<'_>,
         add_generation_prompt: bool,
     ) -> Result<String, Error> {
         let contents: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
-        self.render_with(messages, &contents, tools, add_generation_prompt)
+        self.render_with(messages, &contents, vars, add_generation_prompt)
     }
 
     fn render_with(
         &self,
         messages: &[ChatMessage],
         contents: &[&str],
-        tools: Option<&serde_json::Value>,
+        vars: Vars<'_>,
         add_generation_prompt: bool,
     ) -> Result<String, Error> {
+        let tools = vars.tools;
         let tmpl = self.env.get_template("chat").map_err(template_error)?;
         let messages: Vec<minijinja::Value> = messages
             .iter()
@@ -157,30 +174,45 @@ impl ChatTemplate {
                     tool_calls => m.tool_calls.as_ref().map(|v| minijinja::Value::from(minijinja::value::Serde(v))),
                     tool_call_id => m.tool_call_id.clone(),
                     name => m.name.clone(),
+                    reasoning_content => m.reasoning_content.clone(),
                 };
-                if m.tool_calls.is_none() && m.tool_call_id.is_none() && m.name.is_none() {
+                if m.tool_calls.is_none()
+                    && m.tool_call_id.is_none()
+                    && m.name.is_none()
+                    && m.reasoning_content.is_none()
+                {
                     base
                 } else {
                     context! { ..base, ..extra }
                 }
             })
             .collect();
-        tmpl.render(context! {
+        let own = context! {
             messages => messages,
             tools => tools.map(|v| minijinja::Value::from(minijinja::value::Serde(v))),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos.clone(),
             eos_token => self.eos.clone(),
-        })
-        .map_err(template_error)
+        };
+        let ctx = match vars.kwargs {
+            // The renderer's own variables come first: a kwarg never replaces them.
+            Some(k) if !k.is_empty() => {
+                context! { ..own, ..minijinja::Value::from(minijinja::value::Serde(k)) }
+            }
+            _ => own,
+        };
+        tmpl.render(ctx).map_err(template_error)
     }
 
     /// Whether the template prints tools and tool calls in the Hermes format
     /// (`<tool_call>...</tool_call>`, as Qwen2.5's does): the one tool format strata parses.
     pub fn has_hermes_tools(&self) -> bool {
-        self.env
-            .get_template("chat")
-            .is_ok_and(|t| t.source().contains("<tool_call>") && t.source().contains("tools"))
+        self.source.contains("<tool_call>") && self.source.contains("tools")
+    }
+
+    /// Whether the template has a thinking section (`<think>...</think>`, as Qwen3's).
+    pub fn has_thinking(&self) -> bool {
+        self.source.contains("<think>") && self.source.contains("</think>")
     }
 
     /// Renders the conversation and says which bytes of it came from what the messages say
@@ -193,10 +225,10 @@ impl ChatTemplate {
     pub fn render_parts(
         &self,
         messages: &[ChatMessage],
-        tools: Option<&serde_json::Value>,
+        vars: Vars<'_>,
         add_generation_prompt: bool,
     ) -> Result<Rendered, Error> {
-        let real = self.render_tools(messages, tools, add_generation_prompt)?;
+        let real = self.render_vars(messages, vars, add_generation_prompt)?;
         let nonce = marker_nonce();
         let markers: Vec<String> = (0..messages.len())
             .map(|i| format!("{MARK}{nonce:x}.{i}{MARK}"))
@@ -214,7 +246,7 @@ impl ChatTemplate {
                 }
             })
             .collect();
-        let marked = self.render_with(messages, &marked_contents, tools, add_generation_prompt)?;
+        let marked = self.render_with(messages, &marked_contents, vars, add_generation_prompt)?;
         let pieces = split_marked(&marked, &markers);
         if let Some(content) = walk(&real, &pieces, messages) {
             return Ok(Rendered {
@@ -403,6 +435,33 @@ fn walk(real: &str, pieces: &[Piece<'_>], messages: &[ChatMessage]) -> Option<Ve
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn template_variables_reach_the_template_but_never_replace_its_own() {
+        let t = ChatTemplate::new(
+            "{{ messages[0].content }}|{% if enable_thinking is defined %}{{ enable_thinking }}{% endif %}|{{ add_generation_prompt }}",
+            "",
+            "",
+        )
+        .unwrap();
+        let mut kwargs = serde_json::Map::new();
+        kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(false));
+        kwargs.insert(
+            "add_generation_prompt".into(),
+            serde_json::Value::Bool(false),
+        );
+        let vars = Vars {
+            tools: None,
+            kwargs: Some(&kwargs),
+        };
+        let out = t
+            .render_vars(&[ChatMessage::new("user", "hi")], vars, true)
+            .unwrap();
+        assert_eq!(
+            out, "hi|False|True",
+            "Python spells booleans as templates expect"
+        );
+    }
+
     use super::*;
 
     const CHATML: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
@@ -463,7 +522,14 @@ mod tests {
         )
         .unwrap();
         let out = t
-            .render_tools(&[msg("user", "é\n")], Some(&tools), false)
+            .render_vars(
+                &[msg("user", "é\n")],
+                Vars {
+                    tools: Some(&tools),
+                    kwargs: None,
+                },
+                false,
+            )
             .unwrap();
         assert_eq!(
             out,

@@ -323,7 +323,7 @@ impl Tokenizer {
         template: &crate::ChatTemplate,
         messages: &[crate::ChatMessage],
     ) -> Result<Vec<u32>, Error> {
-        self.encode_chat_within(template, messages, None, usize::MAX)
+        self.encode_chat_within(template, messages, crate::Vars::default(), usize::MAX)
     }
 
     /// [`Tokenizer::encode_chat`] that stops past `limit` tokens.
@@ -331,10 +331,10 @@ impl Tokenizer {
         &self,
         template: &crate::ChatTemplate,
         messages: &[crate::ChatMessage],
-        tools: Option<&serde_json::Value>,
+        vars: crate::Vars<'_>,
         limit: usize,
     ) -> Result<Vec<u32>, Error> {
-        let rendered = template.render_parts(messages, tools, true)?;
+        let rendered = template.render_parts(messages, vars, true)?;
         let bos_text = self.bos.and_then(|b| self.token_text(b));
         let add_special = !bos_text.is_some_and(|b| !b.is_empty() && rendered.text.starts_with(b));
         Ok(self.encode_parts(&rendered.text, add_special, &rendered.parts(), limit)?)

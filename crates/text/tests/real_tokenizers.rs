@@ -103,7 +103,14 @@ fn qwen_renders_tools_tool_calls_and_tool_results() {
         },
     ];
     let text = template
-        .render_tools(&messages, Some(&tools), true)
+        .render_vars(
+            &messages,
+            text::Vars {
+                tools: Some(&tools),
+                kwargs: None,
+            },
+            true,
+        )
         .unwrap();
     for want in [
         "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"",
@@ -114,7 +121,14 @@ fn qwen_renders_tools_tool_calls_and_tool_results() {
     }
     // The tool's answer is content: its text is never read as control tokens.
     let parts = template
-        .render_parts(&messages, Some(&tools), true)
+        .render_parts(
+            &messages,
+            text::Vars {
+                tools: Some(&tools),
+                kwargs: None,
+            },
+            true,
+        )
         .unwrap();
     assert_eq!(
         parts.text, text,
