@@ -40,6 +40,8 @@ impl std::fmt::Display for ComputeStopped {
 /// The shard's loaded model and the handle to its compute thread.
 pub struct ShardCore {
     pub config: ShardConfig,
+    /// The context length chosen and why, for the operator (the binary prints it).
+    pub context: String,
     pub info: ShardInfo,
     pub vocab_gguf: Vec<u8>,
     pub counters: Arc<Counters>,
@@ -55,6 +57,43 @@ pub struct ShardCore {
     /// Set when the shard is draining (going away): it reports so in its stats, and trackers
     /// give it no new sessions while its sessions finish or move.
     draining: std::sync::atomic::AtomicBool,
+}
+
+/// Resolves an automatic context (`n_ctx` 0): the model's trained context, or fewer
+/// positions when one session of that many would not fit the KV budget; a context given is
+/// kept. Says what was chosen and why.
+fn choose_context(config: &mut ShardConfig, trained: usize, pool: &model::KvPool) -> String {
+    let block = model::BLOCK_POSITIONS;
+    let per_block = pool.block_bytes().max(1);
+    let window =
+        model::KvPool::blocks_for(pool.window_keep_positions() + block) * pool.window_block_bytes();
+    let fits = pool.budget_bytes().saturating_sub(window) / per_block * block;
+    let mib = |positions: usize| {
+        (model::KvPool::blocks_for(positions) * per_block + window.min(pool.budget_bytes())) as f64
+            / (1 << 20) as f64
+    };
+    let budget = pool.budget_bytes() as f64 / (1 << 20) as f64;
+    if config.n_ctx > 0 {
+        return format!(
+            "context {} positions (as given; one session that long holds {:.1} MiB of the {budget:.0} MiB KV budget)",
+            config.n_ctx,
+            mib(config.n_ctx)
+        );
+    }
+    let trained = trained.max(block);
+    if fits >= trained {
+        config.n_ctx = trained;
+        format!(
+            "context {trained} positions (the model's trained context; one session that long holds {:.1} MiB of the {budget:.0} MiB KV budget)",
+            mib(trained)
+        )
+    } else {
+        config.n_ctx = fits.max(block);
+        format!(
+            "context {} positions (the model was trained for {trained}, but the {budget:.0} MiB KV budget holds one session of {} positions; give --kv-budget-mib to raise it)",
+            config.n_ctx, config.n_ctx
+        )
+    }
 }
 
 impl std::fmt::Debug for ShardCore {
@@ -94,7 +133,7 @@ fn vocab_file(f: &GgufFile) -> Vec<u8> {
 
 impl ShardCore {
     /// Loads the range and starts the compute thread.
-    pub fn load(config: ShardConfig) -> Result<Arc<ShardCore>, Error> {
+    pub fn load(mut config: ShardConfig) -> Result<Arc<ShardCore>, Error> {
         let digest = sha256_file(&config.model_path)?;
         let file = GgufFile::open(&config.model_path)?;
         let range = config.layers.map(|(start, end)| LayerRange { start, end });
@@ -125,6 +164,7 @@ impl ShardCore {
             .file_stem()
             .map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned());
         let kv_pool = model.new_pool(config.kv_budget_bytes);
+        let context = choose_context(&mut config, c.n_ctx_train, &kv_pool);
         let info = ShardInfo {
             protocol_version: proto::PROTOCOL_VERSION,
             model_digest: digest.clone(),
@@ -199,6 +239,7 @@ impl ShardCore {
         let (shutdown, _) = watch::channel(false);
         Ok(Arc::new(ShardCore {
             config,
+            context,
             info,
             vocab_gguf,
             counters,

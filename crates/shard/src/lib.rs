@@ -35,7 +35,8 @@ pub struct ShardConfig {
     /// `None` serves every layer.
     pub layers: Option<(usize, usize)>,
     pub n_threads: usize,
-    /// Most positions one session may hold.
+    /// Most positions one session may hold; `0` chooses: the model's trained context, cut to
+    /// what the KV budget holds for one session ([`ShardCore::context`] says which and why).
     pub n_ctx: usize,
     /// Bytes of KV cache all sessions together may hold.
     pub kv_budget_bytes: usize,

@@ -75,9 +75,10 @@ pub struct ShardLimits {
     /// Kernel threads (default: all cores; an idle shard's threads sleep).
     #[arg(long)]
     threads: Option<usize>,
-    /// Most positions one session may hold.
-    #[arg(long, default_value_t = 4096)]
-    ctx: usize,
+    /// Most positions one session may hold (default: the model's trained context, cut to
+    /// what the KV budget holds for one session; the shard says at start what it chose).
+    #[arg(long)]
+    ctx: Option<usize>,
     /// KV cache budget in MiB for all sessions together (default: an eighth of the machine's
     /// memory, at most 1024).
     #[arg(long)]
@@ -132,9 +133,7 @@ impl ShardLimits {
     /// The same limits as `strata shard` flags (for the shards `serve` starts).
     pub fn to_args(&self) -> Vec<String> {
         let mut v = vec![
-            "--ctx".to_string(),
-            self.ctx.to_string(),
-            "--kv-budget-mib".into(),
+            "--kv-budget-mib".to_string(),
             self.kv_budget_mib().to_string(),
             "--weights-budget-mib".into(),
             self.weights_budget_mib().to_string(),
@@ -149,6 +148,9 @@ impl ShardLimits {
         ];
         if let Some(t) = self.threads {
             v.extend(["--threads".to_string(), t.to_string()]);
+        }
+        if let Some(c) = self.ctx {
+            v.extend(["--ctx".to_string(), c.to_string()]);
         }
         if self.no_prefix_cache {
             v.push("--no-prefix-cache".into());
@@ -491,7 +493,7 @@ pub fn shard_config(
         model_path: model.to_path_buf(),
         layers,
         n_threads: limits.threads(),
-        n_ctx: limits.ctx,
+        n_ctx: limits.ctx.unwrap_or(0),
         kv_budget_bytes: limits.kv_budget_mib() << 20,
         kv_ttl: Duration::from_millis(limits.kv_ttl_ms),
         max_sessions: limits.max_sessions,
@@ -550,6 +552,7 @@ pub fn shard(a: ShardArgs) -> Result<()> {
             Some(endpoints) => Some(announce(&core, endpoints, &a.membership)?),
             None => None,
         };
+        eprintln!("strata shard {addr}: {}", core.context);
         println!(
             "strata shard listening on {addr} layers {}..{}",
             core.info.layer_start, core.info.layer_end

@@ -95,6 +95,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             let link = proto::Link::plain(&fresh_token()?);
             let cfg = shard_config(&a.model, None, &a.limits, "embedded".into(), link);
             let core = tokio::task::spawn_blocking(move || shard::ShardCore::load(cfg)).await??;
+            eprintln!("strata serve: {}", core.context);
             let shards: Vec<Arc<dyn ShardTransport>> = vec![Arc::new(shard::LocalShard::new(core))];
             let routes = vec![tracker::RouteSpec {
                 name: "local".into(),
