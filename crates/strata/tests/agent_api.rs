@@ -432,8 +432,12 @@ fn endpoints_and_refusals_are_json_and_name_the_field() {
         ),
         (json!({"functions": []}), "functions"),
         (json!({"logit_bias": {"99999999": 1}}), "logit_bias"),
-        // SmolLM2's template has no tool-call format: tools are refused, not ignored.
-        (json!({"tools": weather}), "tools"),
+        // SmolLM2's template has no tool-call format: the tools are shown in its system
+        // turn, and a choice of a tool that is not offered is refused.
+        (
+            json!({"tools": weather, "tool_choice": {"type": "function", "function": {"name": "other"}}}),
+            "tool_choice",
+        ),
         (json!({"suffix": "x"}), "suffix"),
     ] {
         let r = chat(extra.clone());

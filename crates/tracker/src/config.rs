@@ -38,6 +38,10 @@ pub struct TrackerConfig {
     pub failover_wait: Duration,
     /// The registry whose shards this tracker builds routes from, besides its static routes.
     pub registry: Option<RegistryConfig>,
+    /// Responses the Responses API keeps for `previous_response_id`: at most this many, and
+    /// this many bytes of their conversations.
+    pub stored_responses: usize,
+    pub stored_response_bytes: usize,
 }
 
 /// Following a registry: where it is, this cluster's prefix in it, and how to reach the shards
@@ -69,6 +73,8 @@ impl Default for TrackerConfig {
             public_metrics: false,
             failover_wait: Duration::from_secs(3),
             registry: None,
+            stored_responses: 1024,
+            stored_response_bytes: 64 << 20,
         }
     }
 }

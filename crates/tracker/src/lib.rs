@@ -18,6 +18,7 @@ use std::sync::Arc;
 use proto::ShardTransport;
 use tokio::sync::mpsc;
 
+pub use api::fields::NO_EFFECT;
 pub use api::server::{default_max_connections, HttpConfig};
 pub use config::{RegistryConfig, TrackerConfig};
 pub use metrics::Metrics;
@@ -110,6 +111,10 @@ impl Tracker {
             http: config.http,
             tokenizing: tokio::sync::Semaphore::new(n_cores.saturating_sub(1).max(1)),
             responses: std::sync::atomic::AtomicU64::new(0),
+            stored_responses: api::store::ResponseStore::new(
+                config.stored_responses,
+                config.stored_response_bytes,
+            ),
         });
         Ok(Tracker { state })
     }

@@ -1,11 +1,14 @@
-//! What agents ask of a chat answer's form: `response_format` (JSON, held to a schema while it
-//! is sampled), `tools` and `tool_choice` (rendered through the model's template, calls parsed
-//! out of the answer, `required` and named functions held to a grammar), and tool calls in
-//! the history.
+//! What agents ask of an answer's form, in each API's shape: a format (JSON, held to a schema
+//! while it is sampled), tools and the choice among them (rendered through the model's
+//! template, calls held to a grammar and parsed out of the answer), and tool calls in the
+//! history.
 //!
 //! The tool-call format is the Hermes one Qwen2.5's template teaches:
-//! `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`. A model whose template has
-//! another format (or none) refuses `tools` with a 400 rather than pretending.
+//! `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`; a model whose template
+//! has no tool format is shown the tools in its system turn in that format
+//! ([`generic_tool_prompt`]). Under `tool_choice: auto` the grammar is lazy: text is free
+//! until the model opens a call, and every call it opens parses and matches its tool's
+//! schema.
 
 use constrain::grammar::{self, Tool};
 use serde_json::{json, Value};
@@ -15,7 +18,7 @@ use engine::Refusal;
 /// Which tools the model may or must call.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToolChoice {
-    /// The model decides; calls in its answer are parsed.
+    /// The model decides; a call it opens is held to the tools' schemas (a lazy grammar).
     Auto,
     /// No tools: they are not shown to the model and nothing is parsed.
     None,
@@ -25,40 +28,82 @@ pub enum ToolChoice {
     Named(String),
 }
 
-/// The tools a chat request offers.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ToolSet {
-    /// `tools` as the request gave them, for the template.
-    pub json: Value,
-    pub tools: Vec<Tool>,
-    pub choice: ToolChoice,
-    /// What `choice` holds the answer to: calls of the offered tools for `required`, of the
-    /// named one for a named function, else nothing.
-    grammar: Option<String>,
+/// How an API writes its tools: OpenAI's chat `{"type": "function", "function": {...}}`,
+/// the Responses API's flat `{"type": "function", "name": ...}` (and `namespace` groups),
+/// Anthropic's `{"name", "input_schema"}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolShape {
+    Chat,
+    Responses,
+    Messages,
 }
 
-/// The grammar `choice` asks for among `tools`.
-fn choice_grammar(tools: &[Tool], choice: &ToolChoice) -> Result<Option<String>, Refusal> {
-    let calls = match choice {
-        ToolChoice::Auto | ToolChoice::None => return Ok(None),
-        ToolChoice::Required => grammar::tool_calls(tools),
-        ToolChoice::Named(n) => {
-            let only: Vec<Tool> = tools.iter().filter(|t| t.name == *n).cloned().collect();
-            grammar::tool_calls(&only)
-        }
-    };
-    calls.map(Some).map_err(|e| grammar_error("tools", e))
+/// The tools a request offers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolSet {
+    /// The tools as templates read them (`[{"type": "function", "function": {name,
+    /// description, parameters}}]`, whatever the API's shape).
+    pub json: Value,
+    pub tools: Vec<Tool>,
+    /// Whether each tool asked for `strict` arguments (its schema must compile; a tool that
+    /// did not ask falls back to any object when its schema does not).
+    strict: Vec<bool>,
+    /// The Responses API `namespace` each tool came in ("" for none).
+    namespaces: Vec<String>,
+    pub choice: ToolChoice,
+    /// Several calls in one answer (`parallel_tool_calls`), or at most one.
+    pub parallel: bool,
 }
 
 impl ToolSet {
-    /// The grammar the choice asks for (`None`: the answer is free).
-    pub fn grammar(&self) -> Option<&str> {
-        self.grammar.as_deref()
-    }
-
     /// Whether the model is shown the tools and its answer is searched for calls.
     pub fn active(&self) -> bool {
         self.choice != ToolChoice::None
+    }
+
+    /// Whether some tool did not ask for `strict` arguments.
+    pub fn has_loose(&self) -> bool {
+        self.strict.iter().any(|s| !s)
+    }
+
+    /// The namespace tool `name` came in, if any.
+    pub fn namespace_of(&self, name: &str) -> Option<&str> {
+        let i = self.tools.iter().position(|t| t.name == name)?;
+        Some(self.namespaces[i].as_str()).filter(|n| !n.is_empty())
+    }
+
+    /// The grammar the answer is held to: under `auto` free text until the model opens a
+    /// call, then the call; under `required` or a named function calls only; with `loose`,
+    /// the arguments of tools that did not ask for `strict` are any object.
+    pub fn grammar(&self, loose: bool) -> Result<Option<String>, Refusal> {
+        let lazy = match self.choice {
+            ToolChoice::None => return Ok(None),
+            ToolChoice::Auto => true,
+            ToolChoice::Required | ToolChoice::Named(_) => false,
+        };
+        let tools: Vec<Tool> = self
+            .tools
+            .iter()
+            .zip(&self.strict)
+            .filter(|(t, _)| match &self.choice {
+                ToolChoice::Named(n) => t.name == *n,
+                _ => true,
+            })
+            .map(|(t, &strict)| match (loose, strict) {
+                (true, false) => Tool {
+                    name: t.name.clone(),
+                    parameters: json!({"type": "object"}),
+                },
+                _ => t.clone(),
+            })
+            .collect();
+        let rules = grammar::CallRules {
+            lazy,
+            parallel: self.parallel,
+        };
+        grammar::tool_calls(&tools, rules)
+            .map(Some)
+            .map_err(|e| grammar_error("tools", e))
     }
 }
 
@@ -81,71 +126,92 @@ fn invalid(param: &str, msg: impl Into<String>) -> Refusal {
 
 /// `response_format`: the grammar it asks for (`None` for `text` or when absent).
 pub fn response_format(body: &Value) -> Result<Option<String>, Refusal> {
-    let Some(rf) = body.get("response_format").filter(|v| !v.is_null()) else {
-        return Ok(None);
-    };
-    let kind = rf.get("type").and_then(Value::as_str).ok_or_else(|| {
-        invalid(
-            "response_format",
-            "`response_format` must be an object with a `type`",
-        )
-    })?;
+    match body.get("response_format").filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(rf) => format_grammar(rf, "response_format", FormatShape::Nested),
+    }
+}
+
+/// Where a format object keeps its schema: chat's `{"type": "json_schema", "json_schema":
+/// {"name", "schema", "strict"}}`, or flat (the Responses API's `text.format`, Anthropic's
+/// `output_config.format`: `{"type": "json_schema", "name", "schema", "strict"}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FormatShape {
+    Nested,
+    Flat,
+}
+
+/// The grammar a format object at `param` asks for: `None` for `text`, any object for
+/// `json_object`, the schema for `json_schema` (enforced while sampling, strict or not:
+/// the answer always matches it).
+pub fn format_grammar(
+    rf: &Value,
+    param: &str,
+    shape: FormatShape,
+) -> Result<Option<String>, Refusal> {
+    let kind = rf
+        .get("type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| invalid(param, format!("`{param}` must be an object with a `type`")))?;
     match kind {
         "text" => Ok(None),
         "json_object" => Ok(Some(grammar::json_object())),
         "json_schema" => {
-            let js = rf.get("json_schema").ok_or_else(|| {
-                invalid(
-                    "response_format.json_schema",
-                    "`response_format.json_schema` is required for type json_schema",
-                )
-            })?;
+            let (js, at) = match shape {
+                FormatShape::Nested => {
+                    let at = format!("{param}.json_schema");
+                    let js = rf.get("json_schema").ok_or_else(|| {
+                        invalid(&at, format!("`{at}` is required for type json_schema"))
+                    })?;
+                    (js, at)
+                }
+                FormatShape::Flat => (rf, param.to_string()),
+            };
             match js.get("strict") {
                 None | Some(Value::Null) | Some(Value::Bool(_)) => {}
                 Some(v) => {
                     return Err(invalid(
-                        "response_format.json_schema.strict",
+                        &format!("{at}.strict"),
                         format!("`strict` must be a boolean, got {v}"),
                     ))
                 }
             }
             if js.get("name").is_some_and(|n| !n.is_string()) {
-                return Err(invalid(
-                    "response_format.json_schema.name",
-                    "`name` must be a string",
-                ));
+                return Err(invalid(&format!("{at}.name"), "`name` must be a string"));
             }
-            // Strict or not, the schema is enforced while sampling: the answer always
-            // matches it (strict: false would allow less; nothing is gained by it).
             let schema = js.get("schema").unwrap_or(&Value::Null);
             let schema = if schema.is_null() { &json!({}) } else { schema };
             grammar::json_schema(schema)
                 .map(Some)
-                .map_err(|e| grammar_error("response_format.json_schema.schema", e))
+                .map_err(|e| grammar_error(&format!("{at}.schema"), e))
         }
         other => Err(invalid(
-            "response_format.type",
-            format!(
-                "`response_format.type` is `{other}`; expected text, json_object or json_schema"
-            ),
+            &format!("{param}.type"),
+            format!("`{param}.type` is `{other}`; expected text, json_object or json_schema"),
         )),
     }
 }
 
-/// `tools` and `tool_choice` (and `parallel_tool_calls`, which only `true` or absent may be).
-pub fn tools(body: &Value) -> Result<Option<ToolSet>, Refusal> {
+/// `tools`, `tool_choice` and `parallel_tool_calls` (Anthropic: `tool_choice`'s
+/// `disable_parallel_tool_use`) in the API's `shape`. Tools of kinds strata's models cannot
+/// call (hosted or built-in tools: web search, file search, computer use, ...) are not
+/// shown to the model; a list of only those is no tools.
+pub fn tools(body: &Value, shape: ToolShape) -> Result<Option<ToolSet>, Refusal> {
     let choice_v = body.get("tool_choice").filter(|v| !v.is_null());
     let list = match body.get("tools").filter(|v| !v.is_null()) {
         None => {
             return match choice_v {
-                Some(Value::String(s)) if s == "none" => Ok(None),
-                Some(_) => Err(invalid("tool_choice", "`tool_choice` needs `tools`")),
                 None => Ok(None),
+                Some(v) if choice_is_none(v, shape) => Ok(None),
+                Some(_) => Err(invalid("tool_choice", "`tool_choice` needs `tools`")),
             }
         }
-        Some(Value::Array(l)) if !l.is_empty() => l,
-        Some(_) => return Err(invalid("tools", "`tools` must be a non-empty list")),
+        Some(Value::Array(l)) => l,
+        Some(_) => return Err(invalid("tools", "`tools` must be a list")),
     };
+    if list.is_empty() && shape == ToolShape::Chat {
+        return Err(invalid("tools", "`tools` must be a non-empty list"));
+    }
     if list.len() > MAX_TOOLS {
         return Err(Refusal::over_limit(
             "tools",
@@ -156,58 +222,140 @@ pub fn tools(body: &Value) -> Result<Option<ToolSet>, Refusal> {
             ),
         ));
     }
-    let mut tools = Vec::with_capacity(list.len());
+    let mut set = ToolSet {
+        json: Value::Array(Vec::new()),
+        tools: Vec::new(),
+        strict: Vec::new(),
+        namespaces: Vec::new(),
+        choice: ToolChoice::Auto,
+        parallel: true,
+    };
     for (i, t) in list.iter().enumerate() {
-        let checked = tool(i, t, &tools)?;
-        tools.push(checked);
+        add_tool(&mut set, &format!("tools[{i}]"), t, shape, "")?;
     }
-    let choice = tool_choice(choice_v, &tools)?;
-    match body.get("parallel_tool_calls") {
-        None | Some(Value::Null) | Some(Value::Bool(true)) => {}
-        Some(Value::Bool(false)) => {
-            return Err(invalid(
-                "parallel_tool_calls",
-                "`parallel_tool_calls: false` is not supported: the model may make several calls",
-            ))
-        }
-        Some(v) => {
+    if set.tools.len() > MAX_TOOLS {
+        return Err(Refusal::over_limit(
+            "tools",
+            "max_tools",
+            format!(
+                "`tools` holds {} functions; at most {MAX_TOOLS} are allowed",
+                set.tools.len()
+            ),
+        ));
+    }
+    let (choice, no_parallel) = tool_choice(choice_v, &set.tools, shape)?;
+    let parallel = match (shape, body.get("parallel_tool_calls")) {
+        (ToolShape::Messages, _) | (_, None | Some(Value::Null)) => !no_parallel,
+        (_, Some(Value::Bool(b))) => *b,
+        (_, Some(v)) => {
             return Err(invalid(
                 "parallel_tool_calls",
                 format!("`parallel_tool_calls` must be a boolean, got {v}"),
             ))
         }
+    };
+    if set.tools.is_empty() {
+        return match choice {
+            ToolChoice::Auto | ToolChoice::None => Ok(None),
+            _ => Err(invalid(
+                "tool_choice",
+                "`tool_choice` asks for a call, but `tools` holds no function strata's model can call",
+            )),
+        };
     }
-    // `strict` promises arguments that match the schema: kept by the grammar of `required`
-    // and of a named function; under `auto` the answer is free, so it cannot be promised.
-    if choice == ToolChoice::Auto {
-        if let Some(i) = list.iter().position(|t| {
-            t.get("function").and_then(|f| f.get("strict")) == Some(&Value::Bool(true))
-        }) {
-            return Err(invalid(
-                &format!("tools[{i}].function.strict"),
-                "`strict: true` needs `tool_choice` `required` or a named function (under `auto` the arguments are not held to the schema)",
-            ));
-        }
-    }
-    let grammar = choice_grammar(&tools, &choice)?;
-    Ok(Some(ToolSet {
-        json: Value::Array(list.clone()),
-        tools,
-        choice,
-        grammar,
-    }))
+    set.choice = choice;
+    set.parallel = parallel;
+    Ok(Some(set))
 }
 
-/// `tools[i]`, checked (a function with a valid, unused name and an object schema).
-fn tool(i: usize, t: &Value, earlier: &[Tool]) -> Result<Tool, Refusal> {
-    let p = format!("tools[{i}]");
-    if t.get("type").and_then(Value::as_str) != Some("function") {
-        return Err(invalid(&p, format!("`{p}.type` must be \"function\"")));
+/// Whether a `tool_choice` without tools says "no tools" (which is then no request at all).
+fn choice_is_none(v: &Value, shape: ToolShape) -> bool {
+    match shape {
+        ToolShape::Messages => v.get("type").and_then(Value::as_str) == Some("none"),
+        _ => v.as_str() == Some("none"),
     }
-    let f = t
-        .get("function")
-        .filter(|f| f.is_object())
-        .ok_or_else(|| invalid(&p, format!("`{p}.function` is required")))?;
+}
+
+/// Tool kinds the model is not shown: tools that run at the provider (search, code
+/// interpreters, computer use) or the client's own built-ins of another API's models.
+fn not_offered(kind: &str, shape: ToolShape) -> bool {
+    match shape {
+        ToolShape::Chat => false,
+        ToolShape::Responses => !matches!(kind, "function" | "namespace" | "custom"),
+        ToolShape::Messages => kind != "custom",
+    }
+}
+
+/// The fields of a tool definition, by shape.
+const CHAT_FUNCTION_FIELDS: &[&str] = &["name", "description", "parameters", "strict"];
+const RESPONSES_TOOL_FIELDS: &[&str] = &["type", "name", "description", "parameters", "strict"];
+const MESSAGES_TOOL_FIELDS: &[&str] = &[
+    "type",
+    "name",
+    "description",
+    "input_schema",
+    "cache_control",
+];
+
+/// Adds tool `t` (at `p` in the request), or a namespace's tools, to `set`.
+fn add_tool(
+    set: &mut ToolSet,
+    p: &str,
+    t: &Value,
+    shape: ToolShape,
+    namespace: &str,
+) -> Result<(), Refusal> {
+    if !t.is_object() {
+        return Err(invalid(p, format!("`{p}` must be an object")));
+    }
+    let kind = t.get("type").and_then(Value::as_str);
+    let kind = match (shape, kind) {
+        (ToolShape::Messages, None) => "custom",
+        (_, Some(k)) => k,
+        (_, None) => return Err(invalid(p, format!("`{p}.type` is required"))),
+    };
+    if not_offered(kind, shape) {
+        return Ok(());
+    }
+    let (f, fields, params_key, fp) = match (shape, kind) {
+        (ToolShape::Chat, "function") => {
+            let f = t
+                .get("function")
+                .filter(|f| f.is_object())
+                .ok_or_else(|| invalid(p, format!("`{p}.function` is required")))?;
+            (
+                f,
+                CHAT_FUNCTION_FIELDS,
+                "parameters",
+                format!("{p}.function"),
+            )
+        }
+        (ToolShape::Chat, _) => {
+            return Err(invalid(p, format!("`{p}.type` must be \"function\"")));
+        }
+        (ToolShape::Responses, "namespace") if namespace.is_empty() => {
+            let name = t.get("name").and_then(Value::as_str).unwrap_or_default();
+            let inner = t
+                .get("tools")
+                .and_then(Value::as_array)
+                .ok_or_else(|| invalid(p, format!("`{p}.tools` must be a list")))?;
+            for (k, x) in inner.iter().enumerate() {
+                add_tool(set, &format!("{p}.tools[{k}]"), x, shape, name)?;
+            }
+            return Ok(());
+        }
+        (ToolShape::Responses, "function") => {
+            (t, RESPONSES_TOOL_FIELDS, "parameters", p.to_string())
+        }
+        (ToolShape::Responses, other) => {
+            return Err(invalid(
+                &format!("{p}.type"),
+                format!("`{p}.type` `{other}` is not supported (function tools and namespaces of them are)"),
+            ));
+        }
+        (ToolShape::Messages, _) => (t, MESSAGES_TOOL_FIELDS, "input_schema", p.to_string()),
+    };
+    super::fields::only(f, &fp, fields, "a tool")?;
     let name = f
         .get("name")
         .and_then(Value::as_str)
@@ -219,52 +367,121 @@ fn tool(i: usize, t: &Value, earlier: &[Tool]) -> Result<Tool, Refusal> {
         })
         .ok_or_else(|| {
             invalid(
-                &format!("{p}.function.name"),
+                &format!("{fp}.name"),
                 "a function name is 1 to 64 letters, digits, `_` or `-`",
             )
         })?;
-    if earlier.iter().any(|t| t.name == name) {
+    if set.tools.iter().any(|t| t.name == name) {
         return Err(invalid(
-            &format!("{p}.function.name"),
+            &format!("{fp}.name"),
             format!("two tools are named `{name}`"),
         ));
     }
-    if f.get("strict")
-        .is_some_and(|s| !s.is_boolean() && !s.is_null())
-    {
-        return Err(invalid(
-            &format!("{p}.function.strict"),
-            "`strict` must be a boolean",
-        ));
-    }
-    let parameters = match f.get("parameters") {
+    let strict = match f.get("strict") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(invalid(
+                &format!("{fp}.strict"),
+                "`strict` must be a boolean",
+            ))
+        }
+    };
+    let description = match f.get("description") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(d)) => Some(d.clone()),
+        Some(_) => {
+            return Err(invalid(
+                &format!("{fp}.description"),
+                "`description` must be a string",
+            ))
+        }
+    };
+    let parameters = match f.get(params_key) {
         None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
         Some(v) if v.is_object() => {
             // Bounded whatever the tool choice: the tools are rendered into the prompt, and
-            // `required` or a named function makes them a grammar.
+            // they become a grammar.
             constrain::limits::LIMITS
                 .check(v)
-                .map_err(|e| grammar_error(&format!("{p}.function.parameters"), e))?;
+                .map_err(|e| grammar_error(&format!("{fp}.{params_key}"), e))?;
             v.clone()
         }
         Some(_) => {
             return Err(invalid(
-                &format!("{p}.function.parameters"),
-                "`parameters` must be a JSON schema object",
+                &format!("{fp}.{params_key}"),
+                format!("`{params_key}` must be a JSON schema object"),
             ))
         }
     };
-    Ok(Tool {
+    let mut function = json!({"name": name, "parameters": parameters});
+    if let Some(d) = description {
+        function["description"] = json!(d);
+    }
+    if let Value::Array(list) = &mut set.json {
+        list.push(json!({"type": "function", "function": function}));
+    }
+    set.tools.push(Tool {
         name: name.to_string(),
         parameters,
-    })
+    });
+    set.strict.push(strict);
+    set.namespaces.push(namespace.to_string());
+    Ok(())
 }
 
-/// `tool_choice` among `tools` (absent: `auto`).
-fn tool_choice(choice_v: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, Refusal> {
-    Ok(match choice_v {
-        None => ToolChoice::Auto,
-        Some(Value::String(s)) => match s.as_str() {
+/// `tool_choice` among `tools` (absent: `auto`), and whether it turns parallel calls off
+/// (Anthropic's `disable_parallel_tool_use`).
+fn tool_choice(
+    choice_v: Option<&Value>,
+    tools: &[Tool],
+    shape: ToolShape,
+) -> Result<(ToolChoice, bool), Refusal> {
+    let named = |name: &str| -> Result<ToolChoice, Refusal> {
+        if !tools.iter().any(|t| t.name == name) {
+            return Err(invalid(
+                "tool_choice",
+                format!("`tool_choice` names `{name}`, which is not in `tools`"),
+            ));
+        }
+        Ok(ToolChoice::Named(name.to_string()))
+    };
+    let Some(v) = choice_v else {
+        return Ok((ToolChoice::Auto, false));
+    };
+    if shape == ToolShape::Messages {
+        super::fields::only(
+            v,
+            "tool_choice",
+            &["type", "name", "disable_parallel_tool_use"],
+            "/v1/messages",
+        )?;
+        let no_parallel = super::fields::boolean_at(
+            v.get("disable_parallel_tool_use"),
+            "tool_choice.disable_parallel_tool_use",
+        )?
+        .unwrap_or(false);
+        let choice = match v.get("type").and_then(Value::as_str) {
+            Some("auto") => ToolChoice::Auto,
+            Some("none") => ToolChoice::None,
+            Some("any") => ToolChoice::Required,
+            Some("tool") => named(v.get("name").and_then(Value::as_str).ok_or_else(|| {
+                invalid(
+                    "tool_choice.name",
+                    "`tool_choice` of type `tool` needs a `name`",
+                )
+            })?)?,
+            _ => {
+                return Err(invalid(
+                    "tool_choice.type",
+                    "`tool_choice.type` must be auto, any, tool or none",
+                ))
+            }
+        };
+        return Ok((choice, no_parallel));
+    }
+    let choice = match v {
+        Value::String(s) => match s.as_str() {
             "auto" => ToolChoice::Auto,
             "none" => ToolChoice::None,
             "required" => ToolChoice::Required,
@@ -277,27 +494,28 @@ fn tool_choice(choice_v: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, R
                 ))
             }
         },
-        Some(v) => {
-            let name = v
-            .get("function")
-            .and_then(|f| f.get("name"))
-            .and_then(Value::as_str)
-            .filter(|_| v.get("type").and_then(Value::as_str) == Some("function"))
-            .ok_or_else(|| {
-                invalid(
-                    "tool_choice",
-                    "`tool_choice` must be a string or {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                )
-            })?;
-            if !tools.iter().any(|t| t.name == name) {
-                return Err(invalid(
-                    "tool_choice",
-                    format!("`tool_choice` names `{name}`, which is not in `tools`"),
-                ));
-            }
-            ToolChoice::Named(name.to_string())
+        v => {
+            let name = match shape {
+                ToolShape::Responses => v.get("name"),
+                _ => v.get("function").and_then(|f| f.get("name")),
+            };
+            let name = name
+                .and_then(Value::as_str)
+                .filter(|_| v.get("type").and_then(Value::as_str) == Some("function"))
+                .ok_or_else(|| {
+                    let form = match shape {
+                        ToolShape::Responses => "{\"type\": \"function\", \"name\": ...}",
+                        _ => "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                    };
+                    invalid(
+                        "tool_choice",
+                        format!("`tool_choice` must be auto, none, required or {form}"),
+                    )
+                })?;
+            named(name)?
         }
-    })
+    };
+    Ok((choice, false))
 }
 
 /// An assistant message's `tool_calls` as templates read them: the arguments, a JSON string
@@ -340,150 +558,71 @@ pub fn history_tool_calls(v: &Value, idx: usize) -> Result<Value, Refusal> {
     Ok(Value::Array(out))
 }
 
-/// One tool call found in an answer.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ToolCall {
-    pub name: String,
-    /// The arguments as a JSON text (as OpenAI sends them).
-    pub arguments: String,
-}
-
-impl ToolCall {
-    pub fn json(&self, id: &str, index: usize) -> Value {
-        json!({
-            "index": index,
-            "id": id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        })
+/// A conversation with tools for a template that has no tool format of its own (Gemma 3,
+/// SmolLM2): the tools are described in the system turn with the call format the grammar
+/// holds calls to, earlier calls become the assistant's text in that format, and tool
+/// results become user turns. The template is then rendered without `tools`.
+pub fn generic_tool_prompt(
+    messages: &[text::ChatMessage],
+    tools: &Value,
+) -> Vec<text::ChatMessage> {
+    let mut listing = String::from(
+        "You can call functions to help answer. Each function is described by a JSON object \
+         (its name, what it does, and a JSON schema of its arguments):\n",
+    );
+    for t in tools.as_array().into_iter().flatten() {
+        listing.push_str(&t.get("function").unwrap_or(t).to_string());
+        listing.push('\n');
     }
-}
-
-const OPEN: &str = "<tool_call>";
-const CLOSE: &str = "</tool_call>";
-
-/// A call's body (between the tags): `{"name": ..., "arguments": ...}`, or `None`.
-fn parse_call(body: &str) -> Option<ToolCall> {
-    let v: Value = serde_json::from_str(body.trim()).ok()?;
-    let name = v.get("name")?.as_str()?.to_string();
-    let arguments = match v.get("arguments") {
-        None | Some(Value::Null) => "{}".to_string(),
-        Some(Value::String(s)) => s.clone(),
-        Some(a) => a.to_string(),
-    };
-    Some(ToolCall { name, arguments })
-}
-
-/// Splits an answer into its text and its tool calls. A `<tool_call>` block that does not
-/// parse stays in the text, as the model wrote it.
-pub fn split_calls(text: &str) -> (String, Vec<ToolCall>) {
-    let mut s = ToolStream::default();
-    let mut content = String::new();
-    let mut calls = Vec::new();
-    for piece in s.push(text).into_iter().chain(s.finish()) {
-        match piece {
-            Piece::Text(t) => content.push_str(&t),
-            Piece::Call(c) => calls.push(c),
+    listing.push_str(
+        "\nTo call a function, answer with one block per call and nothing after the blocks:\n\
+         <tool_call>\n{\"name\": \"FUNCTION_NAME\", \"arguments\": {ARGUMENTS}}\n</tool_call>\n\
+         The results come back in the next user turn. If no function is needed, answer in \
+         plain text.",
+    );
+    let mut out = Vec::with_capacity(messages.len() + 1);
+    match messages.first() {
+        Some(first) if first.role == "system" => {
+            let mut m = first.clone();
+            m.content = format!("{}\n\n{listing}", m.content);
+            out.push(m);
         }
+        _ => out.push(text::ChatMessage::new("system", &listing)),
     }
-    (content, calls)
-}
-
-/// What a streamed answer becomes: text to send as it comes, or a whole call.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Piece {
-    Text(String),
-    Call(ToolCall),
-}
-
-/// Finds tool calls in an answer as it streams: text is passed on at once except what may be
-/// the start of a `<tool_call>` tag, and a call is held until its closing tag. Linear in the
-/// answer: each byte is looked at a bounded number of times.
-#[derive(Debug, Default)]
-pub struct ToolStream {
-    /// Text not passed on yet: a possible tag start (after at most [`HELD_NEWLINES`]
-    /// newlines), or a call's body.
-    held: String,
-    in_call: bool,
-    /// How much of a call's body was searched for the closing tag already.
-    searched: usize,
-}
-
-/// Newlines held back before a possible tag: past this many they are text.
-const HELD_NEWLINES: usize = 64;
-
-impl ToolStream {
-    pub fn push(&mut self, text: &str) -> Vec<Piece> {
-        self.held.push_str(text);
-        let mut out = Vec::new();
-        loop {
-            if self.in_call {
-                // Only the new text (and a tag cut by the last push) is searched: linear.
-                let mut from = self.searched.saturating_sub(CLOSE.len() - 1);
-                while !self.held.is_char_boundary(from) {
-                    from -= 1;
+    let skip = usize::from(messages.first().is_some_and(|m| m.role == "system"));
+    for m in &messages[skip..] {
+        match m.role.as_str() {
+            "assistant" if m.tool_calls.is_some() => {
+                let mut content = m.content.clone();
+                for c in m
+                    .tool_calls
+                    .iter()
+                    .flat_map(|v| v.as_array().into_iter().flatten())
+                {
+                    let f = c.get("function").unwrap_or(c);
+                    let call = json!({"name": f.get("name"), "arguments": f.get("arguments")});
+                    if !content.is_empty() {
+                        content.push('\n');
+                    }
+                    content.push_str(&format!("<tool_call>\n{call}\n</tool_call>"));
                 }
-                let Some(end) = self.held[from..].find(CLOSE).map(|e| e + from) else {
-                    self.searched = self.held.len();
-                    break;
-                };
-                self.searched = 0;
-                let body = self.held[..end].to_string();
-                let rest = self.held[end + CLOSE.len()..].to_string();
-                match parse_call(&body) {
-                    Some(c) => out.push(Piece::Call(c)),
-                    None => out.push(Piece::Text(format!("{OPEN}{body}{CLOSE}"))),
-                }
-                self.held = rest;
-                self.in_call = false;
-            } else if let Some(start) = self.held.find(OPEN) {
-                let before = &self.held[..start];
-                // The newline a model puts between text (or calls) and a call is layout.
-                let before = before.trim_end_matches('\n');
-                if !before.is_empty() {
-                    out.push(Piece::Text(before.to_string()));
-                }
-                self.held = self.held[start + OPEN.len()..].to_string();
-                self.in_call = true;
-                self.searched = 0;
-            } else {
-                // Pass on all but a tail that may begin the tag.
-                let keep = (1..OPEN.len())
-                    .rev()
-                    .find(|&k| self.held.ends_with(&OPEN[..k]))
-                    .unwrap_or(0);
-                let mut cut = self.held.len() - keep;
-                // Newlines just before a tag are layout: hold them (a bounded run) until what
-                // follows shows whether a call comes.
-                let floor = cut.saturating_sub(HELD_NEWLINES);
-                while cut > floor && self.held.as_bytes()[cut - 1] == b'\n' {
-                    cut -= 1;
-                }
-                if cut > 0 {
-                    out.push(Piece::Text(self.held[..cut].to_string()));
-                    self.held.drain(..cut);
-                }
-                break;
+                out.push(text::ChatMessage::new("assistant", &content));
             }
-        }
-        out
-    }
-
-    /// The end of the answer: whatever is held is text (an unclosed call included).
-    pub fn finish(&mut self) -> Vec<Piece> {
-        let held = std::mem::take(&mut self.held);
-        let text = if self.in_call {
-            format!("{OPEN}{held}")
-        } else {
-            held
-        };
-        self.in_call = false;
-        if text.is_empty() {
-            Vec::new()
-        } else {
-            vec![Piece::Text(text)]
+            "tool" => {
+                let who = m
+                    .name
+                    .as_deref()
+                    .or(m.tool_call_id.as_deref())
+                    .unwrap_or("the call");
+                out.push(text::ChatMessage::new(
+                    "user",
+                    &format!("Result of {who}:\n{}", m.content),
+                ));
+            }
+            _ => out.push(m.clone()),
         }
     }
+    out
 }
 
 #[cfg(test)]
@@ -491,77 +630,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn calls_are_split_from_text_whole_and_streamed_byte_by_byte() {
-        let answer = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"noop\"}\n</tool_call>";
-        let (text, calls) = split_calls(answer);
-        assert_eq!(text, "Let me check.");
-        assert_eq!(
-            calls,
-            vec![
-                ToolCall {
-                    name: "get_weather".into(),
-                    arguments: "{\"city\":\"Paris\"}".into()
-                },
-                ToolCall {
-                    name: "noop".into(),
-                    arguments: "{}".into()
-                }
-            ]
-        );
-        let mut s = ToolStream::default();
-        let mut pieces = Vec::new();
-        for ch in answer.chars() {
-            pieces.extend(s.push(&ch.to_string()));
-        }
-        pieces.extend(s.finish());
-        let streamed_calls: Vec<_> = pieces
-            .iter()
-            .filter_map(|p| match p {
-                Piece::Call(c) => Some(c.clone()),
-                _ => None,
-            })
-            .collect();
-        let streamed_text: String = pieces
-            .iter()
-            .filter_map(|p| match p {
-                Piece::Text(t) => Some(t.as_str()),
-                _ => None,
-            })
-            .collect();
-        assert_eq!(streamed_calls, calls);
-        assert_eq!(streamed_text, "Let me check.");
-        // A broken call stays text; an unclosed one too; a lone `<` is passed on at the end.
-        assert_eq!(split_calls("<tool_call>\nnot json\n</tool_call>").1, vec![]);
-        assert_eq!(split_calls("a <tool_call> b").0, "a <tool_call> b");
-        assert_eq!(split_calls("x <").0, "x <");
-    }
-
-    #[test]
-    fn a_long_call_body_and_a_long_newline_run_stream_in_linear_work() {
-        // 200k pushes each of a byte: quadratic rescans would take minutes.
-        let mut s = ToolStream::default();
-        let mut n = 0;
-        for _ in 0..100_000 {
-            n += s.push("\n").len();
-        }
-        assert!(s.held.len() <= HELD_NEWLINES + OPEN.len());
-        s.push(OPEN);
-        for _ in 0..100_000 {
-            assert!(s.push("a").is_empty());
-        }
-        let out = s.push(CLOSE);
-        assert_eq!(out.len(), 1, "the broken call is passed on as text");
-        assert!(n > 0);
-    }
-
-    #[test]
     fn tool_lists_and_choices_are_checked() {
         let weather = json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}});
-        let ok = tools(&json!({"tools": [weather], "tool_choice": "required"}))
-            .unwrap()
-            .unwrap();
+        let ok = tools(
+            &json!({"tools": [weather], "tool_choice": "required"}),
+            ToolShape::Chat,
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(ok.choice, ToolChoice::Required);
-        assert!(ok.grammar().is_some());
+        assert!(ok.parallel);
+        assert!(ok.grammar(false).unwrap().is_some());
+        let one = tools(
+            &json!({"tools": [weather], "parallel_tool_calls": false}),
+            ToolShape::Chat,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (one.choice.clone(), one.parallel),
+            (ToolChoice::Auto, false)
+        );
+        assert!(one.grammar(false).unwrap().is_some(), "auto is held lazily");
         for (body, param) in [
             (json!({"tool_choice": "auto"}), "tool_choice"),
             (json!({"tools": []}), "tools"),
@@ -579,11 +669,15 @@ mod tests {
                 "tool_choice",
             ),
             (
-                json!({"tools": [weather], "parallel_tool_calls": false}),
+                json!({"tools": [weather], "parallel_tool_calls": "no"}),
                 "parallel_tool_calls",
             ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]}),
+                "tools[0].function.extra",
+            ),
         ] {
-            let e = tools(&body).unwrap_err();
+            let e = tools(&body, ToolShape::Chat).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
         }
         for (body, param) in [
@@ -609,5 +703,65 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
+    }
+
+    #[test]
+    fn every_api_s_tool_shape_gives_the_same_tool_set() {
+        let params = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+        let chat = tools(
+            &json!({"tools": [{"type": "function", "function": {"name": "w", "description": "d", "parameters": params}}]}),
+            ToolShape::Chat,
+        )
+        .unwrap()
+        .unwrap();
+        let responses = tools(
+            &json!({"tools": [{"type": "function", "name": "w", "description": "d", "parameters": params, "strict": true},
+                              {"type": "web_search"}]}),
+            ToolShape::Responses,
+        )
+        .unwrap()
+        .unwrap();
+        let messages = tools(
+            &json!({"tools": [{"name": "w", "description": "d", "input_schema": params, "cache_control": {"type": "ephemeral"}},
+                              {"type": "web_search_20250305", "name": "web_search"}],
+                    "tool_choice": {"type": "auto", "disable_parallel_tool_use": true}}),
+            ToolShape::Messages,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(chat.json, responses.json);
+        assert_eq!(chat.json, messages.json);
+        assert_eq!(chat.tools, messages.tools);
+        assert!(!messages.parallel);
+        assert!(chat.has_loose() && !responses.has_loose());
+        // A namespace's functions are offered under their own names.
+        let ns = tools(
+            &json!({"tools": [{"type": "namespace", "name": "agents", "description": "x",
+                               "tools": [{"type": "function", "name": "spawn", "parameters": params}]}]}),
+            ToolShape::Responses,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(ns.tools[0].name, "spawn");
+        assert_eq!(ns.namespace_of("spawn"), Some("agents"));
+        // Only hosted tools: no tools at all.
+        assert!(tools(
+            &json!({"tools": [{"type": "web_search"}]}),
+            ToolShape::Responses
+        )
+        .unwrap()
+        .is_none());
+        let e = tools(
+            &json!({"tools": [{"type": "custom", "name": "patch"}]}),
+            ToolShape::Responses,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tools[0].type"));
+        let e = tools(
+            &json!({"tools": [{"name": "w", "input_schema": params}], "tool_choice": {"type": "tool", "name": "x"}}),
+            ToolShape::Messages,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tool_choice"));
     }
 }

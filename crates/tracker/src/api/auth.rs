@@ -2,12 +2,20 @@
 
 use axum::http::HeaderMap;
 
-/// The secret from `Authorization: Bearer <key>` ("" when there is none).
+/// The secret from `Authorization: Bearer <key>`, else from `x-api-key` (how Anthropic's
+/// clients send it), "" when there is none.
 pub fn bearer(headers: &HeaderMap) -> String {
     headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .and_then(bearer_token)
+        .or_else(|| {
+            headers
+                .get("x-api-key")
+                .and_then(|v| v.to_str().ok())
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        })
         .unwrap_or_default()
 }
 
@@ -23,7 +31,7 @@ fn bearer_token(value: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::bearer_token;
+    use super::{bearer, bearer_token};
 
     #[test]
     fn the_bearer_scheme_is_case_insensitive() {
@@ -33,5 +41,14 @@ mod tests {
         for v in ["Basic k1", "Bearerk1", "Bearer ", "k1", ""] {
             assert_eq!(bearer_token(v), None, "{v:?}");
         }
+    }
+
+    #[test]
+    fn an_anthropic_client_s_x_api_key_is_read() {
+        let mut h = axum::http::HeaderMap::new();
+        h.insert("x-api-key", "k2".parse().unwrap());
+        assert_eq!(bearer(&h), "k2");
+        h.insert("authorization", "Bearer k1".parse().unwrap());
+        assert_eq!(bearer(&h), "k1", "the Authorization header comes first");
     }
 }

@@ -13,8 +13,9 @@ use super::error::Answer;
 use serde_json::Value;
 use text::Tokenizer;
 
+use super::answer::{Shape, Thinking};
 use super::record::{Outcome, RequestRecord};
-use super::request::{validate, Endpoint, PromptInput, ValidRequest};
+use super::request::{validate, ContextFit, Endpoint, PromptInput, ValidRequest};
 use super::respond::{stream_response, whole_response, Accepted, CancelOnDrop, Choice};
 use super::server::read_body;
 use super::state::AppState;
@@ -25,7 +26,7 @@ use crate::route::table::ModelEntry;
 
 /// The seed of a request that gives none: requests without a seed differ. Drawn here, at the
 /// edge, so that validation reads no clock and no random source.
-fn fresh_seed() -> u64 {
+pub fn fresh_seed() -> u64 {
     use std::hash::BuildHasher;
     std::collections::hash_map::RandomState::new().hash_one(std::time::SystemTime::now())
 }
@@ -84,6 +85,7 @@ async fn tokenize(
     model: &ModelEntry,
     prompt: PromptInput,
     tools: Option<Value>,
+    kwargs: serde_json::Map<String, Value>,
     limit: usize,
 ) -> Result<Vec<u32>, Refusal> {
     let tokenizer = Arc::clone(&model.tokenizer);
@@ -122,7 +124,18 @@ async fn tokenize(
                 .ok_or_else(|| Refusal::invalid("messages", "this model has no chat template"))?;
             let _permit = s.tokenizing.acquire().await;
             tokio::task::spawn_blocking(move || {
-                tokenizer.encode_chat_within(&template, &m, tools.as_ref(), limit)
+                // A template without a tool format is shown the tools in the system turn.
+                let (m, tools) = match tools {
+                    Some(t) if !template.has_hermes_tools() => {
+                        (crate::api::agent::generic_tool_prompt(&m, &t), None)
+                    }
+                    t => (m, t),
+                };
+                let vars = text::Vars {
+                    tools: tools.as_ref(),
+                    kwargs: Some(&kwargs),
+                };
+                tokenizer.encode_chat_within(&template, &m, vars, limit)
             })
             .await
             .map_err(|_| Refusal::unavailable("tokenizing the prompt failed"))?
@@ -169,6 +182,8 @@ pub fn response_id(endpoint: Endpoint, n: u64) -> String {
     match endpoint {
         Endpoint::Chat => format!("chatcmpl-{n}"),
         Endpoint::Completions => format!("cmpl-{n}"),
+        Endpoint::Responses => format!("resp_{n}"),
+        Endpoint::Messages => format!("msg_{n}"),
     }
 }
 
@@ -249,9 +264,9 @@ fn fim_ids(
     Ok(ids)
 }
 
-/// What the model decides about a request: `logit_bias` ids inside its vocabulary, `tools`
-/// only with a template that has a tool-call format, and no control-token text in what its
-/// template prints as markup (tool definitions, tool calls, tool-call ids, names).
+/// What the model decides about a request: `logit_bias` ids inside its vocabulary, and no
+/// control-token text in what its template prints as markup (tool definitions, tool calls,
+/// tool-call ids, names).
 fn check_against_model(model: &ModelEntry, req: &ValidRequest) -> Result<(), Refusal> {
     let n_vocab = model.tokenizer.n_vocab();
     if let Some(&(bad, _)) = req
@@ -266,16 +281,6 @@ fn check_against_model(model: &ModelEntry, req: &ValidRequest) -> Result<(), Ref
         ));
     }
     if let Some(t) = req.tools.as_ref().filter(|t| t.active()) {
-        if !model
-            .template
-            .as_ref()
-            .is_some_and(|t| t.has_hermes_tools())
-        {
-            return Err(Refusal::invalid(
-                "tools",
-                format!("the chat template of `{}` has no tool-call format strata knows (Hermes `<tool_call>`, as Qwen2.5's)", model.id),
-            ));
-        }
         if let Some(c) = model.tokenizer.control_text_in(&t.json.to_string()) {
             return Err(Refusal::invalid(
                 "tools",
@@ -306,8 +311,10 @@ fn check_against_model(model: &ModelEntry, req: &ValidRequest) -> Result<(), Ref
     Ok(())
 }
 
-/// The grammar the answer is held to (`response_format`, or `tool_choice` `required` or a
-/// named function), checked against the model's vocabulary.
+/// The grammar the answer is held to (`response_format`, or the tools: lazily under
+/// `auto`, calls only under `required` or a named function), checked against the model's
+/// vocabulary. Tools that did not ask for `strict` arguments fall back to any object when
+/// their schemas do not compile; a strict tool's schema must.
 async fn request_grammar(
     s: &AppState,
     model: &ModelEntry,
@@ -317,17 +324,22 @@ async fn request_grammar(
         check_grammar(s, model, g, "response_format").await?;
         return Ok(Some(g.clone()));
     }
-    match req
-        .tools
-        .as_ref()
-        .filter(|t| t.active())
-        .and_then(|t| t.grammar())
-    {
-        Some(g) => {
-            check_grammar(s, model, g, "tools").await?;
-            Ok(Some(g.to_string()))
+    let Some(tools) = req.tools.as_ref().filter(|t| t.active()) else {
+        return Ok(None);
+    };
+    let Some(g) = tools.grammar(false)? else {
+        return Ok(None);
+    };
+    match check_grammar(s, model, &g, "tools").await {
+        Ok(()) => Ok(Some(g)),
+        Err(e) if tools.has_loose() => {
+            let Some(loose) = tools.grammar(true)? else {
+                return Err(e);
+            };
+            check_grammar(s, model, &loose, "tools").await?;
+            Ok(Some(loose))
         }
-        None => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
@@ -340,7 +352,32 @@ async fn admit(
     body: axum::body::Body,
     record: &mut RequestRecord,
 ) -> Result<Accepted, Refusal> {
-    let mut req = read_request(s, endpoint, body).await?;
+    let req = read_request(s, endpoint, body).await?;
+    admit_valid(s, req, headers, record).await
+}
+
+/// How many tokens a validated request's prompt has for its model (`count_tokens`): the
+/// same key, model and prompt checks as an admission, and nothing submitted.
+pub async fn prompt_tokens(
+    s: &AppState,
+    mut req: ValidRequest,
+    headers: &HeaderMap,
+) -> Result<usize, Refusal> {
+    let model = s.model(req.model.as_deref())?;
+    s.key(headers)?;
+    check_against_model(&model, &req)?;
+    thinking_of(&model, &mut req);
+    Ok(prompt_ids(s, &model, &mut req).await?.len())
+}
+
+/// A validated request (of any endpoint) from its model and key to a route's acceptance.
+pub async fn admit_valid(
+    s: &AppState,
+    mut req: ValidRequest,
+    headers: &HeaderMap,
+    record: &mut RequestRecord,
+) -> Result<Accepted, Refusal> {
+    let endpoint = req.endpoint;
     record.priority = priority_of(&req, headers)?;
     record.user = req.user.clone().unwrap_or_default();
     let model = s.model(req.model.as_deref())?;
@@ -349,9 +386,14 @@ async fn admit(
     check_against_model(&model, &req)?;
     let grammar = request_grammar(s, &model, &req).await?;
     let echo = echo_text(&model, &req)?;
+    let thinking = thinking_of(&model, &mut req);
     let prompt_ids = prompt_ids(s, &model, &mut req).await?;
     record.prompt_tokens = prompt_ids.len();
     let max_tokens = max_tokens(s, &req, model.n_ctx, prompt_ids.len())?;
+    let shape = Shape {
+        thinking: thinking.map(|()| thinking_start(&model.tokenizer, &prompt_ids)),
+        tools: req.tools.as_ref().is_some_and(|t| t.active()),
+    };
     let job = Job {
         sampling: req.sampling.to_wire(prompt_ids.len(), grammar),
         prompt_ids,
@@ -374,24 +416,67 @@ async fn admit(
         id: response_id(endpoint, n + 1),
         choices,
         echo,
+        shape,
     })
 }
 
-/// The request's body, read within the server's limits and validated. A long body is parsed
-/// where prompts are tokenized: off the async runtime, one core's worth at a time, so a flood
-/// of them never takes the cores other requests need.
+/// Whether the answer may hold a thinking section: the template has one and the request
+/// did not turn it off. The request's choice reaches the template as `enable_thinking`.
+fn thinking_of(model: &ModelEntry, req: &mut ValidRequest) -> Option<()> {
+    let has = model.template.as_ref().is_some_and(|t| t.has_thinking());
+    if !has || !matches!(req.prompt, PromptInput::Messages(_)) {
+        return None;
+    }
+    if let Some(on) = req.thinking {
+        req.template_kwargs
+            .entry("enable_thinking")
+            .or_insert(Value::Bool(on));
+    }
+    let on = req
+        .template_kwargs
+        .get("enable_thinking")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+    on.then_some(())
+}
+
+/// Where the answer's thinking section starts: inside it when the prompt ends with the
+/// opening tag (the template opened it), else the answer may open it.
+fn thinking_start(t: &Tokenizer, prompt_ids: &[u32]) -> Thinking {
+    // Enough tokens for the tag and the blank space after it, however finely they are cut.
+    let tail = &prompt_ids[prompt_ids.len().saturating_sub(16)..];
+    let text = t.decode(tail, true).unwrap_or_default();
+    if text.trim_end().ends_with("<think>") {
+        Thinking::Inside
+    } else {
+        Thinking::MayOpen
+    }
+}
+
+/// The request's body, read within the server's limits and validated.
 async fn read_request(
     s: &AppState,
     endpoint: Endpoint,
     body: axum::body::Body,
 ) -> Result<ValidRequest, Refusal> {
-    let body = read_body(body, &s.http).await?;
     let seed = fresh_seed();
+    read_json(s, body, move |v| validate(endpoint, v, seed)).await
+}
+
+/// A JSON body read within the server's limits and checked by `check`. A long body is
+/// parsed where prompts are tokenized: off the async runtime, one core's worth at a time, so
+/// a flood of them never takes the cores other requests need.
+pub async fn read_json<T: Send + 'static>(
+    s: &AppState,
+    body: axum::body::Body,
+    check: impl FnOnce(Value) -> Result<T, Refusal> + Send + 'static,
+) -> Result<T, Refusal> {
+    let body = read_body(body, &s.http).await?;
     if body.len() <= INLINE_BODY_BYTES {
-        return validate(endpoint, parse_body(&body)?, seed);
+        return check(parse_body(&body)?);
     }
     let _permit = s.tokenizing.acquire().await;
-    tokio::task::spawn_blocking(move || validate(endpoint, parse_body(&body)?, seed))
+    tokio::task::spawn_blocking(move || check(parse_body(&body)?))
         .await
         .map_err(|_| Refusal::unavailable("parsing the request failed"))?
 }
@@ -432,7 +517,8 @@ async fn prompt_ids(
         None => {
             let tools = req.tools.as_ref().filter(|t| t.active());
             let tools = tools.map(|t| t.json.clone());
-            tokenize(s, model, prompt, tools, n_ctx).await
+            let kwargs = req.template_kwargs.clone();
+            tokenize(s, model, prompt, tools, kwargs, n_ctx).await
         }
     }
 }
@@ -444,13 +530,12 @@ fn max_tokens(
     n_ctx: usize,
     n_prompt: usize,
 ) -> Result<usize, Refusal> {
-    let max_tokens = match (req.max_tokens, req.endpoint) {
-        (Some(m), _) => m,
-        (None, Endpoint::Completions) => 16,
-        (None, Endpoint::Chat) => s
-            .default_chat_max_tokens
-            .min(n_ctx.saturating_sub(n_prompt))
-            .max(1),
+    let left = n_ctx.saturating_sub(n_prompt);
+    let max_tokens = match (req.max_tokens, req.endpoint, req.fit) {
+        (Some(m), _, ContextFit::Cut) if left > 0 => m.min(left),
+        (Some(m), _, _) => m,
+        (None, Endpoint::Completions, _) => 16,
+        (None, _, _) => s.default_chat_max_tokens.min(left).max(1),
     };
     if n_prompt + max_tokens > n_ctx {
         return Err(Refusal::over_limit("max_tokens", "n_ctx", format!(

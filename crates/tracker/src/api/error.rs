@@ -84,6 +84,47 @@ pub fn response(r: &Refusal) -> Response {
     resp
 }
 
+/// Anthropic's `error.type` for a status.
+fn anthropic_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        400..=499 => "invalid_request_error",
+        503 => "overloaded_error",
+        _ => "api_error",
+    }
+}
+
+/// The body in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`, what
+/// the Messages API's clients parse), with strata's typed fields beside.
+pub fn anthropic_body(r: &Refusal) -> serde_json::Value {
+    json!({
+        "type": "error",
+        "error": {
+            "type": anthropic_type(status(r)),
+            "message": r.message,
+            "param": r.param,
+            "reason": r.reason.name(),
+            "limit": r.limit,
+            "retryable": r.retryable(),
+            "retry_after": r.retry_after,
+        }
+    })
+}
+
+/// [`response`] in Anthropic's shape: the same status and headers.
+pub fn anthropic(r: &Refusal) -> Response {
+    let mut resp = response(r);
+    let body = axum::body::Body::from(anthropic_body(r).to_string());
+    *resp.body_mut() = body;
+    resp.headers_mut()
+        .remove(axum::http::header::CONTENT_LENGTH);
+    resp
+}
+
 /// A refusal's answer, as methods: `refusal.into_response()` and `refusal.body()` in handlers.
 pub trait Answer {
     fn into_response(self) -> Response;
@@ -140,6 +181,15 @@ mod tests {
         assert_eq!(
             body(&Refusal::shard_failed("a", "gone"))["error"]["retryable"],
             true
+        );
+        let a = anthropic_body(&Refusal::capacity("kv_budget", "full"));
+        assert_eq!(
+            (a["type"].as_str(), a["error"]["type"].as_str()),
+            (Some("error"), Some("overloaded_error"))
+        );
+        assert_eq!(
+            anthropic_body(&Refusal::invalid("x", "y"))["error"]["type"],
+            "invalid_request_error"
         );
     }
 }

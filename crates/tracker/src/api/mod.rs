@@ -11,15 +11,23 @@ use axum::Router;
 use engine::Refusal;
 
 pub mod agent;
+pub mod answer;
 pub mod auth;
 pub mod completions;
 pub mod error;
+pub mod fields;
+pub mod messages;
+pub mod messages_out;
 pub mod ops;
+pub mod parts;
 pub mod record;
 pub mod request;
 pub mod respond;
+pub mod responses;
+pub mod responses_out;
 pub mod server;
 pub mod state;
+pub mod store;
 
 use state::AppState;
 
@@ -27,6 +35,13 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(completions::chat_completions))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/messages", post(messages::create))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::get).delete(responses::delete),
+        )
         .route("/v1/models", get(ops::models))
         .route("/v1/models/{id}", get(ops::model))
         .route("/tokenize", post(ops::tokenize))

@@ -5,11 +5,17 @@ use text::ChatMessage;
 
 use engine::Refusal;
 
+use super::fields::{boolean, integer, number, string};
+
 /// Which endpoint a request came through (it shapes the response).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     Completions,
     Chat,
+    /// OpenAI's Responses API: a chat session, its input as items.
+    Responses,
+    /// Anthropic's Messages API: a chat session, its content as blocks.
+    Messages,
 }
 
 impl Endpoint {
@@ -17,6 +23,8 @@ impl Endpoint {
         match self {
             Endpoint::Completions => "/v1/completions",
             Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::Messages => "/v1/messages",
         }
     }
 }
@@ -108,6 +116,24 @@ pub struct ValidRequest {
     pub tools: Option<crate::api::agent::ToolSet>,
     /// The end user the caller names (`user`), written in the request's log line.
     pub user: Option<String>,
+    /// Whether the model thinks before it answers, when its template has a thinking
+    /// section: `Some(false)` turns it off, `Some(true)` on, `None` leaves the template's
+    /// default. A model without one never thinks, whatever this says.
+    pub thinking: Option<bool>,
+    /// Variables for the chat template (`chat_template_kwargs`), beside the ones strata sets.
+    pub template_kwargs: serde_json::Map<String, Value>,
+    /// What a `max_tokens` over the context left after the prompt does.
+    pub fit: ContextFit,
+}
+
+/// What a `max_tokens` over the context left after the prompt does: OpenAI's endpoints
+/// refuse it (as OpenAI does); the Responses and Messages APIs, whose clients send the
+/// largest output their own models allow (Claude Code asks for 32000 on every request), cut
+/// it to what the context leaves, as llama-server does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContextFit {
+    Refuse,
+    Cut,
 }
 
 /// The fields each endpoint takes; any other is refused with a 400 naming it, never ignored.
@@ -142,10 +168,26 @@ const CHAT_FIELDS: &[&str] = &[
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    // On the no-effect list (`fields::NO_EFFECT`).
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
 ];
 
 /// The fields a chat message may have.
-const MESSAGE_FIELDS: &[&str] = &["role", "content", "name", "tool_calls", "tool_call_id"];
+const MESSAGE_FIELDS: &[&str] = &[
+    "role",
+    "content",
+    "name",
+    "tool_calls",
+    "tool_call_id",
+    "reasoning_content",
+];
 
 /// Most choices one request may ask for.
 pub const MAX_N: u64 = 16;
@@ -155,67 +197,6 @@ pub const MAX_LOGIT_BIAS: usize = 1024;
 /// Longest stop string accepted, in bytes. Stop strings are matched against every generated
 /// token; a stop string is a marker, not a document.
 pub const MAX_STOP_BYTES: usize = 1024;
-
-fn number(body: &Value, key: &str, min: f64, max: f64) -> Result<Option<f64>, Refusal> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => {
-            let x = v.as_f64().ok_or_else(|| {
-                Refusal::invalid(key, format!("`{key}` must be a number, got {v}"))
-            })?;
-            if !(min..=max).contains(&x) {
-                return Err(Refusal::invalid(
-                    key,
-                    format!("`{key}` is {x} but must be between {min} and {max}"),
-                ));
-            }
-            Ok(Some(x))
-        }
-    }
-}
-
-fn integer(body: &Value, key: &str, min: u64, max: u64) -> Result<Option<u64>, Refusal> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => {
-            let x = v.as_u64().ok_or_else(|| {
-                Refusal::invalid(
-                    key,
-                    format!("`{key}` must be a non-negative integer, got {v}"),
-                )
-            })?;
-            if !(min..=max).contains(&x) {
-                return Err(Refusal::invalid(
-                    key,
-                    format!("`{key}` is {x} but must be between {min} and {max}"),
-                ));
-            }
-            Ok(Some(x))
-        }
-    }
-}
-
-fn string(body: &Value, key: &str) -> Result<Option<String>, Refusal> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(v) => Err(Refusal::invalid(
-            key,
-            format!("`{key}` must be a string, got {v}"),
-        )),
-    }
-}
-
-fn boolean(body: &Value, key: &str) -> Result<Option<bool>, Refusal> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(v) => Err(Refusal::invalid(
-            key,
-            format!("`{key}` must be a boolean, got {v}"),
-        )),
-    }
-}
 
 /// A message's content as text, moved out of the body (a long text is not copied).
 fn content_text(v: Value, idx: usize) -> Result<String, Refusal> {
@@ -261,7 +242,7 @@ pub fn validate(
     let n = choices(&body)?;
     let prompt = match endpoint {
         Endpoint::Completions => completion_prompt(&mut body)?,
-        Endpoint::Chat => chat_messages(&mut body)?,
+        _ => chat_messages(&mut body)?,
     };
     let max_tokens = match integer(&body, "max_completion_tokens", 1, 1 << 20)? {
         Some(v) => Some(v as usize),
@@ -275,8 +256,8 @@ pub fn validate(
     let (echo, suffix) = echo_and_suffix(&body, logprobs)?;
     let grammar = crate::api::agent::response_format(&body)?;
     let tools = match endpoint {
-        Endpoint::Chat => crate::api::agent::tools(&body)?,
         Endpoint::Completions => None,
+        _ => crate::api::agent::tools(&body, crate::api::agent::ToolShape::Chat)?,
     };
     let (return_token_ids, ignore_eos) =
         constrained_rules(&body, &grammar, tools.as_ref(), stream, logprobs)?;
@@ -303,7 +284,88 @@ pub fn validate(
         grammar,
         tools,
         user,
+        thinking: reasoning_effort(&body)?,
+        template_kwargs: template_kwargs(&body)?,
+        fit: ContextFit::Refuse,
     })
+}
+
+/// Efforts a reasoning request may name: `none` turns thinking off, the others on.
+pub const EFFORTS: &[&str] = &["none", "minimal", "low", "medium", "high", "xhigh"];
+
+/// Whether an effort level (`reasoning_effort`, `reasoning.effort`) turns thinking on.
+pub fn effort_thinks(v: Option<&Value>, param: &str) -> Result<Option<bool>, Refusal> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(e)) if EFFORTS.contains(&e.as_str()) => Ok(Some(e != "none")),
+        Some(v) => Err(Refusal::invalid(
+            param,
+            format!("`{param}` is {v}; expected one of {}", EFFORTS.join(", ")),
+        )),
+    }
+}
+
+fn reasoning_effort(body: &Value) -> Result<Option<bool>, Refusal> {
+    effort_thinks(body.get("reasoning_effort"), "reasoning_effort")
+}
+
+/// Template variables strata sets itself, which `chat_template_kwargs` may not replace.
+const RESERVED_TEMPLATE_VARS: &[&str] = &[
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
+
+/// Most `chat_template_kwargs` entries, and the longest string among them.
+const MAX_TEMPLATE_KWARGS: usize = 16;
+const MAX_TEMPLATE_KWARG_BYTES: usize = 1024;
+
+/// `chat_template_kwargs`: plain values (booleans, numbers, short strings) for the chat
+/// template, as vLLM and llama-server take them (`enable_thinking` for Qwen3's).
+pub fn template_kwargs(body: &Value) -> Result<serde_json::Map<String, Value>, Refusal> {
+    let param = "chat_template_kwargs";
+    let m = match body.get(param) {
+        None | Some(Value::Null) => return Ok(Default::default()),
+        Some(Value::Object(m)) => m,
+        Some(_) => {
+            return Err(Refusal::invalid(
+                param,
+                "`chat_template_kwargs` must be an object",
+            ))
+        }
+    };
+    if m.len() > MAX_TEMPLATE_KWARGS {
+        return Err(Refusal::invalid(
+            param,
+            format!(
+                "`chat_template_kwargs` has {} entries; at most {MAX_TEMPLATE_KWARGS} are allowed",
+                m.len()
+            ),
+        ));
+    }
+    for (k, v) in m {
+        let p = format!("{param}.{k}");
+        if RESERVED_TEMPLATE_VARS.contains(&k.as_str()) {
+            return Err(Refusal::invalid(
+                &p,
+                format!("`{p}` is set by strata and cannot be given"),
+            ));
+        }
+        let plain = match v {
+            Value::Bool(_) | Value::Number(_) | Value::Null => true,
+            Value::String(s) => s.len() <= MAX_TEMPLATE_KWARG_BYTES,
+            _ => false,
+        };
+        if !plain {
+            return Err(Refusal::invalid(
+                &p,
+                format!("`{p}` must be a boolean, a number or a string of at most {MAX_TEMPLATE_KWARG_BYTES} bytes"),
+            ));
+        }
+    }
+    Ok(m.clone())
 }
 
 /// The `model` field, after refusing any field the endpoint does not take.
@@ -318,7 +380,7 @@ fn model_and_fields(endpoint: Endpoint, body: &Value) -> Result<Option<String>, 
     if let Some(obj) = body.as_object() {
         let own = match endpoint {
             Endpoint::Completions => COMPLETION_FIELDS,
-            Endpoint::Chat => CHAT_FIELDS,
+            _ => CHAT_FIELDS,
         };
         if let Some(k) = obj
             .keys()
@@ -454,19 +516,29 @@ fn message(i: usize, m: &mut Value) -> Result<ChatMessage, Refusal> {
         tool_calls,
         tool_call_id: text_field("tool_call_id")?,
         name: text_field("name")?,
+        reasoning_content: text_field("reasoning_content")?,
     })
 }
 
 /// `stop`: at most 4 strings, none empty or over [`MAX_STOP_BYTES`].
 fn stop(body: &Value) -> Result<Vec<String>, Refusal> {
-    let stop = match body.get("stop") {
+    stop_strings(body.get("stop"), "stop", 4)
+}
+
+/// Stop strings at `param` (a string or a list of at most `max`), none empty or over
+/// [`MAX_STOP_BYTES`].
+pub fn stop_strings(v: Option<&Value>, param: &str, max: usize) -> Result<Vec<String>, Refusal> {
+    let stop = match v {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(items)) => {
-            if items.len() > 4 {
+            if items.len() > max {
                 return Err(Refusal::invalid(
-                    "stop",
-                    format!("`stop` has {} strings; at most 4 are allowed", items.len()),
+                    param,
+                    format!(
+                        "`{param}` has {} strings; at most {max} are allowed",
+                        items.len()
+                    ),
                 ));
             }
             items
@@ -474,25 +546,31 @@ fn stop(body: &Value) -> Result<Vec<String>, Refusal> {
                 .map(|v| v.as_str().map(str::to_string))
                 .collect::<Option<Vec<String>>>()
                 .ok_or_else(|| {
-                    Refusal::invalid("stop", "`stop` must be a string or a list of strings")
+                    Refusal::invalid(
+                        param,
+                        format!("`{param}` must be a string or a list of strings"),
+                    )
                 })?
         }
         Some(v) => {
             return Err(Refusal::invalid(
-                "stop",
-                format!("`stop` must be a string or a list, got {v}"),
+                param,
+                format!("`{param}` must be a string or a list, got {v}"),
             ))
         }
     };
     if stop.iter().any(String::is_empty) {
-        return Err(Refusal::invalid("stop", "`stop` strings must not be empty"));
+        return Err(Refusal::invalid(
+            param,
+            format!("`{param}` strings must not be empty"),
+        ));
     }
     if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
         return Err(Refusal::over_limit(
-            "stop",
+            param,
             "max_stop_bytes",
             format!(
-                "a `stop` string has {} bytes; at most {MAX_STOP_BYTES} are allowed",
+                "a `{param}` string has {} bytes; at most {MAX_STOP_BYTES} are allowed",
                 long.len()
             ),
         ));
@@ -501,7 +579,7 @@ fn stop(body: &Value) -> Result<Vec<String>, Refusal> {
 }
 
 /// `logit_bias`: token ids to biases in [-100, 100].
-fn logit_bias(body: &Value) -> Result<Vec<(u32, f32)>, Refusal> {
+pub fn logit_bias(body: &Value) -> Result<Vec<(u32, f32)>, Refusal> {
     Ok(match body.get("logit_bias") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Object(m)) => {
@@ -585,7 +663,7 @@ fn streaming(body: &Value) -> Result<(bool, bool), Refusal> {
 fn logprobs(endpoint: Endpoint, body: &Value) -> Result<Option<u32>, Refusal> {
     Ok(match endpoint {
         Endpoint::Completions => integer(body, "logprobs", 0, 20)?.map(|v| v as u32),
-        Endpoint::Chat => {
+        _ => {
             let top = integer(body, "top_logprobs", 0, 20)?.map(|v| v as u32);
             match boolean(body, "logprobs")? {
                 Some(true) => Some(top.unwrap_or(0)),
@@ -602,7 +680,7 @@ fn logprobs(endpoint: Endpoint, body: &Value) -> Result<Option<u32>, Refusal> {
 }
 
 /// The sampling fields, with their defaults.
-fn sampling(
+pub fn sampling(
     body: &Value,
     logit_bias: Vec<(u32, f32)>,
     fresh_seed: u64,
@@ -682,7 +760,7 @@ fn constrained_rules(
         }
     }
     let ignore_eos = boolean(body, "ignore_eos")?.unwrap_or(false);
-    if ignore_eos && (grammar.is_some() || tools.is_some_and(|t| t.grammar().is_some())) {
+    if ignore_eos && (grammar.is_some() || tools.is_some_and(|t| t.active())) {
         return Err(Refusal::invalid(
             "ignore_eos",
             "`ignore_eos` with a constrained answer is not supported: a complete document ends",
@@ -692,7 +770,7 @@ fn constrained_rules(
 }
 
 /// `priority`: `agent` or `grading`, when given.
-fn priority(body: &Value) -> Result<Option<engine::Priority>, Refusal> {
+pub fn priority(body: &Value) -> Result<Option<engine::Priority>, Refusal> {
     match body.get("priority") {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
@@ -709,7 +787,7 @@ fn priority(body: &Value) -> Result<Option<engine::Priority>, Refusal> {
 }
 
 /// `user`: the end user the caller names, at most 256 bytes.
-fn user(body: &Value) -> Result<Option<String>, Refusal> {
+pub fn user(body: &Value) -> Result<Option<String>, Refusal> {
     Ok(match body.get("user") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if s.len() <= 256 => Some(s.clone()),
@@ -803,7 +881,7 @@ mod tests {
             (
                 Endpoint::Chat,
                 json!({"messages": [{"role": "user", "content": "x"}],
-                       "tools": [{"type": "function", "function": {"name": "f", "strict": true}}]}),
+                       "tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}),
                 "tools[0].function.strict",
             ),
             (

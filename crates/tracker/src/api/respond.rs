@@ -13,7 +13,7 @@ use futures::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::api::agent;
+use crate::api::answer::{Part, Shape, Splitter};
 use engine::{FinishReason, Refusal};
 
 use crate::api::error::Answer;
@@ -54,6 +54,8 @@ pub struct Accepted {
     pub choices: Vec<Choice>,
     /// `echo`: the prompt's text, put before each choice's answer.
     pub echo: Option<String>,
+    /// What the answer is split into (thinking, tool calls).
+    pub shape: Shape,
 }
 
 /// Cancels the session when the response is dropped before it finished (client went away).
@@ -83,7 +85,7 @@ impl Drop for CancelOnDrop {
 
 fn logprob_json(endpoint: Endpoint, lps: &[TokenLogprob]) -> Value {
     match endpoint {
-        Endpoint::Chat => json!({
+        Endpoint::Chat | Endpoint::Responses | Endpoint::Messages => json!({
             "content": lps.iter().map(|l| json!({
                 "token": l.token,
                 "logprob": l.logprob,
@@ -115,11 +117,6 @@ fn call_id(response: &str, choice: usize, k: usize) -> String {
     format!("call_{response}_{choice}_{k}")
 }
 
-/// Whether the answer is searched for tool calls.
-fn parses_tools(req: &ValidRequest) -> bool {
-    req.endpoint == Endpoint::Chat && req.tools.as_ref().is_some_and(|t| t.active())
-}
-
 pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Response {
     let mut out = Vec::with_capacity(a.choices.len());
     let mut prompt_tokens = 0;
@@ -146,6 +143,7 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
                     finish_reason,
                     prompt_tokens,
                     completion_tokens,
+                    ..
                 }) => {
                     break Ended {
                         finish: finish_reason,
@@ -169,7 +167,14 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
         c.guard.armed = false;
         prompt_tokens = ended.prompt_tokens;
         completion_tokens += ended.completion_tokens;
-        let (choice, finish) = choice_json(&a.req, &a.id, index, text, &lps, &ids, ended.finish);
+        let (choice, finish) = choice_json(
+            (&a.req, &a.id, a.shape),
+            index,
+            text,
+            &lps,
+            &ids,
+            ended.finish,
+        );
         first_finish.get_or_insert(finish);
         out.push(choice);
     }
@@ -179,7 +184,7 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
     });
     let object = match a.req.endpoint {
         Endpoint::Completions => "text_completion",
-        Endpoint::Chat => "chat.completion",
+        _ => "chat.completion",
     };
     let body = json!({
         "id": a.id, "object": object, "created": now_secs(), "model": a.model_id,
@@ -192,8 +197,7 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
 /// One choice of a whole answer, and how it finished (a chat answer that called tools and
 /// ended by itself: `tool_calls`).
 fn choice_json(
-    req: &ValidRequest,
-    id: &str,
+    (req, id, shape): (&ValidRequest, &str, Shape),
     index: usize,
     text: String,
     lps: &[TokenLogprob],
@@ -206,12 +210,21 @@ fn choice_json(
             json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish.name()}),
             finish,
         ),
-        Endpoint::Chat if parses_tools(req) => {
-            let (content, calls) = agent::split_calls(&text);
-            let finish = finish.with_calls(calls.len());
-            let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { json!(content) }});
-            if !calls.is_empty() {
-                message["tool_calls"] = calls
+        _ => {
+            let answer = Splitter::split(shape, &text);
+            let finish = finish.with_calls(answer.calls.len());
+            let content = if answer.text.is_empty() && !answer.calls.is_empty() {
+                Value::Null
+            } else {
+                json!(answer.text)
+            };
+            let mut message = json!({"role": "assistant", "content": content});
+            if shape.thinking.is_some() {
+                message["reasoning_content"] = json!(answer.reasoning);
+            }
+            if !answer.calls.is_empty() {
+                message["tool_calls"] = answer
+                    .calls
                     .iter()
                     .enumerate()
                     .map(|(k, call)| {
@@ -226,10 +239,6 @@ fn choice_json(
                 finish,
             )
         }
-        Endpoint::Chat => (
-            json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish.name()}),
-            finish,
-        ),
     };
     if req.return_token_ids {
         choice["token_ids"] = json!(ids);
@@ -258,7 +267,8 @@ fn choice_events(index: usize, c: Choice) -> impl Stream<Item = (usize, SessionE
 struct ChoiceStream {
     /// The role was sent (chat: the first delta carries it).
     started: bool,
-    tools: Option<agent::ToolStream>,
+    /// The answer's splitter, when it has parts to split out (thinking, tool calls).
+    splitter: Option<Splitter>,
     n_calls: usize,
     /// `echo`: the prompt's text, sent before the first token.
     echo: Option<String>,
@@ -287,17 +297,16 @@ impl StreamState {
     fn envelope(&self, choices: Value) -> Value {
         let object = match self.req.endpoint {
             Endpoint::Completions => "text_completion",
-            Endpoint::Chat => "chat.completion.chunk",
+            _ => "chat.completion.chunk",
         };
         json!({"id": self.id, "object": object, "created": now_secs(), "model": self.model_id, "choices": choices})
     }
 
-    /// A chunk of choice `index`: text, tool calls, a logprob, a finish reason.
+    /// A chunk of choice `index`: a part of the answer, a logprob, a finish reason.
     fn chunk(
         &mut self,
         index: usize,
-        text: Option<&str>,
-        calls: &[Value],
+        part: Option<&Part>,
         lp: Option<&TokenLogprob>,
         finish: Option<&str>,
         token: Option<u32>,
@@ -308,18 +317,26 @@ impl StreamState {
         };
         let mut choice = match self.req.endpoint {
             Endpoint::Completions => {
-                json!({"index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish})
+                let text = match part {
+                    Some(Part::Text(t)) => t.as_str(),
+                    _ => "",
+                };
+                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
-            Endpoint::Chat => {
+            _ => {
                 let mut delta = json!({});
                 if !self.choices[index].started {
                     delta["role"] = json!("assistant");
                 }
-                if let Some(t) = text {
-                    delta["content"] = json!(t);
-                }
-                if !calls.is_empty() {
-                    delta["tool_calls"] = json!(calls);
+                match part {
+                    Some(Part::Text(t)) => delta["content"] = json!(t),
+                    Some(Part::Reasoning(t)) => delta["reasoning_content"] = json!(t),
+                    Some(Part::Call(call)) => {
+                        let k = self.choices[index].n_calls;
+                        self.choices[index].n_calls += 1;
+                        delta["tool_calls"] = json!([call.json(&call_id(&self.id, index, k), k)]);
+                    }
+                    None => {}
                 }
                 json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
@@ -331,35 +348,33 @@ impl StreamState {
         self.envelope(json!([choice])).to_string()
     }
 
-    /// Text of choice `index`, through its tool-call finder when it has one.
+    /// Text of choice `index`, through its splitter when it has one (the token's logprob
+    /// goes with the first part it gave).
     fn text(&mut self, index: usize, text: &str, lp: Option<&TokenLogprob>, token: Option<u32>) {
-        let Some(tools) = self.choices[index].tools.as_mut() else {
-            let c = self.chunk(index, Some(text), &[], lp, None, token);
-            self.ready.push_back(c);
-            return;
+        let parts = match self.choices[index].splitter.as_mut() {
+            None => vec![Part::Text(text.to_string())],
+            Some(s) => s.push(text),
         };
-        let pieces = tools.push(text);
-        self.pieces(index, pieces);
+        self.parts(index, parts, lp, token);
     }
 
-    fn pieces(&mut self, index: usize, pieces: Vec<agent::Piece>) {
-        for p in pieces {
-            let c = match p {
-                agent::Piece::Text(t) => self.chunk(index, Some(&t), &[], None, None, None),
-                agent::Piece::Call(call) => {
-                    let k = self.choices[index].n_calls;
-                    self.choices[index].n_calls += 1;
-                    let v = call.json(&call_id(&self.id, index, k), k);
-                    self.chunk(index, None, &[v], None, None, None)
-                }
-            };
+    fn parts(
+        &mut self,
+        index: usize,
+        parts: Vec<Part>,
+        lp: Option<&TokenLogprob>,
+        token: Option<u32>,
+    ) {
+        let mut lp = lp;
+        for p in parts {
+            let c = self.chunk(index, Some(&p), lp.take(), None, token);
             self.ready.push_back(c);
         }
     }
 
     fn on_event(&mut self, index: usize, ev: SessionEvent) {
         if let Some(e) = self.choices[index].echo.take() {
-            let c = self.chunk(index, Some(&e), &[], None, None, None);
+            let c = self.chunk(index, Some(&Part::Text(e)), None, None, None);
             self.ready.push_back(c);
         }
         match ev {
@@ -376,13 +391,14 @@ impl StreamState {
                 finish_reason,
                 prompt_tokens,
                 completion_tokens,
+                ..
             } => {
-                if let Some(mut t) = self.choices[index].tools.take() {
-                    let rest = t.finish();
-                    self.pieces(index, rest);
+                if let Some(mut s) = self.choices[index].splitter.take() {
+                    let rest = s.finish();
+                    self.parts(index, rest, None, None);
                 }
                 let finish = finish_reason.with_calls(self.choices[index].n_calls);
-                let c = self.chunk(index, None, &[], None, Some(finish.name()), None);
+                let c = self.chunk(index, None, None, Some(finish.name()), None);
                 self.ready.push_back(c);
                 self.prompt_tokens = prompt_tokens;
                 self.completion_tokens += completion_tokens;
@@ -414,11 +430,11 @@ pub fn stream_response(
     a: Accepted,
     record: RequestRecord,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    let tools = parses_tools(&a.req);
+    let splits = a.req.endpoint != Endpoint::Completions && a.shape.splits();
     let choices = (0..a.choices.len())
         .map(|_| ChoiceStream {
             started: false,
-            tools: tools.then(agent::ToolStream::default),
+            splitter: splits.then(|| Splitter::new(a.shape)),
             n_calls: 0,
             echo: a.echo.clone(),
         })

@@ -35,6 +35,8 @@ pub struct AppState {
     pub tokenizing: Semaphore,
     /// Numbers the responses (ids unique across routes: each route numbers its sessions).
     pub responses: std::sync::atomic::AtomicU64,
+    /// Recent responses of the Responses API, for `previous_response_id`.
+    pub stored_responses: super::store::ResponseStore,
 }
 
 impl AppState {

@@ -61,6 +61,8 @@ pub enum SessionEvent {
     Text(String),
     Done {
         finish_reason: FinishReason,
+        /// The stop string that ended the text, when one did.
+        stop_sequence: Option<String>,
         prompt_tokens: usize,
         completion_tokens: usize,
     },
@@ -1092,6 +1094,7 @@ impl Runner {
     fn done(&self, live: Live, reason: FinishReason) {
         let _ = live.events.send(SessionEvent::Done {
             finish_reason: reason,
+            stop_sequence: live.stops.matched().map(str::to_string),
             prompt_tokens: live.n_prompt,
             completion_tokens: live.n_generated,
         });
