@@ -145,13 +145,27 @@ pub struct CallRules {
     pub parallel: bool,
 }
 
-/// Free text that does not open a call: any text without the opening tag.
-const FREE_TEXT: &str = r"/(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/";
+/// Blank space the grammars let a bare call's layout have (bounded, so it cannot run on).
+const WS: &str = "[ \\t\\n]{0,8}";
+
+/// Tags small models put around a bare call (llama.cpp accepts the same).
+pub const BARE_WRAPPERS: [&str; 3] = ["tools", "function_call", "response"];
+
+/// The opening of a bare call of tool `name`, as Qwen2.5-Coder writes calls (a JSON object,
+/// often in a ```json fence or a `<tools>` tag, with no `<tool_call>`): blank space, an
+/// optional fence, an optional wrapper tag, and `{"name": "NAME"`, as a regex. Tool names
+/// are letters, digits, `_` and `-`.
+fn bare_opening(names: &str) -> String {
+    let wrappers = BARE_WRAPPERS.join("|");
+    format!("{WS}(```(json)?\\n)?(<({wrappers})>{WS})?\\{{{WS}\"name\"{WS}:{WS}\"({names})\"")
+}
 
 /// Calls of `tools` in the Hermes format Qwen2.5's template teaches
 /// (`<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`, calls separated by a
 /// newline), held as `rules` say: every call the model makes parses and its arguments match
-/// the tool's schema.
+/// the tool's schema. A lazy grammar also holds a call the model writes bare at the start of
+/// its answer (`{"name": "TOOL", "arguments": {...}}`, in a ```json fence or not), once the
+/// name is an offered tool's: a JSON object naming anything else stays text.
 pub fn tool_calls(tools: &[Tool], rules: CallRules) -> Result<String, Error> {
     if tools.is_empty() {
         return Err(Error::Grammar("no tools to call".into()));
@@ -170,18 +184,34 @@ pub fn tool_calls(tools: &[Tool], rules: CallRules) -> Result<String, Error> {
         ""
     };
     let body = "\"\\n\" args \"\\n</tool_call>\"";
-    let lark = if rules.lazy {
-        // Two lexemes compete from the first byte: text that never opens a call, and text
-        // that ends at the first opening tag (lazy: it stops there), after which the call's
-        // body is held to the schema. A lone `<` or a partial tag stays text.
-        format!(
-            "start: FREE | opened body{more}\nFREE: {FREE_TEXT}\nopened[suffix=\"<tool_call>\"]: /(?s:.*)/\nbody: {body}\ncall: \"<tool_call>\" body\nargs: %json {schema}\n"
-        )
-    } else {
-        format!(
-            "start: call{more}\ncall: \"<tool_call>\" body\nbody: {body}\nargs: %json {schema}\n"
-        )
-    };
+    let tagged = format!("call: \"<tool_call>\" body\nbody: {body}\nargs: %json {schema}\n");
+    if !rules.lazy {
+        return Ok(to_json(&TopLevelGrammar::from_lark(format!(
+            "start: call{more}\n{tagged}"
+        ))));
+    }
+    // Competing lexemes from the first byte: text that opens no call, text that ends at the
+    // first opening tag (lazy: it stops there), and each tool's bare opening (lazy too);
+    // whichever the answer turns out to be, the rest of a call is held to its schema. A
+    // lone `<`, a partial tag or a JSON object naming no offered tool stays text.
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    let mut lark = format!(
+        "start: FREE | opened body{more} | bare{more}\nFREE: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/ & ~/{}(?s:.*)/\nopened[suffix=\"<tool_call>\"]: /(?s:.*)/\n{tagged}bare: {}\n",
+        bare_opening(&names.join("|")),
+        (0..tools.len())
+            .map(|i| format!("bare{i} tail{i}"))
+            .collect::<Vec<_>>()
+            .join(" | "),
+    );
+    for (i, t) in tools.iter().enumerate() {
+        let params =
+            serde_json::to_string(&with_layout(t.parameters.clone())).expect("a schema serializes");
+        lark.push_str(&format!(
+            "bare{i}[lazy]: /{}/\ntail{i}: /{WS},{WS}\"arguments\"{WS}:{WS}/ %json {params} /{WS}\\}}({WS}<\\/({wrappers})>)?({WS}```)?/\n",
+            bare_opening(&t.name),
+            wrappers = BARE_WRAPPERS.join("|"),
+        ));
+    }
     Ok(to_json(&TopLevelGrammar::from_lark(lark)))
 }
 

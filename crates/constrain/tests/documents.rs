@@ -201,6 +201,31 @@ fn a_lazy_tool_grammar_leaves_text_free_and_holds_every_call_it_opens() {
         "an opened call cannot end the answer"
     );
     assert!(!walk(&vocab, &tok, &g, &format!("{call} and more text")).0);
+    // A call written bare at the start, as Qwen2.5-Coder writes them (fenced or not), is
+    // held once it names an offered tool; a JSON object naming another stays text.
+    for bare in [
+        "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}",
+        "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\"city\": \"Paris\"}\n}\n```",
+        "<tools>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tools>",
+    ] {
+        assert_eq!(walk(&vocab, &tok, &g, bare), (true, true), "{bare:?}");
+    }
+    assert!(
+        !walk(
+            &vocab,
+            &tok,
+            &g,
+            "{\"name\": \"get_weather\", \"arguments\": {\"town\": 1}}"
+        )
+        .0
+    );
+    for text in [
+        "```json\n{\"name\": \"get_author\", \"arguments\": {}}\n```",
+        "{\"a\": 1} is JSON",
+        "Here: {\"name\": \"get_weather\"}",
+    ] {
+        assert_eq!(walk(&vocab, &tok, &g, text), (true, true), "{text:?}");
+    }
     let one = grammar::tool_calls(
         &weather,
         grammar::CallRules {

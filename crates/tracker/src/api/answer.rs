@@ -29,16 +29,17 @@ pub enum Thinking {
 
 /// What an answer is split into: the thinking section (when the template has one and it is
 /// on) and tool calls (when tools are offered).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Shape {
     pub thinking: Option<Thinking>,
-    pub tools: bool,
+    /// The offered tools' names, when the answer is searched for calls.
+    pub tools: Option<std::sync::Arc<[String]>>,
 }
 
 impl Shape {
     /// Whether anything is split out: otherwise the text passes as it is, token by token.
     pub fn splits(&self) -> bool {
-        self.thinking.is_some() || self.tools
+        self.thinking.is_some() || self.tools.is_some()
     }
 }
 
@@ -46,14 +47,17 @@ impl Shape {
 #[derive(Debug)]
 pub struct Splitter {
     think: Option<ThinkSplit>,
-    tools: Option<ToolStream>,
+    tools: Option<CallFinder>,
 }
 
 impl Splitter {
-    pub fn new(shape: Shape) -> Self {
+    pub fn new(shape: &Shape) -> Self {
         Splitter {
             think: shape.thinking.map(ThinkSplit::new),
-            tools: shape.tools.then(ToolStream::default),
+            tools: shape.tools.as_ref().map(|names| CallFinder {
+                bare: Some(BareStart::new(names)),
+                stream: ToolStream::default(),
+            }),
         }
     }
 
@@ -102,7 +106,7 @@ impl Splitter {
     }
 
     /// Splits a whole answer.
-    pub fn split(shape: Shape, text: &str) -> Answer {
+    pub fn split(shape: &Shape, text: &str) -> Answer {
         let mut s = Splitter::new(shape);
         let mut a = Answer::default();
         for p in s.push(text).into_iter().chain(s.finish()) {
@@ -187,7 +191,10 @@ impl ThinkSplit {
                     self.held.push_str(&text);
                     let lead = self.held.trim_start();
                     if lead.starts_with(THINK_OPEN) {
-                        let rest = lead.strip_prefix(THINK_OPEN).unwrap_or_default().to_string();
+                        let rest = lead
+                            .strip_prefix(THINK_OPEN)
+                            .unwrap_or_default()
+                            .to_string();
                         self.held.clear();
                         self.state = ThinkState::Inside;
                         text = rest;
@@ -284,6 +291,285 @@ fn parse_call(body: &str) -> Option<ToolCall> {
         Some(a) => a.to_string(),
     };
     Some(ToolCall { name, arguments })
+}
+
+/// Finds the calls in an answer: a bare call at its start ([`BareStart`]), then calls in
+/// `<tool_call>` tags ([`ToolStream`]).
+#[derive(Debug)]
+pub struct CallFinder {
+    /// Until the answer's start shows whether it is a bare call.
+    bare: Option<BareStart>,
+    stream: ToolStream,
+}
+
+impl CallFinder {
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        let Some(b) = &mut self.bare else {
+            return self.stream.push(text);
+        };
+        let (mut out, rest) = b.push(text);
+        if let Some(rest) = rest {
+            self.bare = None;
+            out.extend(self.stream.push(&rest));
+        }
+        out
+    }
+
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let mut out = Vec::new();
+        if let Some(b) = self.bare.take() {
+            let rest = match b.state {
+                Bare::Closing => &b.held[closing(&b.held, true).unwrap_or(0)..],
+                _ => &b.held[..],
+            };
+            out.extend(self.stream.push(rest));
+        }
+        out.extend(self.stream.finish());
+        out
+    }
+}
+
+/// Most blank bytes the grammar lets a bare call's layout have in one place.
+const BARE_WS: usize = 8;
+
+/// The start of an answer that may be a bare call, as Qwen2.5-Coder writes them: blank
+/// space, an optional ```json fence, `{"name": "TOOL", "arguments": {...}}`, the closing
+/// fence. The lazy tool grammar holds such a call once it names an offered tool, so this
+/// reads exactly what the grammar admits. Bounded: what is held before the call is decided
+/// is a few dozen bytes, and the call itself is the grammar's.
+#[derive(Debug)]
+struct BareStart {
+    names: std::sync::Arc<[String]>,
+    held: String,
+    state: Bare,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Bare {
+    /// Not yet known whether the answer opens a bare call.
+    Opening,
+    /// Inside the call's JSON object, from byte `start` of what is held.
+    Object {
+        start: usize,
+        at: usize,
+        depth: usize,
+        in_string: bool,
+        escaped: bool,
+    },
+    /// After the object: a closing fence may follow.
+    Closing,
+}
+
+/// How far `s` matches the opening of a bare call of one of `names`.
+enum Opening {
+    /// A prefix of an opening: wait for more.
+    Maybe,
+    /// A whole opening; the object starts at this byte.
+    Is(usize),
+    No,
+}
+
+fn bare_opening(s: &str, names: &[String]) -> Opening {
+    let b = s.as_bytes();
+    let mut i = 0;
+    // Blank space (at most BARE_WS), then what must follow it, piece by piece.
+    let blank = |i: &mut usize| {
+        let start = *i;
+        while *i < b.len() && *i - start < BARE_WS && matches!(b[*i], b' ' | b'\t' | b'\n') {
+            *i += 1;
+        }
+    };
+    // `lit` at `i`: Some(true) matched, Some(false) a prefix of it ends the text, None no.
+    let lit = |i: &mut usize, lit: &str| -> Option<bool> {
+        let rest = &b[*i..];
+        if rest.len() >= lit.len() {
+            if rest.starts_with(lit.as_bytes()) {
+                *i += lit.len();
+                return Some(true);
+            }
+            return None;
+        }
+        lit.as_bytes().starts_with(rest).then_some(false)
+    };
+    blank(&mut i);
+    if i == b.len() {
+        return Opening::Maybe;
+    }
+    if b[i] == b'`' {
+        match lit(&mut i, "```") {
+            Some(true) => {}
+            Some(false) => return Opening::Maybe,
+            None => return Opening::No,
+        }
+        match lit(&mut i, "json") {
+            Some(false) => return Opening::Maybe,
+            Some(true) | None => {}
+        }
+        match lit(&mut i, "\n") {
+            Some(true) => {}
+            Some(false) => return Opening::Maybe,
+            None => return Opening::No,
+        }
+    }
+    blank(&mut i);
+    if i < b.len() && b[i] == b'<' {
+        let mut open = None;
+        for w in constrain::grammar::BARE_WRAPPERS {
+            let mut j = i;
+            match lit(&mut j, &format!("<{w}>")) {
+                Some(true) => open = Some(j),
+                Some(false) => return Opening::Maybe,
+                None => {}
+            }
+        }
+        match open {
+            Some(j) => i = j,
+            None => return Opening::No,
+        }
+    }
+    let start = i;
+    for piece in ["{", "\"name\"", ":", "\""] {
+        blank(&mut i);
+        if i == b.len() {
+            return Opening::Maybe;
+        }
+        match lit(&mut i, piece) {
+            Some(true) => {}
+            Some(false) => return Opening::Maybe,
+            None => return Opening::No,
+        }
+    }
+    let name = &s[i..];
+    for n in names.iter() {
+        let quoted = format!("{n}\"");
+        if name.starts_with(&quoted) {
+            return Opening::Is(start);
+        }
+        if quoted.starts_with(name) {
+            return Opening::Maybe;
+        }
+    }
+    Opening::No
+}
+
+/// Where what follows a bare call's object starts, past the closing wrapper tag and fence
+/// the grammar lets it have (`None`: `held` may still be the start of them, unless the
+/// answer `ended`).
+fn closing(held: &str, ended: bool) -> Option<usize> {
+    let tags: Vec<String> = constrain::grammar::BARE_WRAPPERS
+        .iter()
+        .map(|w| format!("</{w}>"))
+        .collect();
+    let fence = ["```".to_string()];
+    let mut at = 0;
+    for lits in [&tags[..], &fence[..]] {
+        let rest = &held[at..];
+        let lead = rest.trim_start_matches([' ', '\t', '\n']);
+        let blank = rest.len() - lead.len();
+        if blank > BARE_WS {
+            break;
+        }
+        if let Some(l) = lits.iter().find(|l| lead.starts_with(l.as_str())) {
+            at += blank + l.len();
+        } else if !ended && lits.iter().any(|l| l.starts_with(lead)) {
+            return None;
+        }
+    }
+    Some(at)
+}
+
+impl BareStart {
+    fn new(names: &std::sync::Arc<[String]>) -> Self {
+        BareStart {
+            names: std::sync::Arc::clone(names),
+            held: String::new(),
+            state: Bare::Opening,
+        }
+    }
+
+    /// Parts found, and once the start is settled, the text that follows (for the tagged
+    /// calls' finder).
+    fn push(&mut self, text: &str) -> (Vec<Piece>, Option<String>) {
+        self.held.push_str(text);
+        let mut out = Vec::new();
+        loop {
+            match self.state {
+                Bare::Opening => match bare_opening(&self.held, &self.names) {
+                    Opening::Maybe => return (out, None),
+                    Opening::No => return (out, Some(std::mem::take(&mut self.held))),
+                    Opening::Is(start) => {
+                        self.state = Bare::Object {
+                            start,
+                            at: start,
+                            depth: 0,
+                            in_string: false,
+                            escaped: false,
+                        }
+                    }
+                },
+                Bare::Object {
+                    start,
+                    mut at,
+                    mut depth,
+                    mut in_string,
+                    mut escaped,
+                } => {
+                    let b = self.held.as_bytes();
+                    let mut end = None;
+                    while at < b.len() {
+                        let c = b[at];
+                        at += 1;
+                        if in_string {
+                            match (escaped, c) {
+                                (true, _) => escaped = false,
+                                (false, b'\\') => escaped = true,
+                                (false, b'"') => in_string = false,
+                                _ => {}
+                            }
+                        } else {
+                            match c {
+                                b'"' => in_string = true,
+                                b'{' | b'[' => depth += 1,
+                                b'}' | b']' => {
+                                    depth = depth.saturating_sub(1);
+                                    if depth == 0 {
+                                        end = Some(at);
+                                        break;
+                                    }
+                                }
+                                _ => {}
+                            }
+                        }
+                    }
+                    let Some(end) = end else {
+                        self.state = Bare::Object {
+                            start,
+                            at,
+                            depth,
+                            in_string,
+                            escaped,
+                        };
+                        return (out, None);
+                    };
+                    match parse_call(&self.held[start..end]) {
+                        Some(c) => {
+                            out.push(Piece::Call(c));
+                            self.held.drain(..end);
+                            self.state = Bare::Closing;
+                        }
+                        // Not what the grammar admits (no grammar held it): text.
+                        None => return (out, Some(std::mem::take(&mut self.held))),
+                    }
+                }
+                Bare::Closing => {
+                    return match closing(&self.held, false) {
+                        None => (out, None),
+                        Some(at) => (out, Some(self.held.split_off(at))),
+                    };
+                }
+            }
+        }
+    }
 }
 
 /// What a streamed answer becomes: text to send as it comes, or a whole call.
@@ -388,7 +674,7 @@ mod tests {
     use super::*;
 
     /// Feeds `text` one character at a time.
-    fn streamed(shape: Shape, text: &str) -> Answer {
+    fn streamed(shape: &Shape, text: &str) -> Answer {
         let mut s = Splitter::new(shape);
         let mut parts = Vec::new();
         for ch in text.chars() {
@@ -410,35 +696,35 @@ mod tests {
     fn a_thinking_section_is_split_off_whole_and_streamed() {
         let may = Shape {
             thinking: Some(Thinking::MayOpen),
-            tools: false,
+            tools: None,
         };
         let inside = Shape {
             thinking: Some(Thinking::Inside),
-            tools: false,
+            tools: None,
         };
         for (shape, text, reasoning, answer) in [
             (
-                may,
+                &may,
                 "<think>\nsum them\n</think>\n\nIt is 4.",
                 "\nsum them\n",
                 "It is 4.",
             ),
-            (may, "  <think>a<b</think>x", "a<b", "x"),
-            (may, "It is 4.", "", "It is 4."),
-            (may, "<thin", "", "<thin"),
+            (&may, "  <think>a<b</think>x", "a<b", "x"),
+            (&may, "It is 4.", "", "It is 4."),
+            (&may, "<thin", "", "<thin"),
             (
-                may,
+                &may,
                 "Text then <think>no</think>",
                 "",
                 "Text then <think>no</think>",
             ),
             (
-                inside,
+                &inside,
                 "sum them</think>\n\nIt is 4.",
                 "sum them",
                 "It is 4.",
             ),
-            (inside, "never closed </thi", "never closed </thi", ""),
+            (&inside, "never closed </thi", "never closed </thi", ""),
         ] {
             for a in [Splitter::split(shape, text), streamed(shape, text)] {
                 assert_eq!(a.reasoning, reasoning, "{text:?}");
@@ -451,14 +737,55 @@ mod tests {
     fn reasoning_then_a_call() {
         let shape = Shape {
             thinking: Some(Thinking::Inside),
-            tools: true,
+            tools: Some(vec!["w".to_string()].into()),
         };
         let text = "I need the weather.</think>\n\n<tool_call>\n{\"name\": \"w\", \"arguments\": {}}\n</tool_call>";
-        for a in [Splitter::split(shape, text), streamed(shape, text)] {
+        for a in [Splitter::split(&shape, text), streamed(&shape, text)] {
             assert_eq!(a.reasoning, "I need the weather.");
             assert_eq!(a.text, "");
             assert_eq!(a.calls.len(), 1);
             assert_eq!(a.calls[0].name, "w");
+        }
+    }
+
+    #[test]
+    fn a_bare_call_at_the_start_is_a_call_and_a_json_answer_naming_no_tool_is_text() {
+        let shape = Shape {
+            thinking: None,
+            tools: Some(vec!["get_weather".to_string()].into()),
+        };
+        for text in [
+            "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\"city\": \"Paris\"}\n}\n```",
+            "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}",
+            "  {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n```",
+            "<tools>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tools>",
+        ] {
+            for a in [Splitter::split(&shape, text), streamed(&shape, text)] {
+                assert_eq!(a.text, "", "{text:?}");
+                assert_eq!(a.calls.len(), 1, "{text:?}");
+                assert_eq!(a.calls[0].name, "get_weather");
+                assert_eq!(a.calls[0].arguments, "{\"city\":\"Paris\"}");
+            }
+        }
+        let then_tagged = "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"a}b\\\"\"}}\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>";
+        for a in [
+            Splitter::split(&shape, then_tagged),
+            streamed(&shape, then_tagged),
+        ] {
+            assert_eq!(a.calls.len(), 2, "{a:?}");
+            assert_eq!(a.calls[0].arguments, "{\"city\":\"a}b\\\"\"}");
+        }
+        for text in [
+            "```json\n{\"name\": \"get_author\"}\n```",
+            "{\"a\": 1}",
+            "```python\nprint(1)\n```",
+            "Sure: {\"name\": \"get_weather\"}",
+            "{\"name\": \"get_weather\", \"arguments\": {\"city\": ",
+        ] {
+            for a in [Splitter::split(&shape, text), streamed(&shape, text)] {
+                assert_eq!(a.text, text, "{text:?}");
+                assert!(a.calls.is_empty());
+            }
         }
     }
 
@@ -477,9 +804,9 @@ mod tests {
     fn split_calls(text: &str) -> (String, Vec<ToolCall>) {
         let shape = Shape {
             thinking: None,
-            tools: true,
+            tools: Some(vec!["get_weather".to_string(), "noop".to_string()].into()),
         };
-        let a = Splitter::split(shape, text);
+        let a = Splitter::split(&shape, text);
         (a.text, a.calls)
     }
 

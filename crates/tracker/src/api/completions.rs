@@ -392,7 +392,11 @@ pub async fn admit_valid(
     let max_tokens = max_tokens(s, &req, model.n_ctx, prompt_ids.len())?;
     let shape = Shape {
         thinking: thinking.map(|()| thinking_start(&model.tokenizer, &prompt_ids)),
-        tools: req.tools.as_ref().is_some_and(|t| t.active()),
+        tools: req
+            .tools
+            .as_ref()
+            .filter(|t| t.active())
+            .map(|t| t.tools.iter().map(|x| x.name.clone()).collect()),
     };
     let job = Job {
         sampling: req.sampling.to_wire(prompt_ids.len(), grammar),

@@ -69,7 +69,7 @@ impl PartStream {
             .expect("an accepted request has a choice");
         let s = PartStream {
             choice,
-            splitter: Splitter::new(shape),
+            splitter: Splitter::new(&shape),
             record,
             ready: VecDeque::new(),
             n_calls: 0,

@@ -168,7 +168,7 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
         prompt_tokens = ended.prompt_tokens;
         completion_tokens += ended.completion_tokens;
         let (choice, finish) = choice_json(
-            (&a.req, &a.id, a.shape),
+            (&a.req, &a.id, &a.shape),
             index,
             text,
             &lps,
@@ -197,7 +197,7 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
 /// One choice of a whole answer, and how it finished (a chat answer that called tools and
 /// ended by itself: `tool_calls`).
 fn choice_json(
-    (req, id, shape): (&ValidRequest, &str, Shape),
+    (req, id, shape): (&ValidRequest, &str, &Shape),
     index: usize,
     text: String,
     lps: &[TokenLogprob],
@@ -434,7 +434,7 @@ pub fn stream_response(
     let choices = (0..a.choices.len())
         .map(|_| ChoiceStream {
             started: false,
-            splitter: splits.then(|| Splitter::new(a.shape)),
+            splitter: splits.then(|| Splitter::new(&a.shape)),
             n_calls: 0,
             echo: a.echo.clone(),
         })
