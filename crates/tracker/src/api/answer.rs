@@ -401,9 +401,8 @@ fn bare_opening(s: &str, names: &[String]) -> Opening {
             Some(false) => return Opening::Maybe,
             None => return Opening::No,
         }
-        match lit(&mut i, "json") {
-            Some(false) => return Opening::Maybe,
-            Some(true) | None => {}
+        if lit(&mut i, "json") == Some(false) {
+            return Opening::Maybe;
         }
         match lit(&mut i, "\n") {
             Some(true) => {}
