@@ -282,9 +282,56 @@ fn rolling_restart(mut shards: Vec<Proc>, tracker: &Proc, restart: impl Fn(&str,
     assert!(drained >= 1.0, "no session moved off a draining route");
 }
 
-/// A constrained session moves with its grammar: 8 JSON-schema answers of Qwen2.5-Coder-0.5B
-/// (greedy and seeded sampling) on two routes, a shard of one killed mid-document; every
-/// document is the one the fault-free run wrote, and complete.
+/// Document `i` of the grammar test, streamed through chat completions, the Responses API or
+/// the Messages API (by `i % 3`), each read as its clients read it.
+fn streamed_document(addr: &str, i: usize, schema: &Value) -> String {
+    let prompt = format!("Outline book number {i} as JSON.");
+    let (path, mut b) = match i % 3 {
+        0 => (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 120,
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "book", "schema": schema}}}),
+        ),
+        1 => (
+            "/v1/responses",
+            json!({"input": prompt, "max_output_tokens": 120, "store": false,
+                   "text": {"format": {"type": "json_schema", "name": "book", "schema": schema}}}),
+        ),
+        _ => (
+            "/v1/messages",
+            json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 120,
+                   "output_config": {"format": {"type": "json_schema", "schema": schema}}}),
+        ),
+    };
+    b["stream"] = json!(true);
+    b["temperature"] = json!(0);
+    if i % 2 == 1 {
+        b["temperature"] = json!(1.0);
+        b["seed"] = json!(i);
+    }
+    let mut s = SseStream::open(addr, path, &b).unwrap();
+    let mut text = String::new();
+    while let Some(d) = s.next_data() {
+        if d == "[DONE]" {
+            return text;
+        }
+        let v: Value = serde_json::from_str(&d).unwrap();
+        assert!(v.get("error").is_none(), "book {i}: {d}");
+        match v["type"].as_str() {
+            Some("response.output_text.delta") => text.push_str(v["delta"].as_str().unwrap()),
+            Some("content_block_delta") => text.push_str(v["delta"]["text"].as_str().unwrap_or("")),
+            Some("response.completed" | "message_stop") => return text,
+            Some("response.failed" | "response.incomplete" | "error") => panic!("book {i}: {d}"),
+            _ => text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or("")),
+        }
+    }
+    panic!("book {i}: the stream ended before the answer did");
+}
+
+/// A constrained session moves with its grammar: 9 JSON-schema answers of Qwen2.5-Coder-0.5B
+/// (greedy and seeded sampling; streamed through chat completions, the Responses API and the
+/// Messages API) on two routes, a shard of one killed mid-document; every document is the
+/// one the fault-free run wrote, and complete.
 #[test]
 fn a_session_with_a_grammar_continues_the_same_document_on_another_route() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -302,31 +349,10 @@ fn a_session_with_a_grammar_continues_the_same_document_on_another_route() {
         "additionalProperties": false
     });
     let run = |addr: String| {
-        (0..8)
+        (0..9)
             .map(|i| {
                 let (addr, schema) = (addr.clone(), schema.clone());
-                std::thread::spawn(move || {
-                    let mut b = json!({
-                        "messages": [{"role": "user", "content": format!("Outline book number {i} as JSON.")}],
-                        "max_tokens": 120, "stream": true, "temperature": 0,
-                        "response_format": {"type": "json_schema", "json_schema": {"name": "book", "schema": schema}},
-                    });
-                    if i % 2 == 1 {
-                        b["temperature"] = json!(1.0);
-                        b["seed"] = json!(i);
-                    }
-                    let mut s = SseStream::open(&addr, "/v1/chat/completions", &b).unwrap();
-                    let mut text = String::new();
-                    while let Some(d) = s.next_data() {
-                        if d == "[DONE]" {
-                            return text;
-                        }
-                        let v: Value = serde_json::from_str(&d).unwrap();
-                        assert!(v.get("error").is_none(), "book {i}: {d}");
-                        text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
-                    }
-                    panic!("book {i}: no [DONE]");
-                })
+                std::thread::spawn(move || streamed_document(&addr, i, &schema))
             })
             .collect::<Vec<_>>()
     };
