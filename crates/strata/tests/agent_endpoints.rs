@@ -484,3 +484,19 @@ fn a_template_s_thinking_section_is_split_out_as_reasoning() {
     assert_eq!(r.status, 400);
     assert_eq!(r.json()["error"]["param"], "chat_template_kwargs.messages");
 }
+
+#[test]
+fn the_readme_lists_every_field_accepted_without_effect() {
+    let readme = std::fs::read_to_string(testkit::repo_root().join("README.md")).unwrap();
+    let table = &readme[readme
+        .find("Fields accepted without effect")
+        .expect("the section")..];
+    for (field, _) in tracker::NO_EFFECT {
+        for f in field.split(", ") {
+            assert!(
+                table.contains(&format!("`{f}`")),
+                "README does not list `{f}`"
+            );
+        }
+    }
+}

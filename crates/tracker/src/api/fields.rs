@@ -25,7 +25,7 @@ pub const NO_EFFECT: &[(&str, &str)] = &[
     ("cache_control", "/v1/messages: prompt caching is automatic (the prefix cache)"),
     ("context_management", "/v1/messages: edits of earlier thinking blocks; templates drop earlier turns' thinking"),
     ("output_config.effort", "/v1/messages: an effort level for Anthropic's models"),
-    ("thinking, reasoning_effort, reasoning.effort", "on a model whose template has no thinking section: it never thinks; on one that has, they turn thinking on or off"),
+    ("thinking, reasoning_effort, reasoning.effort", "on a model whose template has no thinking section: it never thinks; on one that has, they turn thinking on or off (`thinking.budget_tokens` is not enforced apart from `max_tokens`)"),
 ];
 
 /// A number in `[min, max]`, or `None` when absent or null.
