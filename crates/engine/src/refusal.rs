@@ -357,7 +357,7 @@ impl Refusal {
     pub fn unauthorized() -> Self {
         Self::new(
             Reason::Unauthorized,
-            "a valid API key is required (Authorization: Bearer <key>)",
+            "a valid API key is required (Authorization: Bearer <key>, or x-api-key: <key>)",
         )
     }
 

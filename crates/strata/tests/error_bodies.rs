@@ -267,6 +267,52 @@ fn api_refusals(rt: &tokio::runtime::Runtime, out: &mut Vec<String>) {
     out.push(line("usage without a ledger", &usage));
     let evict = request("POST", addr, "/admin/routes/local/evict", None, &[]).unwrap();
     out.push(line("an admin call without the admin API", &evict));
+    agent_api_refusals(addr, out);
+}
+
+/// The Responses API (OpenAI's shape) and the Messages API (Anthropic's).
+fn agent_api_refusals(addr: &str, out: &mut Vec<String>) {
+    let r = post_json(
+        addr,
+        "/v1/responses",
+        &json!({"input": "x", "previous_response_id": "resp_404"}),
+    );
+    out.push(line("responses: an unknown previous_response_id", &r));
+    let r = post_json(
+        addr,
+        "/v1/responses",
+        &json!({"input": "x", "background": true}),
+    );
+    out.push(line("responses: background", &r));
+    let r = post_json(
+        addr,
+        "/v1/responses",
+        &json!({"input": [{"type": "computer_call"}]}),
+    );
+    out.push(line("responses: an input item it does not take", &r));
+    let r = request("GET", addr, "/v1/responses/resp_404", None, &[]).unwrap();
+    out.push(line("responses: get an unknown response", &r));
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let r = post_json(addr, "/v1/messages", &json!({"messages": msgs}));
+    out.push(line("messages: no max_tokens", &r));
+    let r = post_json(
+        addr,
+        "/v1/messages",
+        &json!({"messages": [{"role": "user", "content": [{"type": "image"}]}], "max_tokens": 4}),
+    );
+    out.push(line("messages: an image block", &r));
+    let r = post_json(
+        addr,
+        "/v1/messages",
+        &json!({"messages": msgs, "max_tokens": 4, "model": "nope"}),
+    );
+    out.push(line("messages: a model no route holds", &r));
+    let r = post_json(
+        addr,
+        "/v1/messages",
+        &json!({"messages": msgs, "max_tokens": 4, "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "g"}}),
+    );
+    out.push(line("messages: a tool_choice naming no tool", &r));
 }
 
 /// Keys, budgets, pins, queues, connections and a registry with no route.
@@ -281,6 +327,11 @@ fn access_refusals(rt: &tokio::runtime::Runtime, out: &mut Vec<String>) {
         |_| {},
     );
     out.push(line("no API key", &completion(&keyed.addr, prompt())));
+    let m = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+    out.push(line(
+        "messages: no API key",
+        &post_json(&keyed.addr, "/v1/messages", &m),
+    ));
     let dir = std::env::temp_dir().join(format!("strata-errors-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();

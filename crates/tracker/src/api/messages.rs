@@ -93,7 +93,7 @@ fn text_of(v: &Value, param: &str) -> Result<String, Refusal> {
 fn unsupported_block(p: &str, kind: &str) -> Refusal {
     Refusal::invalid(
         &format!("{p}.type"),
-        format!("`{p}` is a `{kind}` block: this model reads text, tool_use, tool_result and thinking blocks"),
+        format!("`{p}` is a block of type `{kind}`: this model reads text, tool_use, tool_result and thinking blocks"),
     )
 }
 
