@@ -143,6 +143,27 @@ pub struct CallRules {
     pub lazy: bool,
     /// Several calls one after another (`parallel_tool_calls`), or exactly one.
     pub parallel: bool,
+    pub format: CallFormat,
+}
+
+/// How a template writes a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CallFormat {
+    /// The Hermes format (Qwen2.5): `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`.
+    #[default]
+    Hermes,
+    /// A bare JSON object, `{"name": ..., "parameters": ...}` (Llama 3.x's templates).
+    Json,
+}
+
+impl CallFormat {
+    /// The key a call's arguments are under.
+    pub fn arguments_key(self) -> &'static str {
+        match self {
+            CallFormat::Hermes => "arguments",
+            CallFormat::Json => "parameters",
+        }
+    }
 }
 
 /// Blank space the grammars let a bare call's layout have (bounded, so it cannot run on).
@@ -178,6 +199,9 @@ pub fn tool_calls(tools: &[Tool], rules: CallRules) -> Result<String, Error> {
     let call = call_schema(tools);
     LIMITS.check(&call)?;
     let schema = serde_json::to_string(&call).expect("a schema serializes");
+    if rules.format == CallFormat::Json {
+        return Ok(json_calls(tools, rules));
+    }
     let more = if rules.parallel {
         " (\"\\n\" call)*"
     } else {
@@ -195,24 +219,74 @@ pub fn tool_calls(tools: &[Tool], rules: CallRules) -> Result<String, Error> {
     // whichever the answer turns out to be, the rest of a call is held to its schema. A
     // lone `<`, a partial tag or a JSON object naming no offered tool stays text.
     let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
-    let mut lark = format!(
-        "start: FREE | opened body{more} | bare{more}\nFREE: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/ & ~/{}(?s:.*)/\nopened[suffix=\"<tool_call>\"]: /(?s:.*)/\n{tagged}bare: {}\n",
+    let lark = format!(
+        "start: FREE | opened body{more} | bare{more}\nFREE: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/ & ~/{}(?s:.*)/\nopened[suffix=\"<tool_call>\"]: /(?s:.*)/\n{tagged}{}",
         bare_opening(&names.join("|")),
-        (0..tools.len())
-            .map(|i| format!("bare{i} tail{i}"))
-            .collect::<Vec<_>>()
-            .join(" | "),
+        bare_rules(tools, "arguments"),
     );
+    Ok(to_json(&TopLevelGrammar::from_lark(lark)))
+}
+
+/// The ways a bare call may be wrapped, as regexes of what opens and what closes it: plain,
+/// in a ```json fence, in a wrapper tag, or both. A call that opened a wrapping must close it.
+fn wrappings() -> [(String, String); 4] {
+    let tags = BARE_WRAPPERS.join("|");
+    let fence = "```(json)?\\n".to_string();
+    let tag = format!("<({tags})>{WS}");
+    let untag = format!("{WS}<\\/({tags})>");
+    [
+        (String::new(), String::new()),
+        (format!("{fence}{WS}"), format!("{WS}```")),
+        (tag.clone(), untag.clone()),
+        (format!("{fence}{WS}{tag}"), format!("{untag}{WS}```")),
+    ]
+}
+
+/// The `bare` rule: a bare call of one of `tools`, its arguments under `key`, in any of the
+/// [`wrappings`].
+fn bare_rules(tools: &[Tool], key: &str) -> String {
+    let wraps = wrappings();
+    let mut alternatives = Vec::new();
+    let mut rules = format!("sep: /{WS},{WS}\"{key}\"{WS}:{WS}/\n");
     for (i, t) in tools.iter().enumerate() {
         let params =
             serde_json::to_string(&with_layout(t.parameters.clone())).expect("a schema serializes");
-        lark.push_str(&format!(
-            "bare{i}[lazy]: /{}/\ntail{i}: /{WS},{WS}\"arguments\"{WS}:{WS}/ %json {params} /{WS}\\}}({WS}<\\/({wrappers})>)?({WS}```)?/\n",
-            bare_opening(&t.name),
-            wrappers = BARE_WRAPPERS.join("|"),
-        ));
+        rules.push_str(&format!("args{i}: %json {params}\n"));
+        let name = &t.name;
+        for (w, (open, _)) in wraps.iter().enumerate() {
+            alternatives.push(format!("b{i}w{w} sep args{i} e{w}"));
+            rules.push_str(&format!(
+                "b{i}w{w}[lazy]: /{WS}{open}\\{{{WS}\"name\"{WS}:{WS}\"{name}\"/\n"
+            ));
+        }
     }
-    Ok(to_json(&TopLevelGrammar::from_lark(lark)))
+    for (w, (_, close)) in wraps.iter().enumerate() {
+        rules.push_str(&format!("e{w}: /{WS}\\}}{close}/\n"));
+    }
+    format!("bare: {}\n{rules}", alternatives.join(" | "))
+}
+
+/// Calls in the bare JSON format (Llama 3.x): `{"name": ..., "parameters": ...}`, one per
+/// line; lazily, free text unless the answer opens with a call of an offered tool.
+fn json_calls(tools: &[Tool], rules: CallRules) -> String {
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    let more = if rules.parallel {
+        " (\"\\n\" bare)*"
+    } else {
+        ""
+    };
+    let start = if rules.lazy {
+        format!(
+            "start: FREE | bare{more}\nFREE: /(?s:.*)/ & ~/{}(?s:.*)/\n",
+            bare_opening(&names.join("|"))
+        )
+    } else {
+        format!("start: bare{more}\n")
+    };
+    to_json(&TopLevelGrammar::from_lark(format!(
+        "{start}{}",
+        bare_rules(tools, CallFormat::Json.arguments_key())
+    )))
 }
 
 #[cfg(test)]
@@ -243,6 +317,7 @@ mod tests {
             let rules = CallRules {
                 lazy,
                 parallel: true,
+                format: CallFormat::Hermes,
             };
             let g = tool_calls(&tools, rules).unwrap();
             assert!(

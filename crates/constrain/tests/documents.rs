@@ -126,6 +126,7 @@ fn unsupported_schema_features_and_garbage_are_named() {
 const REQUIRED: grammar::CallRules = grammar::CallRules {
     lazy: false,
     parallel: true,
+    format: grammar::CallFormat::Hermes,
 };
 
 #[test]
@@ -149,6 +150,7 @@ fn tool_calls_parse_and_their_arguments_match() {
         grammar::CallRules {
             lazy: false,
             parallel: false,
+            format: grammar::CallFormat::Hermes,
         },
     )
     .unwrap();
@@ -167,6 +169,7 @@ fn a_lazy_tool_grammar_leaves_text_free_and_holds_every_call_it_opens() {
     let rules = grammar::CallRules {
         lazy: true,
         parallel: true,
+        format: grammar::CallFormat::Hermes,
     };
     let g = grammar::tool_calls(&weather, rules).unwrap();
     let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
@@ -207,7 +210,10 @@ fn a_lazy_tool_grammar_leaves_text_free_and_holds_every_call_it_opens() {
         "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}",
         "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\"city\": \"Paris\"}\n}\n```",
         "<tools>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tools>",
+        // A bare call, then a tagged one.
+        &format!("{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"Paris\"}}}}\n{call}"),
     ] {
+        let bare: &str = bare;
         assert_eq!(walk(&vocab, &tok, &g, bare), (true, true), "{bare:?}");
     }
     assert!(
@@ -231,11 +237,49 @@ fn a_lazy_tool_grammar_leaves_text_free_and_holds_every_call_it_opens() {
         grammar::CallRules {
             lazy: true,
             parallel: false,
+            format: grammar::CallFormat::Hermes,
         },
     )
     .unwrap();
     assert_eq!(walk(&vocab, &tok, &one, call), (true, true));
     assert!(!walk(&vocab, &tok, &one, &format!("{call}\n{call}")).0);
+}
+
+#[test]
+fn calls_in_the_json_format_are_bare_objects_with_parameters() {
+    let tok = tokenizer(&testkit::named_model("qwen2.5-coder-0.5b"));
+    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+    let weather = [grammar::Tool {
+        name: "get_weather".into(),
+        parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": false}),
+    }];
+    let call = "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}";
+    for (lazy, parallel) in [(false, false), (true, false), (true, true)] {
+        let rules = grammar::CallRules {
+            lazy,
+            parallel,
+            format: grammar::CallFormat::Json,
+        };
+        let g = grammar::tool_calls(&weather, rules).unwrap();
+        assert_eq!(walk(&vocab, &tok, &g, call), (true, true), "{rules:?}");
+        let tagged = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        assert_eq!(
+            walk(&vocab, &tok, &g, tagged).1,
+            lazy,
+            "{rules:?}: tags are text under auto, refused otherwise"
+        );
+        let two = format!("{call}\n{call}");
+        assert_eq!(
+            walk(&vocab, &tok, &g, &two) == (true, true),
+            parallel,
+            "{rules:?}"
+        );
+        assert_eq!(
+            walk(&vocab, &tok, &g, "Sunny.") == (true, true),
+            lazy,
+            "{rules:?}"
+        );
+    }
 }
 
 #[test]

@@ -87,6 +87,7 @@ fn tool_calls_at_the_total_limit_compile_and_check() {
         grammar::CallRules {
             lazy: false,
             parallel: true,
+            format: grammar::CallFormat::Hermes,
         },
     )
     .unwrap();

@@ -489,6 +489,7 @@ fn heavy_grammar() -> String {
         constrain::grammar::CallRules {
             lazy: false,
             parallel: true,
+            format: constrain::grammar::CallFormat::Hermes,
         },
     )
     .unwrap()

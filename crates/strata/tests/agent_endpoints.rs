@@ -403,6 +403,42 @@ fn tools_on_a_template_without_a_tool_format_are_shown_and_their_calls_held() {
 }
 
 #[test]
+fn a_template_that_writes_calls_as_json_objects_gets_its_calls_in_that_format() {
+    let spec = testkit::TinySpec {
+        chat_template: testkit::CHATML_JSON_TOOLS,
+        ..testkit::TinySpec::default()
+    };
+    let n = start(spec, "agent-endpoints-json-tools", config());
+    let a = &n.addr;
+    let tool = json!({"name": "pick", "description": "picks a color", "input_schema": {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"], "additionalProperties": false}});
+    let r = post_json(
+        a,
+        "/v1/messages",
+        &json!({"messages": [{"role": "user", "content": "pick one"}], "max_tokens": 200, "temperature": 0,
+                "tools": [tool], "tool_choice": {"type": "any", "disable_parallel_tool_use": true}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["stop_reason"], "tool_use", "{v}");
+    assert_eq!(v["content"][0]["type"], "tool_use", "{v}");
+    assert!(
+        ["red", "blue"].contains(&v["content"][0]["input"]["color"].as_str().unwrap()),
+        "{v}"
+    );
+    // The call and its result go back through the template's own format.
+    let call = v["content"][0].clone();
+    let r = post_json(
+        a,
+        "/v1/messages",
+        &json!({"messages": [{"role": "user", "content": "pick one"},
+                             {"role": "assistant", "content": [call]},
+                             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": "done"}]}],
+                "max_tokens": 4, "temperature": 0, "tools": [tool]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[test]
 fn a_template_s_thinking_section_is_split_out_as_reasoning() {
     let spec = testkit::TinySpec {
         arch: "qwen3",

@@ -19,5 +19,5 @@ mod vocab;
 pub use detok::StreamDecoder;
 pub use error::{Error, TooManyTokens};
 pub use stop::{StopMatcher, StopStep};
-pub use template::{ChatMessage, ChatTemplate, Rendered, Vars};
+pub use template::{ChatMessage, ChatTemplate, Rendered, ToolSyntax, Vars};
 pub use vocab::{TokenKind, Tokenizer, TokenizerModel};

@@ -27,6 +27,14 @@ pub struct ChatMessage {
     pub reasoning_content: Option<String>,
 }
 
+/// How a template writes tool calls ([`ChatTemplate::tool_syntax`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolSyntax {
+    Hermes,
+    Json,
+    None,
+}
+
 /// What a template is rendered with beside the messages.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Vars<'a> {
@@ -208,6 +216,22 @@ impl ChatTemplate {
     /// (`<tool_call>...</tool_call>`, as Qwen2.5's does): the one tool format strata parses.
     pub fn has_hermes_tools(&self) -> bool {
         self.source.contains("<tool_call>") && self.source.contains("tools")
+    }
+
+    /// How the template writes tool calls: the Hermes `<tool_call>` tags (Qwen2.5), a bare
+    /// JSON object with `parameters` (Llama 3.x: tool results in `ipython` turns), or not at
+    /// all (the tools are then described in the system turn by the caller).
+    pub fn tool_syntax(&self) -> ToolSyntax {
+        if self.has_hermes_tools() {
+            ToolSyntax::Hermes
+        } else if self.source.contains("tools")
+            && self.source.contains("\"parameters\"")
+            && (self.source.contains("ipython") || self.source.contains("<|python_tag|>"))
+        {
+            ToolSyntax::Json
+        } else {
+            ToolSyntax::None
+        }
     }
 
     /// Whether the template has a thinking section (`<think>...</think>`, as Qwen3's).

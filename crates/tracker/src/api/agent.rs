@@ -10,7 +10,7 @@
 //! until the model opens a call, and every call it opens parses and matches its tool's
 //! schema.
 
-use constrain::grammar::{self, Tool};
+use constrain::grammar::{self, CallFormat, Tool};
 use serde_json::{json, Value};
 
 use engine::Refusal;
@@ -72,10 +72,33 @@ impl ToolSet {
         Some(self.namespaces[i].as_str()).filter(|n| !n.is_empty())
     }
 
+    /// The tools that did not ask for `strict` arguments, each with the grammar of its call
+    /// alone (to find which of them the engine cannot compile).
+    pub fn loose_tools(&self, format: CallFormat) -> Vec<(String, String)> {
+        let rules = grammar::CallRules {
+            lazy: false,
+            parallel: false,
+            format,
+        };
+        self.tools
+            .iter()
+            .zip(&self.strict)
+            .filter(|(_, &strict)| !strict)
+            .filter_map(|(t, _)| {
+                let g = grammar::tool_calls(std::slice::from_ref(t), rules).ok()?;
+                Some((t.name.clone(), g))
+            })
+            .collect()
+    }
+
     /// The grammar the answer is held to: under `auto` free text until the model opens a
-    /// call, then the call; under `required` or a named function calls only; with `loose`,
-    /// the arguments of tools that did not ask for `strict` are any object.
-    pub fn grammar(&self, loose: bool) -> Result<Option<String>, Refusal> {
+    /// call, then the call; under `required` or a named function calls only. The arguments
+    /// of the tools named in `loosened` (which did not ask for `strict`) are any object.
+    pub fn grammar(
+        &self,
+        loosened: &[String],
+        format: CallFormat,
+    ) -> Result<Option<String>, Refusal> {
         let lazy = match self.choice {
             ToolChoice::None => return Ok(None),
             ToolChoice::Auto => true,
@@ -89,8 +112,8 @@ impl ToolSet {
                 ToolChoice::Named(n) => t.name == *n,
                 _ => true,
             })
-            .map(|(t, &strict)| match (loose, strict) {
-                (true, false) => Tool {
+            .map(|(t, &strict)| match !strict && loosened.contains(&t.name) {
+                true => Tool {
                     name: t.name.clone(),
                     parameters: json!({"type": "object"}),
                 },
@@ -100,6 +123,7 @@ impl ToolSet {
         let rules = grammar::CallRules {
             lazy,
             parallel: self.parallel,
+            format,
         };
         grammar::tool_calls(&tools, rules)
             .map(Some)
@@ -640,7 +664,7 @@ mod tests {
         .unwrap();
         assert_eq!(ok.choice, ToolChoice::Required);
         assert!(ok.parallel);
-        assert!(ok.grammar(false).unwrap().is_some());
+        assert!(ok.grammar(&[], CallFormat::Hermes).unwrap().is_some());
         let one = tools(
             &json!({"tools": [weather], "parallel_tool_calls": false}),
             ToolShape::Chat,
@@ -651,7 +675,10 @@ mod tests {
             (one.choice.clone(), one.parallel),
             (ToolChoice::Auto, false)
         );
-        assert!(one.grammar(false).unwrap().is_some(), "auto is held lazily");
+        assert!(
+            one.grammar(&[], CallFormat::Hermes).unwrap().is_some(),
+            "auto is held lazily"
+        );
         for (body, param) in [
             (json!({"tool_choice": "auto"}), "tool_choice"),
             (json!({"tools": []}), "tools"),

@@ -6,6 +6,7 @@
 //! and what is held back is bounded (a possible tag, a run of newlines before a call, or a
 //! call's body, which the grammar bounds).
 
+use constrain::grammar::CallFormat;
 use serde_json::{json, Value};
 
 /// One part of an answer, as it becomes known.
@@ -34,6 +35,8 @@ pub struct Shape {
     pub thinking: Option<Thinking>,
     /// The offered tools' names, when the answer is searched for calls.
     pub tools: Option<std::sync::Arc<[String]>>,
+    /// How the model writes its calls.
+    pub tool_format: CallFormat,
 }
 
 impl Shape {
@@ -55,7 +58,7 @@ impl Splitter {
         Splitter {
             think: shape.thinking.map(ThinkSplit::new),
             tools: shape.tools.as_ref().map(|names| CallFinder {
-                bare: Some(BareStart::new(names)),
+                bare: Some(BareStart::new(names, shape.tool_format)),
                 stream: ToolStream::default(),
             }),
         }
@@ -283,9 +286,14 @@ const CLOSE: &str = "</tool_call>";
 
 /// A call's body (between the tags): `{"name": ..., "arguments": ...}`, or `None`.
 fn parse_call(body: &str) -> Option<ToolCall> {
+    parse_call_of(body, CallFormat::Hermes)
+}
+
+/// A call's JSON object in `format`, its arguments under that format's key.
+fn parse_call_of(body: &str, format: CallFormat) -> Option<ToolCall> {
     let v: Value = serde_json::from_str(body.trim()).ok()?;
     let name = v.get("name")?.as_str()?.to_string();
-    let arguments = match v.get("arguments") {
+    let arguments = match v.get(format.arguments_key()) {
         None | Some(Value::Null) => "{}".to_string(),
         Some(Value::String(s)) => s.clone(),
         Some(a) => a.to_string(),
@@ -340,6 +348,7 @@ const BARE_WS: usize = 8;
 #[derive(Debug)]
 struct BareStart {
     names: std::sync::Arc<[String]>,
+    format: CallFormat,
     held: String,
     state: Bare,
 }
@@ -478,9 +487,10 @@ fn closing(held: &str, ended: bool) -> Option<usize> {
 }
 
 impl BareStart {
-    fn new(names: &std::sync::Arc<[String]>) -> Self {
+    fn new(names: &std::sync::Arc<[String]>, format: CallFormat) -> Self {
         BareStart {
             names: std::sync::Arc::clone(names),
+            format,
             held: String::new(),
             state: Bare::Opening,
         }
@@ -550,7 +560,7 @@ impl BareStart {
                         };
                         return (out, None);
                     };
-                    match parse_call(&self.held[start..end]) {
+                    match parse_call_of(&self.held[start..end], self.format) {
                         Some(c) => {
                             out.push(Piece::Call(c));
                             self.held.drain(..end);
@@ -560,12 +570,19 @@ impl BareStart {
                         None => return (out, Some(std::mem::take(&mut self.held))),
                     }
                 }
-                Bare::Closing => {
-                    return match closing(&self.held, false) {
-                        None => (out, None),
-                        Some(at) => (out, Some(self.held.split_off(at))),
-                    };
-                }
+                Bare::Closing => match closing(&self.held, false) {
+                    None => return (out, None),
+                    // In the JSON format the next call is bare too, on a line of its own.
+                    Some(at) if self.format == CallFormat::Json => {
+                        self.held.drain(..at);
+                        if self.held.is_empty() {
+                            self.state = Bare::Opening;
+                            return (out, None);
+                        }
+                        self.state = Bare::Opening;
+                    }
+                    Some(at) => return (out, Some(self.held.split_off(at))),
+                },
             }
         }
     }
@@ -696,10 +713,12 @@ mod tests {
         let may = Shape {
             thinking: Some(Thinking::MayOpen),
             tools: None,
+            tool_format: CallFormat::Hermes,
         };
         let inside = Shape {
             thinking: Some(Thinking::Inside),
             tools: None,
+            tool_format: CallFormat::Hermes,
         };
         for (shape, text, reasoning, answer) in [
             (
@@ -737,6 +756,7 @@ mod tests {
         let shape = Shape {
             thinking: Some(Thinking::Inside),
             tools: Some(vec!["w".to_string()].into()),
+            tool_format: CallFormat::Hermes,
         };
         let text = "I need the weather.</think>\n\n<tool_call>\n{\"name\": \"w\", \"arguments\": {}}\n</tool_call>";
         for a in [Splitter::split(&shape, text), streamed(&shape, text)] {
@@ -752,6 +772,7 @@ mod tests {
         let shape = Shape {
             thinking: None,
             tools: Some(vec!["get_weather".to_string()].into()),
+            tool_format: CallFormat::Hermes,
         };
         for text in [
             "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\"city\": \"Paris\"}\n}\n```",
@@ -789,6 +810,22 @@ mod tests {
     }
 
     #[test]
+    fn calls_in_the_json_format_are_found_one_per_line() {
+        let shape = Shape {
+            thinking: None,
+            tools: Some(vec!["w".to_string()].into()),
+            tool_format: CallFormat::Json,
+        };
+        let text =
+            "{\"name\": \"w\", \"parameters\": {\"a\": 1}}\n{\"name\": \"w\", \"parameters\": {}}";
+        for a in [Splitter::split(&shape, text), streamed(&shape, text)] {
+            assert_eq!(a.calls.len(), 2, "{a:?}");
+            assert_eq!(a.calls[0].arguments, "{\"a\":1}");
+            assert!(a.text.is_empty(), "{a:?}");
+        }
+    }
+
+    #[test]
     fn a_long_thinking_section_streams_in_linear_work() {
         let mut s = ThinkSplit::new(Thinking::Inside);
         let mut n = 0;
@@ -804,6 +841,7 @@ mod tests {
         let shape = Shape {
             thinking: None,
             tools: Some(vec!["get_weather".to_string(), "noop".to_string()].into()),
+            tool_format: CallFormat::Hermes,
         };
         let a = Splitter::split(&shape, text);
         (a.text, a.calls)

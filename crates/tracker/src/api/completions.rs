@@ -23,6 +23,7 @@ use crate::ledger::ApiKey;
 use crate::route::driver::Job;
 use crate::route::offer::submit;
 use crate::route::table::ModelEntry;
+use constrain::grammar::CallFormat;
 
 /// The seed of a request that gives none: requests without a seed differ. Drawn here, at the
 /// edge, so that validation reads no clock and no random source.
@@ -126,7 +127,7 @@ async fn tokenize(
             tokio::task::spawn_blocking(move || {
                 // A template without a tool format is shown the tools in the system turn.
                 let (m, tools) = match tools {
-                    Some(t) if !template.has_hermes_tools() => {
+                    Some(t) if template.tool_syntax() == text::ToolSyntax::None => {
                         (crate::api::agent::generic_tool_prompt(&m, &t), None)
                     }
                     t => (m, t),
@@ -313,8 +314,9 @@ fn check_against_model(model: &ModelEntry, req: &ValidRequest) -> Result<(), Ref
 
 /// The grammar the answer is held to (`response_format`, or the tools: lazily under
 /// `auto`, calls only under `required` or a named function), checked against the model's
-/// vocabulary. Tools that did not ask for `strict` arguments fall back to any object when
-/// their schemas do not compile; a strict tool's schema must.
+/// vocabulary. A tool that did not ask for `strict` arguments and whose schema the engine
+/// cannot compile (Claude Code's use `propertyNames`) has its arguments held to any object;
+/// a strict tool's schema must compile.
 async fn request_grammar(
     s: &AppState,
     model: &ModelEntry,
@@ -327,19 +329,37 @@ async fn request_grammar(
     let Some(tools) = req.tools.as_ref().filter(|t| t.active()) else {
         return Ok(None);
     };
-    let Some(g) = tools.grammar(false)? else {
+    let format = call_format(model);
+    let Some(g) = tools.grammar(&[], format)? else {
         return Ok(None);
     };
-    match check_grammar(s, model, &g, "tools").await {
-        Ok(()) => Ok(Some(g)),
-        Err(e) if tools.has_loose() => {
-            let Some(loose) = tools.grammar(true)? else {
-                return Err(e);
-            };
-            check_grammar(s, model, &loose, "tools").await?;
-            Ok(Some(loose))
+    let first = match check_grammar(s, model, &g, "tools").await {
+        Ok(()) => return Ok(Some(g)),
+        Err(e) if tools.has_loose() => e,
+        Err(e) => return Err(e),
+    };
+    let mut loosened = Vec::new();
+    for (name, alone) in tools.loose_tools(format) {
+        if check_grammar(s, model, &alone, "tools").await.is_err() {
+            loosened.push(name);
         }
-        Err(e) => Err(e),
+    }
+    if loosened.is_empty() {
+        return Err(first);
+    }
+    let Some(g) = tools.grammar(&loosened, format)? else {
+        return Err(first);
+    };
+    check_grammar(s, model, &g, "tools").await?;
+    Ok(Some(g))
+}
+
+/// How the model writes calls: its template's syntax, or (a template without one is shown
+/// the tools in that format) the Hermes tags.
+fn call_format(model: &ModelEntry) -> CallFormat {
+    match model.template.as_ref().map(|t| t.tool_syntax()) {
+        Some(text::ToolSyntax::Json) => CallFormat::Json,
+        _ => CallFormat::Hermes,
     }
 }
 
@@ -397,6 +417,7 @@ pub async fn admit_valid(
             .as_ref()
             .filter(|t| t.active())
             .map(|t| t.tools.iter().map(|x| x.name.clone()).collect()),
+        tool_format: call_format(&model),
     };
     let job = Job {
         sampling: req.sampling.to_wire(prompt_ids.len(), grammar),
