@@ -89,7 +89,8 @@ fn percentile(samples: &[Duration], p: f64) -> Duration {
 #[test]
 fn work_that_cannot_fit_is_refused_at_admission_naming_the_limit() {
     let _serial = serial();
-    let t = serve(2, &["--kv-budget-mib", "4"]);
+    // The context is given: left to choose, a shard sizes it to what this budget holds.
+    let t = serve(2, &["--kv-budget-mib", "4", "--ctx", "4096"]);
     let prompt = "The capital of France is";
     let (status, body, retry) = complete(
         &t.addr,
