@@ -380,6 +380,17 @@ fn add_tool(
         (ToolShape::Messages, _) => (t, MESSAGES_TOOL_FIELDS, "input_schema", p.to_string()),
     };
     super::fields::only(f, &fp, fields, "a tool")?;
+    add_function(set, f, &fp, params_key, namespace)
+}
+
+/// Adds the function `f` describes (at `fp` in the request; its schema under `params_key`).
+fn add_function(
+    set: &mut ToolSet,
+    f: &Value,
+    fp: &str,
+    params_key: &str,
+    namespace: &str,
+) -> Result<(), Refusal> {
     let name = f
         .get("name")
         .and_then(Value::as_str)
@@ -401,26 +412,8 @@ fn add_tool(
             format!("two tools are named `{name}`"),
         ));
     }
-    let strict = match f.get("strict") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => {
-            return Err(invalid(
-                &format!("{fp}.strict"),
-                "`strict` must be a boolean",
-            ))
-        }
-    };
-    let description = match f.get("description") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(d)) => Some(d.clone()),
-        Some(_) => {
-            return Err(invalid(
-                &format!("{fp}.description"),
-                "`description` must be a string",
-            ))
-        }
-    };
+    let strict = super::fields::boolean_at(f.get("strict"), &format!("{fp}.strict"))?;
+    let description = super::fields::string_at(f.get("description"), &format!("{fp}.description"))?;
     let parameters = match f.get(params_key) {
         None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
         Some(v) if v.is_object() => {
@@ -449,7 +442,7 @@ fn add_tool(
         name: name.to_string(),
         parameters,
     });
-    set.strict.push(strict);
+    set.strict.push(strict.unwrap_or(false));
     set.namespaces.push(namespace.to_string());
     Ok(())
 }

@@ -20,10 +20,7 @@ use super::error::anthropic;
 use super::fields::{boolean, integer, number, only, string};
 use super::messages_out::{stream_response, whole_response};
 use super::record::{Outcome, RequestRecord};
-use super::request::{
-    priority, sampling, stop_strings, template_kwargs, ContextFit, Endpoint, PromptInput,
-    ValidRequest,
-};
+use super::request::{priority, sampling, stop_strings, template_kwargs, Endpoint, ValidRequest};
 use super::state::AppState;
 
 /// The fields `/v1/messages` takes: Anthropic's, the few strata adds (`seed`, `min_p`,
@@ -97,6 +94,16 @@ fn unsupported_block(p: &str, kind: &str) -> Refusal {
     )
 }
 
+/// A string field of block `b` (at `bp`), required.
+fn field<'a>(b: &'a Value, key: &str, bp: &str) -> Result<&'a str, Refusal> {
+    b.get(key).and_then(Value::as_str).ok_or_else(|| {
+        Refusal::invalid(
+            &format!("{bp}.{key}"),
+            format!("`{bp}.{key}` must be a string"),
+        )
+    })
+}
+
 /// One message of `messages` as chat messages: a user turn's `tool_result` blocks become
 /// tool messages (before the turn's text), an assistant turn's `tool_use` blocks its calls
 /// and `thinking` blocks its reasoning; a `system` turn (Claude Code sends them between
@@ -112,119 +119,17 @@ fn message(
     let role = m.get("role").and_then(Value::as_str).unwrap_or("");
     let content = m.get("content").unwrap_or(&Value::Null);
     let cp = format!("{p}.content");
-    match role {
-        "system" => out.push(ChatMessage::new("system", &text_of(content, &cp)?)),
-        "user" | "assistant" => {
-            let blocks = match content {
-                Value::String(s) => {
-                    out.push(ChatMessage::new(role, s));
-                    return Ok(());
-                }
-                Value::Array(b) => b,
-                other => {
-                    return Err(Refusal::invalid(
-                        &cp,
-                        format!("`{cp}` must be a string or a list of blocks, got {other}"),
-                    ))
-                }
-            };
-            let mut text = String::new();
-            let mut calls = Vec::new();
-            let mut reasoning: Option<String> = None;
-            for (k, b) in blocks.iter().enumerate() {
-                let bp = format!("{cp}[{k}]");
-                let kind = b.get("type").and_then(Value::as_str).unwrap_or("");
-                match (role, kind) {
-                    (_, "text") => {
-                        let t = b.get("text").and_then(Value::as_str).ok_or_else(|| {
-                            Refusal::invalid(
-                                &format!("{bp}.text"),
-                                format!("`{bp}.text` must be a string"),
-                            )
-                        })?;
-                        if !text.is_empty() {
-                            text.push('\n');
-                        }
-                        text.push_str(t);
-                    }
-                    ("assistant", "tool_use") => {
-                        let id = b
-                            .get("id")
-                            .and_then(Value::as_str)
-                            .unwrap_or_default()
-                            .to_string();
-                        let name = b.get("name").and_then(Value::as_str).ok_or_else(|| {
-                            Refusal::invalid(
-                                &format!("{bp}.name"),
-                                format!("`{bp}.name` must be a string"),
-                            )
-                        })?;
-                        let input = b.get("input").cloned().unwrap_or(json!({}));
-                        if !input.is_object() {
-                            return Err(Refusal::invalid(
-                                &format!("{bp}.input"),
-                                format!("`{bp}.input` must be an object"),
-                            ));
-                        }
-                        names.push((id.clone(), name.to_string()));
-                        calls.push(json!({"id": id, "type": "function", "function": {"name": name, "arguments": input}}));
-                    }
-                    ("assistant", "thinking") => {
-                        let t = b
-                            .get("thinking")
-                            .and_then(Value::as_str)
-                            .unwrap_or_default();
-                        reasoning.get_or_insert_with(String::new).push_str(t);
-                    }
-                    // Nothing readable: Anthropic's encrypted thinking.
-                    ("assistant", "redacted_thinking") => {}
-                    ("user", "tool_result") => {
-                        let id = b
-                            .get("tool_use_id")
-                            .and_then(Value::as_str)
-                            .ok_or_else(|| {
-                                Refusal::invalid(
-                                    &format!("{bp}.tool_use_id"),
-                                    format!("`{bp}.tool_use_id` must be a string"),
-                                )
-                            })?;
-                        let mut result = match b.get("content") {
-                            None | Some(Value::Null) => String::new(),
-                            Some(c) => text_of(c, &format!("{bp}.content"))?,
-                        };
-                        if boolean(b, "is_error")?.unwrap_or(false) {
-                            result = format!("Error: {result}");
-                        }
-                        let name = names
-                            .iter()
-                            .rev()
-                            .find(|(c, _)| c == id)
-                            .map(|(_, n)| n.clone());
-                        out.push(ChatMessage {
-                            tool_call_id: Some(id.to_string()),
-                            name,
-                            ..ChatMessage::new("tool", &result)
-                        });
-                    }
-                    (_, other) => return Err(unsupported_block(&bp, other)),
-                }
-            }
-            if role == "user"
-                && text.is_empty()
-                && blocks
-                    .iter()
-                    .any(|b| b.get("type").and_then(Value::as_str) == Some("tool_result"))
-            {
-                return Ok(());
-            }
-            let mut msg = ChatMessage::new(role, &text);
-            msg.reasoning_content = reasoning;
-            if !calls.is_empty() {
-                msg.tool_calls = Some(Value::Array(calls));
-            }
-            out.push(msg);
+    match (role, content) {
+        ("system", c) => out.push(ChatMessage::new("system", &text_of(c, &cp)?)),
+        ("user" | "assistant", Value::String(s)) => out.push(ChatMessage::new(role, s)),
+        ("user" | "assistant", Value::Array(blocks)) => turn(role, blocks, &cp, names, out)?,
+        ("user" | "assistant", other) => {
+            return Err(Refusal::invalid(
+                &cp,
+                format!("`{cp}` must be a string or a list of blocks, got {other}"),
+            ))
         }
-        other => {
+        (other, _) => {
             return Err(Refusal::invalid(
                 &format!("{p}.role"),
                 format!("`{p}.role` is `{other}`; expected user or assistant"),
@@ -232,6 +137,90 @@ fn message(
         }
     }
     Ok(())
+}
+
+/// A user or assistant turn's blocks (at `cp`), into `out`.
+fn turn(
+    role: &str,
+    blocks: &[Value],
+    cp: &str,
+    names: &mut Vec<(String, String)>,
+    out: &mut Vec<ChatMessage>,
+) -> Result<(), Refusal> {
+    let mut msg = ChatMessage::new(role, "");
+    let mut calls = Vec::new();
+    let mut results = 0;
+    for (k, b) in blocks.iter().enumerate() {
+        let bp = format!("{cp}[{k}]");
+        match (role, b.get("type").and_then(Value::as_str).unwrap_or("")) {
+            (_, "text") => {
+                if !msg.content.is_empty() {
+                    msg.content.push('\n');
+                }
+                msg.content.push_str(field(b, "text", &bp)?);
+            }
+            ("assistant", "tool_use") => {
+                let id = b.get("id").and_then(Value::as_str).unwrap_or_default();
+                let name = field(b, "name", &bp)?;
+                let input = b.get("input").cloned().unwrap_or(json!({}));
+                if !input.is_object() {
+                    return Err(Refusal::invalid(
+                        &format!("{bp}.input"),
+                        format!("`{bp}.input` must be an object"),
+                    ));
+                }
+                names.push((id.to_string(), name.to_string()));
+                calls.push(json!({"id": id, "type": "function", "function": {"name": name, "arguments": input}}));
+            }
+            ("assistant", "thinking") => {
+                let t = b
+                    .get("thinking")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                msg.reasoning_content
+                    .get_or_insert_with(String::new)
+                    .push_str(t);
+            }
+            // Nothing readable: Anthropic's encrypted thinking.
+            ("assistant", "redacted_thinking") => {}
+            ("user", "tool_result") => {
+                results += 1;
+                out.push(tool_result(b, &bp, names)?);
+            }
+            (_, other) => return Err(unsupported_block(&bp, other)),
+        }
+    }
+    // A turn of tool results alone is those results.
+    if role == "user" && msg.content.is_empty() && results > 0 {
+        return Ok(());
+    }
+    if !calls.is_empty() {
+        msg.tool_calls = Some(Value::Array(calls));
+    }
+    out.push(msg);
+    Ok(())
+}
+
+/// A `tool_result` block (at `bp`) as a tool message, named after the call it answers.
+fn tool_result(b: &Value, bp: &str, names: &[(String, String)]) -> Result<ChatMessage, Refusal> {
+    let id = field(b, "tool_use_id", bp)?;
+    let mut result = match b.get("content") {
+        None | Some(Value::Null) => String::new(),
+        Some(c) => text_of(c, &format!("{bp}.content"))?,
+    };
+    if boolean(b, "is_error")?.unwrap_or(false) {
+        result = format!("Error: {result}");
+    }
+    let name = names
+        .iter()
+        .rev()
+        .find(|(c, _)| c == id)
+        .map(|(_, n)| n.clone());
+    Ok(ChatMessage {
+        tool_call_id: Some(id.to_string()),
+        name,
+        ..ChatMessage::new("tool", &result)
+    })
 }
 
 /// `system` and `messages` as chat messages.
@@ -324,32 +313,22 @@ pub fn validate(body: Value, fresh_seed: u64, count: bool) -> Result<ValidReques
         ));
     }
     number(&body, "temperature", 0.0, 1.0)?;
+    let sampling = sampling(&body, Vec::new(), fresh_seed)?;
     let req = ValidRequest {
-        endpoint: Endpoint::Messages,
         model: string(&body, "model")?,
-        prompt: PromptInput::Messages(messages),
         max_tokens,
-        sampling: sampling(&body, Vec::new(), fresh_seed)?,
         stop: stop_strings(
             body.get("stop_sequences"),
             "stop_sequences",
             MAX_STOP_SEQUENCES,
         )?,
         stream: boolean(&body, "stream")?.unwrap_or(false),
-        logprobs: None,
-        return_token_ids: false,
-        ignore_eos: false,
         priority: priority(&body)?,
-        n: 1,
-        echo: false,
-        suffix: None,
-        include_usage: false,
         grammar,
         tools,
-        user: None,
         thinking: thinking(&body)?,
         template_kwargs: template_kwargs(&body)?,
-        fit: ContextFit::Cut,
+        ..ValidRequest::session(Endpoint::Messages, messages, sampling)
     };
     if req.sampling.top_p == 0.0 {
         return Err(Refusal::invalid("top_p", "`top_p` must be greater than 0"));
@@ -403,6 +382,7 @@ pub async fn count_tokens(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::request::ContextFit;
 
     #[test]
     fn blocks_become_the_chat_messages_they_say() {

@@ -10,12 +10,12 @@ use std::convert::Infallible;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use engine::{FinishReason, Refusal};
-use futures::stream::{self, Stream};
+use futures::stream::Stream;
 use serde_json::{json, Value};
 
 use super::answer::Part;
 use super::error::{anthropic, anthropic_body};
-use super::parts::{Ended, Item, PartStream};
+use super::parts::{events, Ended, Events, Item, PartStream};
 use super::record::RequestRecord;
 use super::respond::Accepted;
 
@@ -167,7 +167,6 @@ pub async fn whole_response(a: Accepted, record: RequestRecord) -> Response {
 }
 
 struct StreamState {
-    parts: PartStream,
     b: Build,
     /// The block whose deltas are being sent, if it is still open.
     open: Option<usize>,
@@ -195,7 +194,7 @@ impl StreamState {
         self.event("content_block_stop", json!({"index": k}));
     }
 
-    fn on_item(&mut self, item: Option<Item>) {
+    fn handle(&mut self, item: Option<Item>) {
         match item {
             Some(Item::Part(p, _)) => {
                 let (k, new, delta) = self.b.add(p);
@@ -250,23 +249,11 @@ pub fn stream_response(
         open: None,
         ready: Default::default(),
         finished: false,
-        parts,
     };
-    let start = st.b.message(None, st.parts.prompt_tokens());
+    let start = st.b.message(None, parts.prompt_tokens());
     st.event("message_start", json!({"message": start}));
     st.event("ping", json!({}));
-    let body = stream::unfold(st, |mut st| async move {
-        loop {
-            if let Some(e) = st.ready.pop_front() {
-                return Some((Ok(e), st));
-            }
-            if st.finished {
-                return None;
-            }
-            let item = st.parts.next().await;
-            st.on_item(item);
-        }
-    });
+    let body = events(parts, st);
     Sse::new(body).keep_alive(
         KeepAlive::new().event(
             SseEvent::default()
@@ -274,4 +261,18 @@ pub fn stream_response(
                 .data("{\"type\": \"ping\"}"),
         ),
     )
+}
+
+impl Events for StreamState {
+    fn on_item(&mut self, item: Option<Item>) {
+        self.handle(item);
+    }
+
+    fn ready(&mut self) -> &mut std::collections::VecDeque<SseEvent> {
+        &mut self.ready
+    }
+
+    fn finished(&self) -> bool {
+        self.finished
+    }
 }

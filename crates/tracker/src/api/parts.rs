@@ -3,6 +3,10 @@
 //! the tokens and is finished here, whichever way the answer ends.
 
 use std::collections::VecDeque;
+use std::convert::Infallible;
+
+use axum::response::sse::Event as SseEvent;
+use futures::stream::{self, Stream};
 
 use engine::{FinishReason, Refusal};
 
@@ -157,4 +161,33 @@ impl PartStream {
         self.ready.push_back(Item::Failed(e));
         self.ended = true;
     }
+}
+
+/// An API's rendering of one answer as server-sent events: the events each item gives, held
+/// until they are sent.
+pub trait Events: Send + 'static {
+    fn on_item(&mut self, item: Option<Item>);
+    /// Events ready to send, in order.
+    fn ready(&mut self) -> &mut VecDeque<SseEvent>;
+    /// Whether the answer is over (once what is ready is sent).
+    fn finished(&self) -> bool;
+}
+
+/// The events of `render` as the parts of `parts` come.
+pub fn events<E: Events>(
+    parts: PartStream,
+    render: E,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> + Send {
+    stream::unfold((parts, render), |(mut parts, mut r)| async move {
+        loop {
+            if let Some(e) = r.ready().pop_front() {
+                return Some((Ok(e), (parts, r)));
+            }
+            if r.finished() {
+                return None;
+            }
+            let item = parts.next().await;
+            r.on_item(item);
+        }
+    })
 }

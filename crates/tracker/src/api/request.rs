@@ -126,6 +126,41 @@ pub struct ValidRequest {
     pub fit: ContextFit,
 }
 
+impl ValidRequest {
+    /// One chat session of the Responses or Messages API, as those APIs have them: one
+    /// choice, no echo, suffix or token ids, output cut to the context; the adapters set the
+    /// rest.
+    pub fn session(
+        endpoint: Endpoint,
+        messages: Vec<ChatMessage>,
+        sampling: SamplingRequest,
+    ) -> Self {
+        ValidRequest {
+            endpoint,
+            model: None,
+            prompt: PromptInput::Messages(messages),
+            max_tokens: None,
+            sampling,
+            stop: Vec::new(),
+            stream: false,
+            logprobs: None,
+            return_token_ids: false,
+            ignore_eos: false,
+            priority: None,
+            n: 1,
+            echo: false,
+            suffix: None,
+            include_usage: false,
+            grammar: None,
+            tools: None,
+            user: None,
+            thinking: None,
+            template_kwargs: Default::default(),
+            fit: ContextFit::Cut,
+        }
+    }
+}
+
 /// What a `max_tokens` over the context left after the prompt does: OpenAI's endpoints
 /// refuse it (as OpenAI does); the Responses and Messages APIs, whose clients send the
 /// largest output their own models allow (Claude Code asks for 32000 on every request), cut

@@ -20,8 +20,8 @@ use super::error::Answer;
 use super::fields::{boolean, integer, only, only_value, string};
 use super::record::{Outcome, RequestRecord};
 use super::request::{
-    effort_thinks, logit_bias, priority, sampling, template_kwargs, user, ContextFit, Endpoint,
-    PromptInput, ValidRequest,
+    effort_thinks, logit_bias, priority, sampling, template_kwargs, user, Endpoint, PromptInput,
+    ValidRequest,
 };
 use super::responses_out::{stream_response, whole_response, Turn};
 use super::state::AppState;
@@ -193,34 +193,15 @@ pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, Refusal> {
                 out.push(m);
             }
             "function_call" => {
-                let name = string_of(item, "name", &p)?;
-                let call_id = string_of(item, "call_id", &p)?;
-                let arguments = match item.get("arguments") {
-                    None | Some(Value::Null) => json!({}),
-                    Some(Value::String(s)) if s.trim().is_empty() => json!({}),
-                    Some(Value::String(s)) => serde_json::from_str(s).map_err(|e| {
-                        Refusal::invalid(
-                            &format!("{p}.arguments"),
-                            format!("`{p}.arguments` is not JSON: {e}"),
-                        )
-                    })?,
-                    Some(_) => {
-                        return Err(Refusal::invalid(
-                            &format!("{p}.arguments"),
-                            format!("`{p}.arguments` must be a JSON text"),
-                        ))
-                    }
-                };
-                let call = json!({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}});
+                let (call, call_id, name) = function_call(item, &p)?;
                 names.push((call_id, name));
                 match out.last_mut() {
-                    Some(m) if m.role == "assistant" => {
-                        m.tool_calls
-                            .get_or_insert_with(|| Value::Array(Vec::new()))
-                            .as_array_mut()
-                            .expect("tool calls are a list")
-                            .push(call);
-                    }
+                    Some(m) if m.role == "assistant" => m
+                        .tool_calls
+                        .get_or_insert_with(|| Value::Array(Vec::new()))
+                        .as_array_mut()
+                        .expect("tool calls are a list")
+                        .push(call),
                     _ => out.push(ChatMessage {
                         tool_calls: Some(Value::Array(vec![call])),
                         reasoning_content: reasoning.take(),
@@ -243,12 +224,13 @@ pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, Refusal> {
                 });
             }
             "reasoning" => {
-                let mut text = String::new();
-                for part in item.get("content").and_then(Value::as_array).into_iter().flatten() {
-                    if let Some(t) = part.get("text").and_then(Value::as_str) {
-                        text.push_str(t);
-                    }
-                }
+                let text: String = item
+                    .get("content")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|part| part.get("text").and_then(Value::as_str))
+                    .collect();
                 reasoning = Some(text).filter(|t| !t.is_empty());
             }
             "item_reference" => {
@@ -266,6 +248,31 @@ pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, Refusal> {
         }
     }
     Ok(out)
+}
+
+/// A `function_call` item (at `p`) as a call in the history: the call as templates read it
+/// (its arguments an object), its call id and its tool's name.
+fn function_call(item: &Value, p: &str) -> Result<(Value, String, String), Refusal> {
+    let name = string_of(item, "name", p)?;
+    let call_id = string_of(item, "call_id", p)?;
+    let arguments = match item.get("arguments") {
+        None | Some(Value::Null) => json!({}),
+        Some(Value::String(s)) if s.trim().is_empty() => json!({}),
+        Some(Value::String(s)) => serde_json::from_str(s).map_err(|e| {
+            Refusal::invalid(
+                &format!("{p}.arguments"),
+                format!("`{p}.arguments` is not JSON: {e}"),
+            )
+        })?,
+        Some(_) => {
+            return Err(Refusal::invalid(
+                &format!("{p}.arguments"),
+                format!("`{p}.arguments` must be a JSON text"),
+            ))
+        }
+    };
+    let call = json!({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}});
+    Ok((call, call_id, name))
 }
 
 fn string_of(item: &Value, key: &str, p: &str) -> Result<String, Refusal> {
@@ -388,28 +395,19 @@ pub fn validate(mut body: Value, fresh_seed: u64) -> Result<ResponsesRequest, Re
         .iter()
         .filter_map(|k| body.get(*k).map(|v| (k.to_string(), v.clone())))
         .collect();
+    let sampling = sampling(&body, logit_bias(&body)?, fresh_seed)?;
     let req = ValidRequest {
-        endpoint: Endpoint::Responses,
         model,
-        prompt: PromptInput::Messages(Vec::new()),
         max_tokens: integer(&body, "max_output_tokens", 1, 1 << 20)?.map(|v| v as usize),
-        sampling: sampling(&body, logit_bias(&body)?, fresh_seed)?,
-        stop: Vec::new(),
         stream,
         logprobs,
-        return_token_ids: false,
-        ignore_eos: false,
         priority: priority(&body)?,
-        n: 1,
-        echo: false,
-        suffix: None,
-        include_usage: false,
         grammar,
         tools,
         user: user(&body)?,
         thinking: reasoning(&body)?,
         template_kwargs: template_kwargs(&body)?,
-        fit: ContextFit::Cut,
+        ..ValidRequest::session(Endpoint::Responses, Vec::new(), sampling)
     };
     if req.sampling.top_p == 0.0 {
         return Err(Refusal::invalid("top_p", "`top_p` must be greater than 0"));
@@ -536,6 +534,7 @@ pub async fn delete(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::request::ContextFit;
 
     #[test]
     fn items_become_the_chat_messages_they_say() {

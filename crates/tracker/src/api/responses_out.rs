@@ -12,13 +12,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use engine::{FinishReason, Refusal};
-use futures::stream::{self, Stream};
+use futures::stream::Stream;
 use serde_json::{json, Value};
 use text::ChatMessage;
 
 use super::answer::{Part, ToolCall};
 use super::error::Answer;
-use super::parts::{Ended, Item, PartStream};
+use super::parts::{events, Ended, Events, Item, PartStream};
 use super::record::RequestRecord;
 use super::respond::Accepted;
 use super::state::AppState;
@@ -289,7 +289,6 @@ pub async fn whole_response(
 
 /// The stream's state: the answer so far and the events ready to send.
 struct StreamState {
-    parts: PartStream,
     b: Build,
     s: Arc<AppState>,
     seq: u64,
@@ -379,7 +378,7 @@ impl StreamState {
         }
     }
 
-    fn on_item(&mut self, item: Option<Item>) {
+    fn handle(&mut self, item: Option<Item>) {
         match item {
             Some(Item::Part(p, lp)) => self.on_part(p, lp),
             Some(Item::Done(e)) => {
@@ -417,7 +416,6 @@ pub fn stream_response(
     let (parts, req, model, id) = PartStream::new(a, record);
     let b = Build::new(id, model, turn, &req);
     let mut st = StreamState {
-        parts,
         b,
         s,
         seq: 0,
@@ -428,17 +426,20 @@ pub fn stream_response(
     let r = st.b.response("in_progress", None, None);
     st.event("response.created", json!({"response": r.clone()}));
     st.event("response.in_progress", json!({"response": r}));
-    let body = stream::unfold(st, |mut st| async move {
-        loop {
-            if let Some(e) = st.ready.pop_front() {
-                return Some((Ok(e), st));
-            }
-            if st.finished {
-                return None;
-            }
-            let item = st.parts.next().await;
-            st.on_item(item);
-        }
-    });
+    let body = events(parts, st);
     Sse::new(body).keep_alive(KeepAlive::default())
+}
+
+impl Events for StreamState {
+    fn on_item(&mut self, item: Option<Item>) {
+        self.handle(item);
+    }
+
+    fn ready(&mut self) -> &mut std::collections::VecDeque<SseEvent> {
+        &mut self.ready
+    }
+
+    fn finished(&self) -> bool {
+        self.finished
+    }
 }
