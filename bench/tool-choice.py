@@ -11,6 +11,7 @@ returned as text is counted too).
 
 import argparse
 import json
+import re
 import sys
 import time
 import urllib.request
@@ -140,7 +141,7 @@ def main():
                 except Exception as e:
                     malformed += 1
                     print(f"  malformed call {name} {args!r}: {e}", file=sys.stderr)
-            if "<tool_call>" in text or text.lstrip().startswith('{"name"'):
+            if "<tool_call>" in text or re.match(r'\s*(```(json)?\s*)?(<\w+>\s*)?\{\s*"name"\s*:', text):
                 looks_like_call += 1
             if kind == "need" and calls:
                 need_called += 1
