@@ -5,7 +5,7 @@ Qwen2.5-Coder-0.5B-Instruct (Q4_K_M): structured output held to JSON schemas (on
 sent back, streamed), and the sampler parameters.
 
 Run by `.ci/run` (which makes the virtual environment); by hand:
-    python3 -m venv ~/.cache/strata/venv && ~/.cache/strata/venv/bin/pip install openai jsonschema
+    python3 -m venv ~/.cache/strata/venv && ~/.cache/strata/venv/bin/pip install -r tests/agents/requirements.txt
     cargo build --release -p strata
     ~/.cache/strata/venv/bin/python tests/openai/agent_api.py
 STRATA_BIN names the binary (default target/release/strata), STRATA_MODEL the model.
