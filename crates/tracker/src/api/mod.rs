@@ -49,6 +49,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/usage", get(ops::usage_of_key))
         .route("/admin/routes/{name}/evict", post(ops::evict_route))
         .route("/health", get(ops::health))
+        .route("/livez", get(ops::livez))
+        .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -97,7 +98,12 @@ fn model_json(m: &ModelEntry) -> Value {
 }
 
 /// The resident models and the routes (nodes) holding each.
-pub async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
+/// The resident models (`GET /v1/models`). With API keys on it needs one, like every endpoint
+/// but the probes: the list names the models' digests and routes.
+pub async fn models(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = s.key(&headers) {
+        return e.into_response();
+    }
     let data: Vec<Value> = s
         .table
         .models()
@@ -105,11 +111,18 @@ pub async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
         .filter(|m| m.resident())
         .map(|m| model_json(m))
         .collect();
-    Json(json!({"object": "list", "data": data}))
+    Json(json!({"object": "list", "data": data})).into_response()
 }
 
 /// One resident model (`GET /v1/models/{id}`, by name or digest).
-pub async fn model(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+pub async fn model(
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(e) = s.key(&headers) {
+        return e.into_response();
+    }
     match s
         .table
         .models()
@@ -240,6 +253,71 @@ pub async fn detokenize(
         Ok::<_, Refusal>(json!({"content": content}))
     };
     json_or_error(run.await)
+}
+
+/// `GET /livez`: the process is up and its HTTP server answers. No key, no look at the
+/// routes: a liveness probe restarts a process, and a down route is no reason to.
+pub async fn livez() -> Response {
+    Json(json!({"status": "alive"})).into_response()
+}
+
+/// `GET /readyz`: 200 when every resident model has a route open end to end, else 503 naming
+/// the models that have none; `?model=ID` asks about one model (404 if it is not resident). No
+/// key: it says only which models are ready, nothing of routes, shards or load.
+pub async fn readyz(
+    State(s): State<Arc<AppState>>,
+    q: Result<Query<std::collections::HashMap<String, String>>, QueryRejection>,
+) -> Response {
+    let q = match q {
+        Ok(Query(q)) => q,
+        Err(e) => return Refusal::invalid("query", e.body_text()).into_response(),
+    };
+    let table = s.table.models();
+    let asked = q.get("model");
+    if let Some(k) = q.keys().find(|k| k.as_str() != "model") {
+        return Refusal::invalid(
+            k,
+            format!("`{k}` is not a /readyz parameter (only `model`)"),
+        )
+        .into_response();
+    }
+    let mut models = serde_json::Map::new();
+    let mut not_ready = Vec::new();
+    for m in table.iter().filter(|m| m.resident()) {
+        if asked.is_some_and(|a| *a != m.id && *a != m.digest) {
+            continue;
+        }
+        let ready = m.routes.iter().any(|r| r.takes_work());
+        if !ready {
+            not_ready.push(m.id.clone());
+        }
+        models.insert(
+            m.id.clone(),
+            json!(if ready { "ready" } else { "not ready" }),
+        );
+    }
+    if let Some(a) = asked {
+        if models.is_empty() {
+            return Refusal::model_not_found(a).into_response();
+        }
+    }
+    if models.is_empty() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "not ready", "reason": "no model is resident", "models": {}})),
+        )
+            .into_response();
+    }
+    if not_ready.is_empty() {
+        Json(json!({"status": "ready", "models": models})).into_response()
+    } else {
+        let reason = format!("no open route for {}", not_ready.join(", "));
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "not ready", "reason": reason, "models": models})),
+        )
+            .into_response()
+    }
 }
 
 pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {

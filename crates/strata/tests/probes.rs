@@ -1,0 +1,123 @@
+//! Probes for orchestrators on a real 2-shard route with an API key: `/livez` answers 200
+//! without a key whatever the routes do; `/readyz` answers without a key, 200 while the model
+//! has an open route and 503 naming it once its route is down, 200 again after the shard is
+//! back; `/v1/models` and `/health` need the key.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use testkit::http::{get, request};
+use testkit::procs::{self, Proc};
+
+const KEY: &str = "probe-test-key-0123456789";
+
+fn exe() -> &'static Path {
+    procs::strata_bin(env!("CARGO_BIN_EXE_strata"))
+}
+
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+fn with_key(addr: &str, path: &str) -> u16 {
+    let auth = format!("Bearer {KEY}");
+    request("GET", addr, path, None, &[("authorization", &auth)])
+        .unwrap()
+        .status
+}
+
+#[test]
+fn livez_answers_without_a_key_and_readyz_names_the_model_whose_route_is_down() {
+    let model = testkit::real_model();
+    let token = procs::token_file("probe-test-token-0123456789");
+    let a = procs::shard(exe(), &model, "0..15", &token, &["--threads", "1"]);
+    let b = procs::shard(exe(), &model, "15..30", &token, &["--threads", "1"]);
+    let tracker = procs::tracker(
+        exe(),
+        &[&a, &b],
+        &token,
+        &["--api-key", KEY, "--health-period-ms", "100"],
+    );
+    let addr = tracker.addr.clone();
+
+    // Keys on: the cluster's state needs one, the probes do not.
+    assert_eq!(get(&addr, "/v1/models").status, 401);
+    assert_eq!(get(&addr, "/health").status, 401);
+    assert_eq!(with_key(&addr, "/v1/models"), 200);
+    let id = {
+        let auth = format!("Bearer {KEY}");
+        let r = request(
+            "GET",
+            &addr,
+            "/v1/models",
+            None,
+            &[("authorization", &auth)],
+        )
+        .unwrap();
+        r.json()["data"][0]["id"].as_str().unwrap().to_string()
+    };
+    assert_eq!(get(&addr, &format!("/v1/models/{id}")).status, 401);
+    let live = get(&addr, "/livez");
+    assert_eq!(
+        (live.status, live.json()["status"].clone()),
+        (200, "alive".into())
+    );
+    assert!(wait_until(Duration::from_secs(10), || get(
+        &addr, "/readyz"
+    )
+    .status
+        == 200));
+    let ready = get(&addr, "/readyz").json();
+    assert_eq!(ready["models"][&id], "ready", "{ready}");
+    assert_eq!(get(&addr, &format!("/readyz?model={id}")).status, 200);
+    let unknown = get(&addr, "/readyz?model=no-such-model");
+    assert_eq!(unknown.status, 404, "{}", unknown.body);
+    let bad = get(&addr, "/readyz?verbose=1");
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    assert_eq!(bad.json()["error"]["param"], "verbose", "{}", bad.body);
+
+    // The route's second shard dies: not ready, naming the model; alive all the same.
+    let b_addr = b.addr.clone();
+    drop(b);
+    assert!(
+        wait_until(Duration::from_secs(10), || get(&addr, "/readyz").status
+            == 503),
+        "readyz stayed {}",
+        get(&addr, "/readyz").body
+    );
+    let down: Value = get(&addr, "/readyz").json();
+    assert_eq!(down["models"][&id], "not ready", "{down}");
+    assert!(
+        down["reason"].as_str().unwrap().contains(&id),
+        "the reason names the model: {down}"
+    );
+    assert_eq!(get(&addr, &format!("/readyz?model={id}")).status, 503);
+    assert_eq!(get(&addr, "/livez").status, 200);
+    assert_eq!(with_key(&addr, "/health"), 503);
+
+    // Back where it was: ready again.
+    let b = procs::shard_on(
+        exe(),
+        &model,
+        "15..30",
+        &token,
+        &b_addr,
+        &["--threads", "1"],
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || get(&addr, "/readyz").status
+            == 200),
+        "readyz stayed {}",
+        get(&addr, "/readyz").body
+    );
+    assert_eq!(get(&addr, "/livez").status, 200);
+    let _keep: Vec<Proc> = vec![a, b, tracker];
+}
