@@ -14,6 +14,7 @@ pub mod agent;
 pub mod answer;
 pub mod auth;
 pub mod completions;
+pub mod console;
 pub mod error;
 pub mod fields;
 pub mod messages;
@@ -50,6 +51,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/admin/routes/{name}/evict", post(ops::evict_route))
         .route("/health", get(ops::health))
         .route("/livez", get(ops::livez))
+        .route("/", get(console::page))
+        .route("/console", get(console::page))
+        .route("/console/console.js", get(console::script))
+        .route("/console/console.css", get(console::style))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
         .fallback(not_found)

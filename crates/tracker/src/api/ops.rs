@@ -368,7 +368,9 @@ pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respo
                 })
             }));
         }
-        models.push(json!({"id": m.id, "digest": m.digest, "routes": routes}));
+        models.push(
+            json!({"id": m.id, "digest": m.digest, "n_layers": m.n_layers, "routes": routes}),
+        );
     }
     let status = if ok {
         StatusCode::OK
