@@ -28,8 +28,26 @@ use crate::local::{GenerateRequest, Local};
     after_help = "Logging: STRATA_LOG sets what is logged to stderr, as a tracing filter (default `warn`; `info` adds a line per request, `strata=debug` every step), e.g. STRATA_LOG=info strata serve ..."
 )]
 struct Cli {
+    /// How log lines are written to stderr: `text` (for a person) or `json` (one object per
+    /// line, for a collector: timestamp, level, target, fields).
+    #[arg(long, global = true, env = "STRATA_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// The log format this process writes (`text` or `json`), for the processes it starts
+/// (`strata serve`'s shards) to write the same.
+static LOG_FORMAT: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+pub(crate) fn log_format() -> &'static str {
+    LOG_FORMAT.get().copied().unwrap_or("text")
 }
 
 #[derive(Subcommand)]
@@ -172,16 +190,22 @@ struct TokenizeArgs {
 
 fn main() {
     use std::io::IsTerminal;
-    tracing_subscriber::fmt()
+    let cli = Cli::parse();
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG")
                 .unwrap_or_else(|_| "warn".into()),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(std::io::stderr);
+    let _ = LOG_FORMAT.set(match cli.log_format {
+        LogFormat::Text => "text",
+        LogFormat::Json => "json",
+    });
+    match cli.log_format {
         // Colours only for a person at a terminal; a log file or collector gets plain text.
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
-    let cli = Cli::parse();
+        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => logs.json().with_ansi(false).init(),
+    }
     let result = match cli.command {
         Command::Generate(a) => generate(a),
         Command::Logits(a) => logits(a),

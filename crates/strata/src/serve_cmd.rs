@@ -192,6 +192,7 @@ async fn start(spec: &ShardSpec) -> Result<(tokio::process::Child, String)> {
         .arg("--cluster-token-file")
         .arg(&spec.token_file)
         .args(&spec.limits)
+        .env("STRATA_LOG_FORMAT", crate::log_format())
         .stdout(Stdio::piped())
         .stdin(Stdio::null())
         .kill_on_drop(true);

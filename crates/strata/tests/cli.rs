@@ -236,3 +236,43 @@ fn a_corrupt_model_file_is_a_clear_error_not_a_panic() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent.gguf"));
     assert!(Path::new(&tiny()).exists());
 }
+
+/// `--log-format json` (or `STRATA_LOG_FORMAT=json`): every log line on stderr is one JSON
+/// object with a timestamp, level, target and fields; without it, plain text.
+#[test]
+fn log_format_json_writes_one_object_per_line() {
+    let token = testkit::procs::token_file("log-format-token-0123456789");
+    let run = |format: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_strata"));
+        if let Some(f) = format {
+            cmd.args(["--log-format", f]);
+        }
+        // A tracker whose shard is not there: it logs its attempts to reach it until killed.
+        let mut child = cmd
+            .args(["tracker", "--shards", "127.0.0.1:9", "--listen", "127.0.0.1:0"])
+            .arg("--cluster-token-file")
+            .arg(&token)
+            .env("STRATA_LOG", "debug")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        child.kill().unwrap();
+        String::from_utf8(child.wait_with_output().unwrap().stderr).unwrap()
+    };
+    let json = run(Some("json"));
+    let lines: Vec<&str> = json.lines().collect();
+    assert!(!lines.is_empty(), "no log lines");
+    for l in &lines {
+        let v: Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+        for k in ["timestamp", "level", "target", "fields"] {
+            assert!(v.get(k).is_some(), "no {k} in {l}");
+        }
+    }
+    let text = run(None);
+    assert!(!text.is_empty() && serde_json::from_str::<Value>(text.lines().next().unwrap()).is_err());
+    let bad = strata(&["--log-format", "yaml", "tokenize", "--model", "x", "hi"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--log-format"));
+}
