@@ -249,7 +249,13 @@ fn log_format_json_writes_one_object_per_line() {
         }
         // A tracker whose shard is not there: it logs its attempts to reach it until killed.
         let mut child = cmd
-            .args(["tracker", "--shards", "127.0.0.1:9", "--listen", "127.0.0.1:0"])
+            .args([
+                "tracker",
+                "--shards",
+                "127.0.0.1:9",
+                "--listen",
+                "127.0.0.1:0",
+            ])
             .arg("--cluster-token-file")
             .arg(&token)
             .env("STRATA_LOG", "debug")
@@ -271,7 +277,9 @@ fn log_format_json_writes_one_object_per_line() {
         }
     }
     let text = run(None);
-    assert!(!text.is_empty() && serde_json::from_str::<Value>(text.lines().next().unwrap()).is_err());
+    assert!(
+        !text.is_empty() && serde_json::from_str::<Value>(text.lines().next().unwrap()).is_err()
+    );
     let bad = strata(&["--log-format", "yaml", "tokenize", "--model", "x", "hi"]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--log-format"));
