@@ -280,7 +280,7 @@ fn log_format_json_writes_one_object_per_line() {
     assert!(
         !text.is_empty() && serde_json::from_str::<Value>(text.lines().next().unwrap()).is_err()
     );
-    let bad = strata(&["--log-format", "yaml", "tokenize", "--model", "x", "hi"]);
+    let bad = strata(&["--log-format", "yaml", "tokenize", "--model", &tiny(), "hi"]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--log-format"));
 }
