@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use testkit::http::{request, SseStream};
-use testkit::observe::{shard_stat, tracker_metric};
+use testkit::observe::{shard_stat, tracker_metric, wait_until};
 use testkit::procs::{self, Proc};
 
 const SIGKILL: i32 = 9;
@@ -187,17 +187,6 @@ fn both_routes_up(addr: &str) -> bool {
     let auth = format!("Bearer {SECRET}");
     request("GET", addr, "/health", None, &[("authorization", &auth)])
         .is_ok_and(|r| r.status == 200)
-}
-
-fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    false
 }
 
 struct Cluster {

@@ -4,27 +4,17 @@
 //! back; `/v1/models` and `/health` need the key.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 use testkit::http::{get, request};
+use testkit::observe::wait_until;
 use testkit::procs::{self, Proc};
 
 const KEY: &str = "probe-test-key-0123456789";
 
 fn exe() -> &'static Path {
     procs::strata_bin(env!("CARGO_BIN_EXE_strata"))
-}
-
-fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    false
 }
 
 fn with_key(addr: &str, path: &str) -> u16 {

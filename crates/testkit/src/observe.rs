@@ -36,3 +36,15 @@ pub fn shard_stat(addr: &str, shard: &str, field: &str) -> Option<u64> {
         .find(|s| s["address"] == shard)
         .and_then(|s| s[field].as_u64())
 }
+
+/// Whether `f` holds within `limit`, asked every 50 ms.
+pub fn wait_until(limit: std::time::Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t = std::time::Instant::now();
+    while t.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    false
+}
