@@ -163,6 +163,9 @@ def main():
     segs = page.eval("[...document.querySelectorAll('.seg')].map(s => s.dataset.shard)")
     assert sorted(segs) == sorted(every), segs
     assert "every layer covered" in page.eval("document.querySelector('.caption').textContent")
+    # Each shard's release and protocol, as it described itself.
+    versions = page.eval("[...document.querySelectorAll('#shards tbody tr td:nth-child(5)')].map(t => t.textContent)")
+    assert len(versions) == len(every) and all(v.startswith("v") and "protocol" in v for v in versions), versions
     page.screenshot("console-up.png")
     polls = page.eval("Number(document.body.dataset.polls)")
 

@@ -167,6 +167,7 @@ impl ShardCore {
         let context = choose_context(&mut config, c.n_ctx_train, &kv_pool);
         let info = ShardInfo {
             protocol_version: proto::PROTOCOL_VERSION,
+            version: env!("CARGO_PKG_VERSION").into(),
             model_digest: digest.clone(),
             model_name,
             architecture: c.family.name().into(),

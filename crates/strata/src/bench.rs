@@ -14,13 +14,13 @@ use crate::RunArgs;
 #[derive(Args)]
 pub struct BenchArgs {
     /// Path of the GGUF model, or a known model name (one-process bench).
-    #[arg(long, env = "STRATA_MODEL", required_unless_present = "url", value_parser = crate::models::model_path)]
+    #[arg(long, required_unless_present = "url", value_parser = crate::models::model_path)]
     model: Option<std::path::PathBuf>,
     /// Bench a running tracker instead (e.g. http://127.0.0.1:8080).
     #[arg(long, conflicts_with = "model")]
     url: Option<String>,
     /// API key for the tracker (`--url`), when it requires one.
-    #[arg(long, env = "STRATA_API_KEY", hide_env_values = true)]
+    #[arg(long, hide_env_values = true)]
     api_key: Option<String>,
     /// Kernel threads (one-process bench).
     #[arg(long)]

@@ -16,7 +16,7 @@ use crate::model_cmd::parse_range;
 #[derive(Args)]
 pub struct ShardArgs {
     /// Path of the GGUF model, or a known model name (fetched and cached: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m).
-    #[arg(long, env = "STRATA_MODEL", value_parser = crate::models::model_path)]
+    #[arg(long, value_parser = crate::models::model_path)]
     model: PathBuf,
     /// Layer range `A..B` this shard serves.
     #[arg(long)]
@@ -49,7 +49,7 @@ pub struct ShardArgs {
 pub struct ShardMembership {
     /// etcd endpoints (`http://host:port`, comma separated): the shard announces itself there
     /// under a lease it keeps alive, and trackers on the same registry build routes from it.
-    #[arg(long, env = "STRATA_REGISTRY")]
+    #[arg(long)]
     registry: Option<String>,
     /// Key prefix of this cluster in the registry (several clusters may share one etcd).
     #[arg(long, default_value = "/strata/")]
@@ -184,7 +184,7 @@ pub struct TrackerArgs {
     tls_ca: Option<PathBuf>,
     /// etcd endpoints (`http://host:port`, comma separated): routes are built from the shards
     /// announced there, as they join and leave (besides any `--shards` or `--route`).
-    #[arg(long, env = "STRATA_REGISTRY")]
+    #[arg(long)]
     registry: Option<String>,
     /// Key prefix of this cluster in the registry.
     #[arg(long, default_value = "/strata/")]
@@ -227,7 +227,9 @@ pub struct RouteArgs {
     liveness_ms: u64,
     /// Milliseconds a session of a failed route may wait for another route of its model
     /// (another `--route` of the same model) to take it; it then goes on there with no error
-    /// to its client. Past this, or with no other route, it fails with the route's error.
+    /// to its client. Past this, or with no other route, it fails with the route's error. A
+    /// new request that finds no route of its model open (failing over, a shard restarting,
+    /// a route rejoining) waits as long for one before its typed 503.
     #[arg(long, default_value_t = 3000)]
     failover_wait_ms: u64,
     /// Active sessions grading work may hold (the rest of --max-active stays for agent work).
@@ -268,7 +270,7 @@ pub struct ApiArgs {
     api_keys: Option<PathBuf>,
     /// The one API key every request must present (`Authorization: Bearer SECRET`), without a
     /// ledger of budgets.
-    #[arg(long, env = "STRATA_API_KEY", hide_env_values = true)]
+    #[arg(long, hide_env_values = true)]
     api_key: Option<String>,
     /// Keep `/health` and `/metrics` open to anyone although API keys are on (by default they
     /// need a key too).

@@ -4,6 +4,7 @@
 mod bench;
 mod bench_cluster;
 mod cluster_cmd;
+mod config;
 mod local;
 mod model_cmd;
 mod models;
@@ -25,12 +26,16 @@ use crate::local::{GenerateRequest, Local};
     name = "strata",
     version,
     about = "Distributed inference for GGUF language models",
-    after_help = "Logging: STRATA_LOG sets what is logged to stderr, as a tracing filter (default `warn`; `info` adds a line per request, `strata=debug` every step), e.g. STRATA_LOG=info strata serve ..."
+    after_help = "Settings: every flag can also be given as a STRATA_* variable (--max-sessions: STRATA_MAX_SESSIONS) or in the TOML file of --config, one table per command ([tracker], [shard], ...); the command line wins over the variable, the variable over the file.\n\nLogging: STRATA_LOG sets what is logged to stderr, as a tracing filter (default `warn`; `info` adds a line per request, `strata=debug` every step), e.g. STRATA_LOG=info strata serve ..."
 )]
 struct Cli {
+    /// A TOML file of settings: flags of every command at its top, each command's in its
+    /// table (`[tracker]`, `[shard]`, `[serve]`, ...), keyed by the flags' long names.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// How log lines are written to stderr: `text` (for a person) or `json` (one object per
     /// line, for a collector: timestamp, level, target, fields).
-    #[arg(long, global = true, env = "STRATA_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
@@ -75,10 +80,10 @@ enum Command {
 #[derive(Args, Clone)]
 pub(crate) struct RunArgs {
     /// Path of the GGUF model, or a known model name (fetched and cached: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m).
-    #[arg(long, env = "STRATA_MODEL", value_parser = crate::models::model_path)]
+    #[arg(long, value_parser = crate::models::model_path)]
     pub(crate) model: PathBuf,
     /// Kernel threads (default: all cores).
-    #[arg(long, env = "STRATA_THREADS")]
+    #[arg(long)]
     pub(crate) threads: Option<usize>,
     /// Force an instruction set: scalar, avx2 or avx512-vnni (default: the best available).
     #[arg(long)]
@@ -179,7 +184,7 @@ struct LogitsArgs {
 #[derive(Args)]
 struct TokenizeArgs {
     /// Path of the GGUF model whose tokenizer to use, or a known model name.
-    #[arg(long, env = "STRATA_MODEL", value_parser = crate::models::model_path)]
+    #[arg(long, value_parser = crate::models::model_path)]
     model: PathBuf,
     /// Parse special-token text (such as <|im_end|>) into special tokens.
     #[arg(long)]
@@ -188,9 +193,33 @@ struct TokenizeArgs {
     text: String,
 }
 
+/// The command line, with the `STRATA_*` variables and the `--config` file under it.
+fn parse_cli() -> Cli {
+    use clap::{CommandFactory, FromArgMatches};
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cmd = match config::apply_file(config::with_env(Cli::command()), &args) {
+        Ok(cmd) => cmd,
+        Err(e) => {
+            eprintln!("strata: {e}");
+            std::process::exit(2);
+        }
+    };
+    let matches = cmd.get_matches_from(args);
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// The variables of `strata shard`'s flags (see [`config::env_names`]).
+pub(crate) fn shard_env_names() -> Vec<String> {
+    use clap::CommandFactory;
+    let root = config::with_env(Cli::command());
+    root.find_subcommand("shard")
+        .map(config::env_names)
+        .unwrap_or_default()
+}
+
 fn main() {
     use std::io::IsTerminal;
-    let cli = Cli::parse();
+    let cli = parse_cli();
     let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG")
@@ -205,6 +234,9 @@ fn main() {
         // Colours only for a person at a terminal; a log file or collector gets plain text.
         LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
         LogFormat::Json => logs.json().with_ansi(false).init(),
+    }
+    if let Some(path) = &cli.config {
+        tracing::info!(config = %path.display(), "settings read from the file");
     }
     let result = match cli.command {
         Command::Generate(a) => generate(a),

@@ -23,7 +23,7 @@ use crate::cluster_cmd::{
 #[derive(Args)]
 pub struct ServeArgs {
     /// Path of the GGUF model, or a known model name (fetched and cached: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m).
-    #[arg(long, env = "STRATA_MODEL", value_parser = crate::models::model_path)]
+    #[arg(long, value_parser = crate::models::model_path)]
     model: PathBuf,
     /// Number of shard processes; 1 runs the shard inside this process (in-memory transport).
     #[arg(long, default_value_t = 2)]
@@ -191,8 +191,13 @@ async fn start(spec: &ShardSpec) -> Result<(tokio::process::Child, String)> {
         .arg(format!("127.0.0.1:{}", spec.port))
         .arg("--cluster-token-file")
         .arg(&spec.token_file)
-        .args(&spec.limits)
-        .env("STRATA_LOG_FORMAT", crate::log_format())
+        .args(&spec.limits);
+    // The shard's settings are the flags above, not what this process's environment says
+    // for serve (a STRATA_LISTEN of serve's is not the shard's address).
+    for name in crate::shard_env_names() {
+        cmd.env_remove(name);
+    }
+    cmd.env("STRATA_LOG_FORMAT", crate::log_format())
         .stdout(Stdio::piped())
         .stdin(Stdio::null())
         .kill_on_drop(true);

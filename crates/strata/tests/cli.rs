@@ -284,3 +284,81 @@ fn log_format_json_writes_one_object_per_line() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--log-format"));
 }
+
+/// Settings from a `--config` file and `STRATA_*` variables: the file fills what the command
+/// line leaves, a variable wins over the file, a flag over both; a key no flag has, or a value
+/// its flag refuses, is an error naming it (exit 2), not something ignored.
+#[test]
+fn settings_come_from_flags_then_variables_then_the_config_file() {
+    let m = tiny();
+    let dir = std::env::temp_dir().join(format!("strata-cli-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("strata.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "log-format = \"text\"\n[generate]\nmodel = {m:?}\nprompt = \"the world\"\n\
+             max-tokens = 5\njson = true\n[tracker]\nregistry = \"http://127.0.0.1:1\"\n"
+        ),
+    )
+    .unwrap();
+    let f = file.display().to_string();
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(args)
+            .envs(env.iter().copied())
+            .output()
+            .expect("run strata")
+    };
+    let n_ids = |out: &Output| json_of(out)["generated_ids"].as_array().unwrap().len();
+    assert_eq!(n_ids(&run(&["generate", "--config", &f], &[])), 5);
+    assert_eq!(n_ids(&run(&["--config", &f, "generate"], &[])), 5);
+    let env = [("STRATA_MAX_TOKENS", "3")];
+    assert_eq!(n_ids(&run(&["generate", "--config", &f], &env)), 3);
+    let flag = ["generate", "--config", &f, "--max-tokens", "2"];
+    assert_eq!(n_ids(&run(&flag, &env)), 2);
+    assert_eq!(
+        n_ids(&run(&["generate"], &[("STRATA_CONFIG", &f)])),
+        5,
+        "STRATA_CONFIG names the file too"
+    );
+    // Without a file: every flag from its variable.
+    let env = [
+        ("STRATA_MODEL", m.as_str()),
+        ("STRATA_PROMPT", "the world"),
+        ("STRATA_MAX_TOKENS", "4"),
+        ("STRATA_JSON", "true"),
+    ];
+    assert_eq!(n_ids(&run(&["generate"], &env)), 4);
+
+    for (text, want) in [
+        (
+            "[generate]\nmax-tokenz = 5\n",
+            "`max-tokenz` (at [generate]) is not a flag of `strata generate`",
+        ),
+        (
+            "[generate]\nmax-tokens = \"five\"\n",
+            "`max-tokens` (at [generate]): invalid value 'five'",
+        ),
+        (
+            "[generate]\njson = \"yes\"\n",
+            "`json` (at [generate]): a switch is `true` or `false`",
+        ),
+        ("[genrate]\n", "[genrate] is not a command of strata"),
+        (
+            "[tracker]\nlisten = 7\nlistne = 8\n",
+            "`listne` (at [tracker])",
+        ),
+        ("[generate\n", "TOML parse error"),
+    ] {
+        let bad = dir.join("bad.toml");
+        std::fs::write(&bad, text).unwrap();
+        let out = run(&["generate", "--config", &bad.display().to_string()], &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{text:?}: {err}");
+        assert!(err.contains(want), "{text:?}: {err}");
+    }
+    let out = run(&["generate", "--config", "/nonexistent/strata.toml"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/strata.toml"));
+}

@@ -48,9 +48,11 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        // (A frozen process must be woken to die; one that is gone already needs nothing.)
         let _ = Command::new("kill")
             .arg("-18")
             .arg(self.child.id().to_string())
+            .stderr(Stdio::null())
             .status();
         let _ = self.child.kill();
         let _ = self.child.wait();

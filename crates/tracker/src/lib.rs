@@ -111,6 +111,7 @@ impl Tracker {
             http: config.http,
             tokenizing: tokio::sync::Semaphore::new(n_cores.saturating_sub(1).max(1)),
             responses: std::sync::atomic::AtomicU64::new(0),
+            failover_wait: config.failover_wait,
             stored_responses: api::store::ResponseStore::new(
                 config.stored_responses,
                 config.stored_response_bytes,

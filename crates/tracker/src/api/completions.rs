@@ -21,7 +21,7 @@ use super::server::read_body;
 use super::state::AppState;
 use crate::ledger::ApiKey;
 use crate::route::driver::Job;
-use crate::route::offer::submit;
+use crate::route::offer::submit_within;
 use crate::route::table::ModelEntry;
 use constrain::grammar::CallFormat;
 
@@ -599,7 +599,7 @@ async fn submit_choices(
             _ => None,
         };
         let ledger_row = job_i.ledger_row;
-        match submit(model, job_i).await {
+        match submit_within(&s.table, model, job_i, s.failover_wait).await {
             Ok((route, id, events)) => {
                 let mut c = Choice {
                     events,

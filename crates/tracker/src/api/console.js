@@ -140,6 +140,7 @@ function drawShards(health) {
     body.append(
       el("tr", { class: s.status, "data-shard": s.address },
         el("td", {}, s.address), el("td", {}, s.model), el("td", {}, s.route), el("td", {}, s.layers),
+        el("td", {}, s.version ? "v" + s.version + " · protocol " + s.protocol : ""),
         el("td", {}, el("span", { class: "pill " + s.status }, s.status)),
         el("td", {}, s.sessions ?? ""), el("td", {}, total != null ? used + " / " + total : ""),
         el("td", {}, headroom != null ? headroom.toFixed(0) + "% (" + bytes(s.kv_bytes_in_use) + " used)" : ""),

@@ -349,8 +349,11 @@ pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respo
                                "shards": layers}),
             );
             shards.extend(h.shards.iter().map(|sh| {
+                let info = r.cluster.infos.iter().find(|i| i.listen == sh.address);
                 json!({
                     "address": sh.address,
+                    "version": info.map(|i| i.version.as_str()),
+                    "protocol": info.map(|i| i.protocol_version),
                     "model": m.id,
                     "route": r.name,
                     "layers": format!("{}..{}", sh.layers.0, sh.layers.1),

@@ -35,6 +35,9 @@ pub struct AppState {
     pub tokenizing: Semaphore,
     /// Numbers the responses (ids unique across routes: each route numbers its sessions).
     pub responses: std::sync::atomic::AtomicU64,
+    /// How long a request of a replicated model waits for one of its routes to take it while
+    /// they fail over, restart or rejoin (what a moved session waits too).
+    pub failover_wait: std::time::Duration,
     /// Recent responses of the Responses API, for `previous_response_id`.
     pub stored_responses: super::store::ResponseStore,
 }

@@ -175,8 +175,8 @@ fn owner_of(key: &str) -> u64 {
 
 struct Live {
     n_replays: u32,
-    /// Routes it moved to after a failure; when the last move happened (until its first
-    /// token on the new route).
+    /// Routes it moved to after a failure since its last token; when the last move happened
+    /// (until its first token on the new route).
     n_moves: u32,
     moved_at: Option<Instant>,
     /// The API key's name, for admission on another route.
@@ -911,7 +911,14 @@ impl Runner {
                         back.0.fail(self.ledger.as_deref());
                     }
                 }
-                _ => {
+                (failover, known) => {
+                    tracing::warn!(
+                        session = id.0,
+                        replicas = failover.is_some(),
+                        known = known.is_some(),
+                        moves_since_token = l.n_moves,
+                        "a session of the failed route fails with it"
+                    );
                     self.settle(&l, "failed");
                     let _ = l.events.send(SessionEvent::Error(err.clone()));
                 }
@@ -1029,6 +1036,7 @@ impl Runner {
         }
         live.last_token = Some(now);
         if let Some(t) = live.moved_at.take() {
+            live.n_moves = 0;
             self.metrics.observe(
                 "strata_migration_seconds",
                 &[],

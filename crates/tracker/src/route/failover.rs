@@ -69,6 +69,11 @@ async fn place(
         }
         // With no other route the failure is the client's at once, as without failover.
         if replicas == 0 || Instant::now() >= deadline {
+            tracing::warn!(
+                from = %m.from,
+                replicas,
+                "no route took a moved session in time: it fails"
+            );
             m.fail(ledger.as_deref());
             return;
         }

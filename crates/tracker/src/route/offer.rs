@@ -1,13 +1,15 @@
 //! Offering a job to a model's routes: the least loaded first, the next when one refuses for
-//! a reason another route may not have.
+//! a reason another route may not have; when all refuse for a reason that passes (failing
+//! over, draining, restarting, rejoining), again until one takes it or a bounded wait is over.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use engine::{Reason, Refusal};
 use tokio::sync::{mpsc, oneshot};
 
 use super::driver::{Command, Job, SessionEvent};
-use super::table::{ModelEntry, RouteHandle};
+use super::table::{ModelEntry, RouteHandle, RouteTable};
 
 /// Whether a route's refusal leaves the job to the model's next route: this route is full,
 /// failed, draining or changed, and another may not be; anything about the request itself is
@@ -33,6 +35,51 @@ fn another_may_take(e: &Refusal) -> bool {
         | Reason::Pinned
         | Reason::StaleEpoch
         | Reason::GrammarBudget => false,
+    }
+}
+
+/// Whether every route refusing for this reason is a moment of change (a route failing over,
+/// draining, or a shard restarting and its route rejoining) rather than an answer: not a full route (admission refuses at once, typed) nor anything about the request.
+fn passes(e: &Refusal) -> bool {
+    matches!(
+        e.reason,
+        Reason::NoRoute | Reason::Draining | Reason::ShardFailed
+    )
+}
+
+/// What the model's routes answer when the job is offered to them ([`submit`]); when all
+/// refuse for a reason that passes, offered again every 50 ms, with the routes read afresh
+/// from `table` (one that joined meanwhile included), until one takes it or `wait` is over. A
+/// client thus gets no error for a moment in which no route of its model was open (a replica
+/// failing over, a shard restarting, a route rejoining from the registry), as a session moved
+/// off a failed route gets none; past `wait` the refusal is the client's, typed.
+pub async fn submit_within(
+    table: &RouteTable,
+    model: &ModelEntry,
+    job: Job,
+    wait: Duration,
+) -> Result<
+    (
+        Arc<RouteHandle>,
+        engine::SessionId,
+        mpsc::UnboundedReceiver<SessionEvent>,
+    ),
+    Refusal,
+> {
+    let deadline = Instant::now() + wait;
+    let mut entry = None;
+    loop {
+        let m = entry.as_deref().unwrap_or(model);
+        match submit(m, job.clone()).await {
+            Err(e) if passes(&e) && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                entry = table.model(&model.digest);
+                if entry.is_none() {
+                    return Err(e);
+                }
+            }
+            answer => return answer,
+        }
     }
 }
 

@@ -8,7 +8,11 @@ use text::{StopMatcher, StopStep};
 /// Times one session may be recomputed after a shard lost its cache before it fails.
 pub const MAX_REPLAYS: u32 = 3;
 
-/// Times one session may move to another route before a route failure fails it.
+/// Times one session may move to another route without generating a token there before a
+/// route failure fails it. A session that makes progress between failures moves again, as
+/// often as its faults come (each move then costs at least one token of its length limit, so
+/// the moves stay bounded); one that every route fails before it gets anything does not
+/// travel the swarm forever.
 pub const MAX_MOVES: u32 = 3;
 
 /// Whether a shard's refusal of a session's fragment is answered by recomputing the session
@@ -19,7 +23,7 @@ pub fn replays(reason: Reason, n_replays: u32) -> bool {
 
 /// Whether a session a failed route held moves to another route (when the model has one):
 /// the failure is one that may pass (a lost or draining shard, not a terminal refusal), it has
-/// not moved too often, and it may still generate.
+/// not moved too often since its last token (`n_moves`), and it may still generate.
 pub fn moves(err: &Refusal, n_moves: u32, max_new: usize) -> bool {
     err.retryable() && n_moves < MAX_MOVES && max_new > 0
 }
