@@ -83,6 +83,16 @@ pub enum Error {
     },
     #[error("tensor `{name}` not found")]
     MissingTensor { name: String },
+    #[error("tensor `{name}` is in none of the parts of this split model present here (absent: {absent})")]
+    TensorInAbsentPart { name: String, absent: String },
+    #[error("{path} is part {no} of a split model: open its first part, {first}")]
+    NotFirstPart {
+        path: String,
+        no: u64,
+        first: String,
+    },
+    #[error("split model part {path}: {why}")]
+    BadPart { path: String, why: String },
     #[error("{what}: length {len} is not a multiple of {multiple}")]
     BadLength {
         what: &'static str,

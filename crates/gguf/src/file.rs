@@ -1,6 +1,16 @@
-//! A parsed GGUF file with its bytes (memory mapped, or owned for in-memory fixtures).
+//! A parsed GGUF file with its bytes (memory mapped, or owned for in-memory fixtures), or a
+//! model split into several files (`NAME-00001-of-00003.gguf`, as llama.cpp's `gguf-split`
+//! writes them), read as one.
+//!
+//! A split model's first part holds all its metadata and `split.count`; every part is a GGUF
+//! of its own holding some of the tensors (and `split.no`, its index from 0). Opening the first
+//! part maps every part present beside it and indexes their tensors together. Parts may be
+//! absent (a host that holds only the layers it serves keeps only their parts): a tensor of an
+//! absent part is an error when it is asked for, naming the absent parts, never before, so a
+//! shard loads from the parts that hold its layers and nothing else.
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
 use crate::{parse, Error, Header, TensorInfo};
 
@@ -9,10 +19,31 @@ enum Backing {
     Owned(Vec<u8>),
 }
 
-/// A validated GGUF file. Tensor data is borrowed from the mapping, never copied here.
-pub struct GgufFile {
+impl Backing {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Backing::Mmap(m) => m,
+            Backing::Owned(v) => v,
+        }
+    }
+}
+
+/// One file: its bytes and where its data section starts.
+struct Part {
     backing: Backing,
+    data_offset: u64,
+}
+
+/// A validated GGUF model. Tensor data is borrowed from the mappings, never copied here.
+pub struct GgufFile {
+    /// The first part's header, with the tensors of every part present.
     header: Header,
+    /// The parts present (the first is always there).
+    parts: Vec<Part>,
+    /// For a split model, the part (an index into `parts`) of each tensor not in the first.
+    part_of: HashMap<String, usize>,
+    /// File names of the parts that are not present.
+    absent: Vec<String>,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -20,36 +51,151 @@ impl std::fmt::Debug for GgufFile {
         f.debug_struct("GgufFile")
             .field("version", &self.header.version)
             .field("n_tensors", &self.header.tensors().len())
-            .field("n_bytes", &self.bytes().len())
+            .field("n_parts", &self.parts.len())
+            .field("absent", &self.absent)
+            .field("n_bytes", &self.len())
             .finish()
     }
 }
 
+/// The most parts a split model may have (as gguf-split's u16 count allows).
+const MAX_PARTS: u64 = u16::MAX as u64;
+
+fn map(path: &Path) -> Result<(Backing, Header), Error> {
+    let io = |source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    // SAFETY: the mapping is read-only; strata never writes model files while serving them,
+    // and every access is bounds-checked against the length validated by `parse`.
+    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+    let header = parse(&mmap)?;
+    Ok((Backing::Mmap(mmap), header))
+}
+
+/// `(prefix, number, count)` of a part's path, `PREFIX-0000N-of-0000M.gguf`, if it is named so.
+fn split_name(path: &Path) -> Option<(String, u64, u64)> {
+    let name = path.file_name()?.to_str()?.strip_suffix(".gguf")?;
+    let (head, count) = name.rsplit_once("-of-")?;
+    let (prefix, no) = head.rsplit_once('-')?;
+    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(count) || !digits(no) {
+        return None;
+    }
+    Some((prefix.to_string(), no.parse().ok()?, count.parse().ok()?))
+}
+
+fn part_path(dir: &Path, prefix: &str, no: u64, count: u64) -> PathBuf {
+    dir.join(format!("{prefix}-{no:05}-of-{count:05}.gguf"))
+}
+
 impl GgufFile {
-    /// Maps and validates the file at `path`.
+    /// Maps and validates the file at `path`; for the first part of a split model, the parts
+    /// present beside it too.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
         let path = path.as_ref();
-        let io = |source| Error::Io {
+        let (backing, header) = map(path)?;
+        let count = header.get("split.count").and_then(|v| v.as_u64());
+        let no = header.get("split.no").and_then(|v| v.as_u64()).unwrap_or(0);
+        let bad = |why: String| Error::BadPart {
             path: path.display().to_string(),
-            source,
+            why,
         };
-        let file = std::fs::File::open(path).map_err(io)?;
-        // SAFETY: the mapping is read-only; strata never writes model files while serving them,
-        // and every access is bounds-checked against the length validated by `parse`.
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        let header = parse(&mmap)?;
-        Ok(Self {
-            backing: Backing::Mmap(mmap),
+        let named = split_name(path);
+        if let Some((prefix, n, c)) = &named {
+            if *n > 1 || no > 0 {
+                let dir = path.parent().unwrap_or(Path::new("."));
+                return Err(Error::NotFirstPart {
+                    path: path.display().to_string(),
+                    no: no.max(n.saturating_sub(1)) + 1,
+                    first: part_path(dir, prefix, 1, *c).display().to_string(),
+                });
+            }
+        }
+        let mut file = GgufFile {
+            parts: vec![Part {
+                backing,
+                data_offset: header.data_offset,
+            }],
             header,
-        })
+            part_of: HashMap::new(),
+            absent: Vec::new(),
+        };
+        let count = match count {
+            None | Some(0 | 1) => return Ok(file),
+            Some(c) if c > MAX_PARTS => return Err(bad(format!("split.count is {c}"))),
+            Some(c) => c,
+        };
+        let Some((prefix, _, named_count)) = named else {
+            return Err(bad(format!(
+                "split.count is {count} but the file is not named NAME-00001-of-{count:05}.gguf, \
+                 so its other parts cannot be found"
+            )));
+        };
+        if named_count != count {
+            return Err(bad(format!(
+                "named as one of {named_count} parts, but split.count is {count}"
+            )));
+        }
+        let dir = path.parent().unwrap_or(Path::new("."));
+        for no in 2..=count {
+            let p = part_path(dir, &prefix, no, count);
+            if !p.exists() {
+                file.absent.push(
+                    p.file_name()
+                        .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+                );
+                continue;
+            }
+            let (backing, h) = map(&p)?;
+            let their_no = h.get("split.no").and_then(|v| v.as_u64());
+            let their_count = h.get("split.count").and_then(|v| v.as_u64());
+            if their_no != Some(no - 1) || their_count != Some(count) {
+                return Err(Error::BadPart {
+                    path: p.display().to_string(),
+                    why: format!(
+                        "split.no {their_no:?} and split.count {their_count:?}, expected {} of {count}",
+                        no - 1
+                    ),
+                });
+            }
+            file.header.add_tensors(&h)?;
+            let at = file.parts.len();
+            for t in h.tensors() {
+                file.part_of.insert(t.name.clone(), at);
+            }
+            file.parts.push(Part {
+                backing,
+                data_offset: h.data_offset,
+            });
+        }
+        let want = file
+            .header
+            .get("split.tensors.count")
+            .and_then(|v| v.as_u64());
+        let have = file.header.tensors().len() as u64;
+        if let Some(want) = want.filter(|_| file.absent.is_empty()) {
+            if want != have {
+                return Err(bad(format!(
+                    "split.tensors.count is {want} but the {count} parts hold {have}"
+                )));
+            }
+        }
+        Ok(file)
     }
 
     /// Validates a file held in memory.
     pub fn from_bytes(bytes: Vec<u8>) -> Result<Self, Error> {
         let header = parse(&bytes)?;
         Ok(Self {
-            backing: Backing::Owned(bytes),
+            parts: vec![Part {
+                backing: Backing::Owned(bytes),
+                data_offset: header.data_offset,
+            }],
             header,
+            part_of: HashMap::new(),
+            absent: Vec::new(),
         })
     }
 
@@ -57,26 +203,36 @@ impl GgufFile {
         &self.header
     }
 
-    fn bytes(&self) -> &[u8] {
-        match &self.backing {
-            Backing::Mmap(m) => m,
-            Backing::Owned(v) => v,
-        }
+    /// File names of a split model's parts that are not present (none for one file).
+    pub fn absent_parts(&self) -> &[String] {
+        &self.absent
+    }
+
+    /// How many files the model was read from.
+    pub fn n_parts(&self) -> usize {
+        self.parts.len()
+    }
+
+    /// The part holding a tensor, and the absolute offset of its data there.
+    fn locate(&self, info: &TensorInfo) -> (&Part, u64) {
+        let part = &self.parts[self.part_of.get(&info.name).copied().unwrap_or(0)];
+        (part, part.data_offset + info.offset)
     }
 
     /// The data of a tensor (bounds were checked by `parse`).
     pub fn data(&self, info: &TensorInfo) -> &[u8] {
-        let start = (self.header.data_offset + info.offset) as usize;
-        &self.bytes()[start..start + info.n_bytes as usize]
+        let (part, start) = self.locate(info);
+        let start = start as usize;
+        &part.backing.bytes()[start..start + info.n_bytes as usize]
     }
 
     /// Drops the whole pages of bytes `range` of a tensor's data (a loader has copied them)
     /// from this process's resident set, so a loader's memory is its copies, not the mapping
     /// as well. Nothing happens for a file read into memory.
     pub fn release(&self, info: &TensorInfo, range: std::ops::Range<usize>) {
-        if let Backing::Mmap(m) = &self.backing {
+        let (part, base) = self.locate(info);
+        if let Backing::Mmap(m) = &part.backing {
             let page = 4096u64;
-            let base = self.header.data_offset + info.offset;
             let start = (base + range.start as u64).div_ceil(page) * page;
             let end = (base + range.end.min(info.n_bytes as usize) as u64) / page * page;
             if end > start {
@@ -95,19 +251,25 @@ impl GgufFile {
 
     /// Looks a tensor up by name.
     pub fn tensor(&self, name: &str) -> Result<(&TensorInfo, &[u8]), Error> {
-        let info = self
-            .header
-            .tensor(name)
-            .ok_or_else(|| Error::MissingTensor { name: name.into() })?;
+        let Some(info) = self.header.tensor(name) else {
+            return Err(if self.absent.is_empty() {
+                Error::MissingTensor { name: name.into() }
+            } else {
+                Error::TensorInAbsentPart {
+                    name: name.into(),
+                    absent: self.absent.join(", "),
+                }
+            });
+        };
         Ok((info, self.data(info)))
     }
 
-    /// Total size of the file in bytes.
+    /// Total size of the files present in bytes.
     pub fn len(&self) -> usize {
-        self.bytes().len()
+        self.parts.iter().map(|p| p.backing.bytes().len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.bytes().is_empty()
+        self.len() == 0
     }
 }

@@ -290,6 +290,23 @@ pub fn parse(bytes: &[u8]) -> Result<Header, Error> {
 }
 
 impl Header {
+    /// Adds the tensors of another part of a split model to this (the first) part's index.
+    pub(crate) fn add_tensors(&mut self, other: &Header) -> Result<(), Error> {
+        for t in &other.tensors {
+            if self
+                .tensor_idx
+                .insert(t.name.clone(), self.tensors.len())
+                .is_some()
+            {
+                return Err(Error::DuplicateTensor {
+                    name: t.name.clone(),
+                });
+            }
+            self.tensors.push(t.clone());
+        }
+        Ok(())
+    }
+
     pub fn metadata(&self) -> &[(String, Value)] {
         &self.metadata
     }

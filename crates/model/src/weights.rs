@@ -196,6 +196,10 @@ impl Weights {
             .then(|| matrix(f, "token_embd.weight", c.n_embd, c.n_vocab, pack))
             .transpose()?;
         let (output_norm, output) = if last {
+            if f.header().tensor("output.weight").is_none() && !f.absent_parts().is_empty() {
+                // Tied to the embedding, or in a part not present: which, cannot be told.
+                f.tensor("output.weight")?;
+            }
             let head = match (f.header().tensor("output.weight"), &embd) {
                 (Some(_), _) => matrix(f, "output.weight", c.n_embd, c.n_vocab, pack)?,
                 // A tied head: share the embedding's bytes when this range holds it.

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
 #[allow(clippy::all, missing_docs)]
@@ -26,6 +27,7 @@ mod etcd {
     tonic::include_proto!("etcdserverpb");
 }
 
+use etcd::auth_client::AuthClient;
 use etcd::kv_client::KvClient;
 use etcd::lease_client::LeaseClient;
 use etcd::watch_client::WatchClient;
@@ -130,40 +132,155 @@ impl From<tonic::Status> for Error {
     }
 }
 
-/// The channel to etcd: one or several endpoints, comma separated, `http://host:port` or
-/// `host:port` (TLS to etcd is not supported yet: `https://` is refused).
-pub fn channel(endpoints: &str) -> Result<Channel, Error> {
+/// How to reach etcd: its endpoints, one or several, comma separated (`http://host:port`,
+/// `host:port`, or `https://host:port` with `ca_pem`), and for TLS the CA that signed etcd's
+/// certificates and, for an etcd that asks clients for one (`--client-cert-auth`), this
+/// process's certificate and key; for an etcd with authentication on, a user and password.
+#[derive(Clone, Default)]
+pub struct Connect {
+    pub endpoints: String,
+    pub ca_pem: Option<Vec<u8>>,
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+    pub user: Option<(String, String)>,
+}
+
+impl std::fmt::Debug for Connect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connect")
+            .field("endpoints", &self.endpoints)
+            .field("tls", &self.ca_pem.is_some())
+            .field("client_certificate", &self.identity.is_some())
+            .field("user", &self.user.as_ref().map(|(u, _)| u))
+            .finish()
+    }
+}
+
+/// The token of an etcd session with authentication on, sent with every request.
+#[derive(Clone, Default)]
+struct Token(std::sync::Arc<std::sync::RwLock<Option<tonic::metadata::AsciiMetadataValue>>>);
+
+impl tonic::service::Interceptor for Token {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(t) = self.0.read().unwrap_or_else(|e| e.into_inner()).clone() {
+            req.metadata_mut().insert("token", t);
+        }
+        Ok(req)
+    }
+}
+
+type Svc = InterceptedService<Channel, Token>;
+
+/// A connection to etcd: the channel, and for authentication the credentials and the token
+/// of the current session.
+#[derive(Clone)]
+pub struct Etcd {
+    raw: Channel,
+    token: Token,
+    user: Option<(String, String)>,
+}
+
+impl Etcd {
+    fn svc(&self) -> Svc {
+        InterceptedService::new(self.raw.clone(), self.token.clone())
+    }
+
+    /// With a user: a fresh token (before every session of announcing or following, so an
+    /// expired token costs one reconnection, as a lost connection does).
+    async fn login(&self) -> Result<(), Error> {
+        let Some((name, password)) = &self.user else {
+            return Ok(());
+        };
+        let mut auth = AuthClient::new(self.raw.clone());
+        let r = call(auth.authenticate(etcd::AuthenticateRequest {
+            name: name.clone(),
+            password: password.clone(),
+        }))
+        .await
+        .map_err(|e| Error(format!("authenticating to etcd as `{name}`: {e}")))?;
+        let token = r
+            .token
+            .parse()
+            .map_err(|_| Error("etcd answered a token that is not ASCII".into()))?;
+        *self.token.0.write().unwrap_or_else(|e| e.into_inner()) = Some(token);
+        Ok(())
+    }
+}
+
+impl Connect {
+    /// Endpoints in clear text.
+    pub fn plain(endpoints: &str) -> Connect {
+        Connect {
+            endpoints: endpoints.to_string(),
+            ..Connect::default()
+        }
+    }
+}
+
+/// The channel to etcd. Every endpoint is `https://` when a CA is given and none is then: a
+/// CA with clear-text endpoints (or TLS endpoints without one) is an error, not a downgrade.
+pub fn channel(c: &Connect) -> Result<Etcd, Error> {
+    if c.identity.is_some() && c.ca_pem.is_none() {
+        return Err(Error(
+            "a client certificate for etcd needs the CA of etcd's certificates too".into(),
+        ));
+    }
     let mut list = Vec::new();
-    for e in endpoints
+    for e in c
+        .endpoints
         .split(',')
         .map(str::trim)
         .filter(|e| !e.is_empty())
     {
-        if e.starts_with("https://") {
-            return Err(Error(format!(
-                "registry endpoint {e}: TLS to etcd is not supported; give an http:// endpoint"
-            )));
-        }
-        let url = if e.starts_with("http://") {
-            e.to_string()
-        } else {
-            format!("http://{e}")
+        let tls = e.starts_with("https://");
+        let url = match (tls, &c.ca_pem) {
+            (true, None) => {
+                return Err(Error(format!(
+                    "registry endpoint {e}: TLS to etcd needs the CA that signed its certificate \
+                     (--registry-ca)"
+                )))
+            }
+            (false, Some(_)) => {
+                return Err(Error(format!(
+                    "registry endpoint {e}: a CA is given for etcd, so every endpoint must be \
+                     https://"
+                )))
+            }
+            (true, _) => e.to_string(),
+            (false, None) if e.starts_with("http://") => e.to_string(),
+            (false, None) => format!("http://{e}"),
         };
-        let ep = Endpoint::from_shared(url.clone())
+        let mut ep = Endpoint::from_shared(url.clone())
             .map_err(|err| Error(format!("registry endpoint {e}: {err}")))?
             .connect_timeout(Duration::from_secs(2))
             .http2_keep_alive_interval(Duration::from_secs(5))
             .keep_alive_timeout(Duration::from_secs(5))
             .keep_alive_while_idle(true);
+        if let Some(ca) = &c.ca_pem {
+            let host = ep.uri().host().unwrap_or_default().trim_matches(['[', ']']);
+            let mut config = tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+                .domain_name(host.to_string());
+            if let Some((cert, key)) = &c.identity {
+                config = config.identity(tonic::transport::Identity::from_pem(cert, key));
+            }
+            ep = ep
+                .tls_config(config)
+                .map_err(|err| Error(format!("registry endpoint {e}: TLS: {err}")))?;
+        }
         list.push(ep);
     }
     if list.is_empty() {
         return Err(Error("no registry endpoint given".into()));
     }
-    Ok(if list.len() == 1 {
+    let raw = if list.len() == 1 {
         list.remove(0).connect_lazy()
     } else {
         Channel::balance_list(list.into_iter())
+    };
+    Ok(Etcd {
+        raw,
+        token: Token::default(),
+        user: c.user.clone(),
     })
 }
 
@@ -265,7 +382,7 @@ impl Announcer {
 /// re-announces each change of it (at most once every two seconds). Lost connections and lost
 /// leases are recovered by announcing again with a new lease.
 pub fn announce(
-    endpoints: &str,
+    endpoints: &Connect,
     prefix: &str,
     ttl: Duration,
     record: watch::Receiver<ShardRecord>,
@@ -320,7 +437,7 @@ pub fn announce(
 /// One lease's life: grant, put, keep alive and update until stopped (`Ok`) or until etcd or
 /// the lease is lost (`Err`).
 async fn keep_announced(
-    channel: &Channel,
+    channel: &Etcd,
     prefix: &str,
     ttl: Duration,
     record: &mut watch::Receiver<ShardRecord>,
@@ -330,8 +447,9 @@ async fn keep_announced(
     if *stop.borrow() {
         return Ok(());
     }
-    let mut kv = KvClient::new(channel.clone());
-    let mut lease = LeaseClient::new(channel.clone());
+    channel.login().await?;
+    let mut kv = KvClient::new(channel.svc());
+    let mut lease = LeaseClient::new(channel.svc());
     let ttl_secs = ttl.as_secs().max(1) as i64;
     let granted = call(lease.lease_grant(etcd::LeaseGrantRequest {
         ttl: ttl_secs,
@@ -344,7 +462,7 @@ async fn keep_announced(
     let id = granted.id;
     let current = record.borrow_and_update().clone();
     let key = shard_key(prefix, &current.address);
-    let put = |kv: &mut KvClient<Channel>, value: Vec<u8>| {
+    let put = |kv: &mut KvClient<Svc>, value: Vec<u8>| {
         let mut kv = kv.clone();
         let key = key.clone();
         async move {
@@ -443,7 +561,7 @@ type KeyWatch = (
     tonic::Streaming<etcd::WatchResponse>,
 );
 
-async fn watch_key(channel: &Channel, key: &str, revision: i64) -> Result<KeyWatch, Error> {
+async fn watch_key(channel: &Etcd, key: &str, revision: i64) -> Result<KeyWatch, Error> {
     let (req_tx, req_rx) = mpsc::channel(1);
     req_tx
         .send(etcd::WatchRequest {
@@ -458,7 +576,7 @@ async fn watch_key(channel: &Channel, key: &str, revision: i64) -> Result<KeyWat
         })
         .await
         .map_err(|_| Error("the watch stream closed".into()))?;
-    let mut watcher = WatchClient::new(channel.clone());
+    let mut watcher = WatchClient::new(channel.svc());
     let events = call(watcher.watch(ReceiverStream::new(req_rx))).await?;
     Ok((req_tx, events))
 }
@@ -519,7 +637,7 @@ fn foreign(e: &etcd::Event, lease: i64, written: &[u8]) -> Foreign {
 
 /// Follows the shards announced under `prefix`: the receiver always holds the membership as
 /// last seen. The task ends when every receiver is dropped.
-pub fn follow(endpoints: &str, prefix: &str) -> Result<watch::Receiver<Members>, Error> {
+pub fn follow(endpoints: &Connect, prefix: &str) -> Result<watch::Receiver<Members>, Error> {
     let channel = channel(endpoints)?;
     let (tx, rx) = watch::channel(Members::default());
     let prefix = prefix.to_string();
@@ -549,9 +667,12 @@ pub fn follow(endpoints: &str, prefix: &str) -> Result<watch::Receiver<Members>,
 }
 
 /// A snapshot and the watch that follows it, until something breaks: why it broke.
-async fn follow_once(channel: &Channel, prefix: &str, tx: &watch::Sender<Members>) -> Error {
+async fn follow_once(channel: &Etcd, prefix: &str, tx: &watch::Sender<Members>) -> Error {
     let key = format!("{prefix}shards/").into_bytes();
     let end = prefix_end(&key);
+    if let Err(e) = channel.login().await {
+        return e;
+    }
     let (shards, revision, read_rejected) = match snapshot(channel, prefix, &key, &end).await {
         Ok(s) => s,
         Err(e) => return e,
@@ -579,12 +700,12 @@ type Snapshot = (
 
 /// Every record under the prefix, read in pages all at one revision (the first page's).
 async fn snapshot(
-    channel: &Channel,
+    channel: &Etcd,
     prefix: &str,
     key: &[u8],
     end: &[u8],
 ) -> Result<Snapshot, Error> {
-    let mut kv = KvClient::new(channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let mut kv = KvClient::new(channel.svc()).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let mut shards = BTreeMap::new();
     let mut rejected = BTreeMap::new();
     let mut from = key.to_vec();
@@ -629,7 +750,7 @@ async fn snapshot(
 
 /// Watches `[key, end)` from just after `revision`, applying every event to the membership.
 async fn watch_from(
-    channel: &Channel,
+    channel: &Etcd,
     prefix: &str,
     key: Vec<u8>,
     end: Vec<u8>,
@@ -637,7 +758,7 @@ async fn watch_from(
     tx: &watch::Sender<Members>,
 ) -> Result<std::convert::Infallible, Error> {
     let mut watcher =
-        WatchClient::new(channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES);
+        WatchClient::new(channel.svc()).max_decoding_message_size(MAX_MESSAGE_BYTES);
     // The request stream stays open as long as `req_tx` lives: dropping it ends the watch.
     let (req_tx, req_rx) = mpsc::channel(1);
     req_tx
@@ -799,9 +920,29 @@ mod tests {
     }
 
     #[test]
-    fn https_endpoints_are_refused_by_name() {
-        let e = channel("https://10.0.0.1:2379").unwrap_err();
-        assert!(e.0.contains("https://10.0.0.1:2379"), "{e}");
-        assert!(channel(" , ").is_err());
+    fn tls_and_clear_text_endpoints_are_never_mixed_up() {
+        // Channels are lazy: building one needs a runtime, not a server.
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let _guard = rt.enter();
+        let e = channel(&Connect::plain("https://10.0.0.1:2379")).unwrap_err();
+        assert!(
+            e.0.contains("https://10.0.0.1:2379") && e.0.contains("--registry-ca"),
+            "{e}"
+        );
+        let with_ca = |endpoints: &str| Connect {
+            endpoints: endpoints.into(),
+            ca_pem: Some(b"not checked until a connection".to_vec()),
+            ..Connect::default()
+        };
+        let e = channel(&with_ca("http://10.0.0.1:2379")).unwrap_err();
+        assert!(e.0.contains("must be https://"), "{e}");
+        let e = channel(&Connect {
+            identity: Some((Vec::new(), Vec::new())),
+            ..Connect::plain("http://10.0.0.1:2379")
+        })
+        .unwrap_err();
+        assert!(e.0.contains("needs the CA"), "{e}");
+        assert!(channel(&Connect::plain(" , ")).is_err());
+        assert!(channel(&Connect::plain("10.0.0.1:2379")).is_ok());
     }
 }

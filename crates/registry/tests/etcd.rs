@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use registry::{announce, follow, Members, ShardRecord};
+use registry::{announce, follow, Connect, Members, ShardRecord};
 use testkit::etcd::Etcd;
 use tokio::sync::watch;
 
@@ -47,8 +47,14 @@ async fn until(
 async fn shards_join_update_survive_an_outage_and_leave() {
     let mut etcd = Etcd::start();
     let (rec_tx, rec_rx) = watch::channel(record("127.0.0.1:7001"));
-    let a = announce(&etcd.endpoint(), "/t/", Duration::from_secs(2), rec_rx).unwrap();
-    let mut members = follow(&etcd.endpoint(), "/t/").unwrap();
+    let a = announce(
+        &Connect::plain(&etcd.endpoint()),
+        "/t/",
+        Duration::from_secs(2),
+        rec_rx,
+    )
+    .unwrap();
+    let mut members = follow(&Connect::plain(&etcd.endpoint()), "/t/").unwrap();
     let key = "/t/shards/127.0.0.1:7001";
     until(&mut members, Duration::from_secs(10), "join", |m| {
         m.connected && m.shards.contains_key(key)
@@ -80,7 +86,13 @@ async fn shards_join_update_survive_an_outage_and_leave() {
     .await;
     // A second shard joins after the outage.
     let (_b_tx, b_rx) = watch::channel(record("127.0.0.1:7002"));
-    let b = announce(&etcd.endpoint(), "/t/", Duration::from_secs(2), b_rx).unwrap();
+    let b = announce(
+        &Connect::plain(&etcd.endpoint()),
+        "/t/",
+        Duration::from_secs(2),
+        b_rx,
+    )
+    .unwrap();
     until(&mut members, Duration::from_secs(10), "second join", |m| {
         m.shards.len() == 2
     })
@@ -106,7 +118,13 @@ async fn shards_join_update_survive_an_outage_and_leave() {
 async fn a_lease_lost_while_etcd_was_up_is_granted_again() {
     let etcd = Etcd::start();
     let (_tx, rx) = watch::channel(record("127.0.0.1:7003"));
-    let a = announce(&etcd.endpoint(), "/u/", Duration::from_secs(2), rx).unwrap();
+    let a = announce(
+        &Connect::plain(&etcd.endpoint()),
+        "/u/",
+        Duration::from_secs(2),
+        rx,
+    )
+    .unwrap();
     let mut registered = a.registered();
     tokio::time::timeout(Duration::from_secs(10), registered.wait_for(|r| *r))
         .await
@@ -143,7 +161,7 @@ async fn a_deleted_or_overwritten_record_is_restored_under_the_shards_own_lease(
     let etcd = Etcd::start();
     let ttl = Duration::from_secs(2);
     let (_tx, rx) = watch::channel(record("127.0.0.1:7004"));
-    let a = announce(&etcd.endpoint(), "/r/", ttl, rx).unwrap();
+    let a = announce(&Connect::plain(&etcd.endpoint()), "/r/", ttl, rx).unwrap();
     let mut registered = a.registered();
     tokio::time::timeout(Duration::from_secs(10), registered.wait_for(|r| *r))
         .await

@@ -44,13 +44,80 @@ pub struct ShardArgs {
     membership: ShardMembership,
 }
 
+/// TLS to etcd (`https://` registry endpoints) and its users, shard and tracker alike.
+#[derive(Args, Clone)]
+pub struct RegistryAccess {
+    /// PEM file of the CA that signed etcd's certificates: every registry endpoint is then
+    /// `https://` (and none may be).
+    #[arg(long, value_name = "FILE")]
+    registry_ca: Option<PathBuf>,
+    /// PEM certificate this process presents to etcd (for an etcd run with
+    /// `--client-cert-auth`); with `--registry-key`.
+    #[arg(long, value_name = "FILE", requires = "registry_key")]
+    registry_cert: Option<PathBuf>,
+    /// PEM private key of `--registry-cert`.
+    #[arg(long, value_name = "FILE", requires = "registry_cert")]
+    registry_key: Option<PathBuf>,
+    /// etcd user, for an etcd with authentication on (its password from
+    /// `--registry-password-file`).
+    #[arg(long, requires = "registry_password_file")]
+    registry_user: Option<String>,
+    /// File holding the password of `--registry-user` (one line; never on the command line).
+    #[arg(long, value_name = "FILE", requires = "registry_user")]
+    registry_password_file: Option<PathBuf>,
+}
+
+impl RegistryAccess {
+    /// How to reach the etcd at `endpoints` (`None`: no registry, and then no TLS flag may be
+    /// given either).
+    fn connect(&self, endpoints: Option<&String>) -> Result<Option<registry::Connect>> {
+        let read = |p: &PathBuf, what: &str| {
+            std::fs::read(p).with_context(|| format!("reading {what} {}", p.display()))
+        };
+        let Some(endpoints) = endpoints else {
+            if self.registry_ca.is_some()
+                || self.registry_cert.is_some()
+                || self.registry_user.is_some()
+            {
+                bail!("`--registry-ca`, `--registry-cert` and `--registry-user` need `--registry`");
+            }
+            return Ok(None);
+        };
+        let identity = match (&self.registry_cert, &self.registry_key) {
+            (Some(c), Some(k)) => Some((read(c, "--registry-cert")?, read(k, "--registry-key")?)),
+            _ => None,
+        };
+        let user = match (&self.registry_user, &self.registry_password_file) {
+            (Some(u), Some(f)) => {
+                let password = String::from_utf8(read(f, "--registry-password-file")?)
+                    .context("--registry-password-file is not UTF-8")?;
+                Some((u.clone(), password.trim_end_matches(['\r', '\n']).to_string()))
+            }
+            _ => None,
+        };
+        Ok(Some(registry::Connect {
+            endpoints: endpoints.clone(),
+            user,
+            ca_pem: self
+                .registry_ca
+                .as_ref()
+                .map(|p| read(p, "--registry-ca"))
+                .transpose()?,
+            identity,
+        }))
+    }
+}
+
 /// How a shard joins a registry and leaves.
 #[derive(Args, Clone)]
 pub struct ShardMembership {
-    /// etcd endpoints (`http://host:port`, comma separated): the shard announces itself there
-    /// under a lease it keeps alive, and trackers on the same registry build routes from it.
+    /// etcd endpoints (`http://host:port`, or `https://` with `--registry-ca`; comma separated):
+    /// the shard announces itself there under a lease it keeps alive, and trackers on the same
+    /// registry build routes from it.
     #[arg(long)]
     registry: Option<String>,
+    #[command(flatten)]
+    registry_access: RegistryAccess,
     /// Key prefix of this cluster in the registry (several clusters may share one etcd).
     #[arg(long, default_value = "/strata/")]
     registry_prefix: String,
@@ -182,10 +249,13 @@ pub struct TrackerArgs {
     /// CA certificate (PEM) the shards' certificates must chain to: shard links are then TLS.
     #[arg(long)]
     tls_ca: Option<PathBuf>,
-    /// etcd endpoints (`http://host:port`, comma separated): routes are built from the shards
-    /// announced there, as they join and leave (besides any `--shards` or `--route`).
+    /// etcd endpoints (`http://host:port`, or `https://` with `--registry-ca`; comma separated):
+    /// routes are built from the shards announced there, as they join and leave (besides any
+    /// `--shards` or `--route`).
     #[arg(long)]
     registry: Option<String>,
+    #[command(flatten)]
+    registry_access: RegistryAccess,
     /// Key prefix of this cluster in the registry.
     #[arg(long, default_value = "/strata/")]
     registry_prefix: String,
@@ -550,8 +620,12 @@ pub fn shard(a: ShardArgs) -> Result<()> {
             ..shard_config(&a.model, Some(layers), &a.limits, addr.clone(), link)
         };
         let core = tokio::task::spawn_blocking(move || shard::ShardCore::load(config)).await??;
-        let announcer = match &a.membership.registry {
-            Some(endpoints) => Some(announce(&core, endpoints, &a.membership)?),
+        let registry = a
+            .membership
+            .registry_access
+            .connect(a.membership.registry.as_ref())?;
+        let announcer = match &registry {
+            Some(connect) => Some(announce(&core, connect, &a.membership)?),
             None => None,
         };
         eprintln!("strata shard {addr}: {}", core.context);
@@ -598,7 +672,7 @@ fn shard_record(core: &shard::ShardCore, instance: &str) -> registry::ShardRecor
 /// Announces the shard in the registry and keeps its record's load figures current.
 fn announce(
     core: &Arc<shard::ShardCore>,
-    endpoints: &str,
+    endpoints: &registry::Connect,
     m: &ShardMembership,
 ) -> Result<registry::Announcer> {
     // A restart on the same address is a new member: trackers rebuild its routes.
@@ -732,14 +806,13 @@ pub fn tracker(a: TrackerArgs) -> Result<()> {
     let token = read_token(&a.cluster_token_file)?;
     let link = link(token, a.tls_ca.as_deref())?;
     let config = tracker::TrackerConfig {
-        registry: a
-            .registry
-            .as_ref()
-            .map(|endpoints| tracker::RegistryConfig {
-                endpoints: endpoints.clone(),
+        registry: a.registry_access.connect(a.registry.as_ref())?.map(|connect| {
+            tracker::RegistryConfig {
+                connect,
                 prefix: a.registry_prefix.clone(),
                 link: link.clone(),
-            }),
+            }
+        }),
         ..tracker_config(&a.route, &a.api)?
     };
     let mut named: Vec<(String, Vec<String>)> = Vec::new();

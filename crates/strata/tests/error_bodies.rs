@@ -399,7 +399,7 @@ fn access_refusals(rt: &tokio::runtime::Runtime, out: &mut Vec<String>) {
         rt,
         tracker::TrackerConfig {
             registry: Some(tracker::RegistryConfig {
-                endpoints: etcd.endpoint(),
+                connect: registry::Connect::plain(&etcd.endpoint()),
                 prefix: "/errors".into(),
                 link: proto::Link::plain("t"),
             }),

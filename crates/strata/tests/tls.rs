@@ -219,3 +219,125 @@ fn with_an_api_key_health_and_metrics_need_it_unless_public() {
         assert_eq!(r.status, 200, "{}", r.body);
     }
 }
+
+/// etcd over TLS that asks every client for a certificate: shards and a tracker given the CA
+/// and a client certificate announce, follow and answer; a tracker given only the CA is
+/// refused by etcd (no member, no route), and one given `https://` without a CA, or a CA for
+/// an `http://` endpoint, does not start.
+#[test]
+fn etcd_over_tls_with_client_certificates_carries_the_membership() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let d = dir("etcd");
+    let certs = testkit::tls::test_certs(&d, "etcd");
+    let etcd = testkit::etcd::Etcd::start_tls(&certs);
+    let ep = etcd.endpoint();
+    assert!(ep.starts_with("https://"), "{ep}");
+    let token = procs::token_file("etcd-tls-token-0123456789abcdef");
+    let m = testkit::real_model();
+    let (ca, cert, key) = (
+        certs.ca.display().to_string(),
+        certs.cert.display().to_string(),
+        certs.key.display().to_string(),
+    );
+    let tls_flags = [
+        "--registry-ca",
+        ca.as_str(),
+        "--registry-cert",
+        cert.as_str(),
+        "--registry-key",
+        key.as_str(),
+    ];
+    let _shards: Vec<Proc> = ["0..15", "15..30"]
+        .iter()
+        .map(|r| procs::announced(exe(), &m, r, &token, "127.0.0.1:0", &ep, &tls_flags))
+        .collect();
+    let tracker = procs::registry_tracker(exe(), &token, &ep, &tls_flags);
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0});
+    let answered = testkit::observe::wait_until(Duration::from_secs(30), || {
+        request("POST", &tracker.addr, "/v1/completions", Some(&body), &[])
+            .is_ok_and(|r| r.status == 200)
+    });
+    assert!(answered, "no route formed over the TLS registry");
+    let h: Value = get(&tracker.addr, "/health").json();
+    assert_eq!(
+        h["models"][0]["routes"].as_array().map(Vec::len),
+        Some(1),
+        "{h}"
+    );
+
+    // The CA alone: etcd wants a client certificate, so nothing is seen.
+    let stranger = procs::registry_tracker(exe(), &token, &ep, &["--registry-ca", &ca]);
+    std::thread::sleep(Duration::from_secs(3));
+    let ready = get(&stranger.addr, "/readyz");
+    assert_eq!(ready.status, 503, "{}", ready.body);
+    assert_eq!(
+        testkit::observe::tracker_metric(&stranger.addr, "strata_registry_connected"),
+        0.0
+    );
+
+    // Mixed-up schemes are refused at start, naming the flag.
+    for (endpoint, extra) in [
+        (ep.as_str(), &[][..]),
+        (
+            &*ep.replacen("https://", "http://", 1),
+            &["--registry-ca", ca.as_str()][..],
+        ),
+    ] {
+        let mut args = vec![
+            "tracker".to_string(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--cluster-token-file".into(),
+            token.display().to_string(),
+            "--registry".into(),
+            endpoint.to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let out = Command::new(exe()).args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{endpoint} {extra:?}: started");
+        assert!(
+            err.contains("--registry-ca") || err.contains("must be https://"),
+            "{endpoint} {extra:?}: {err}"
+        );
+    }
+}
+
+/// etcd with authentication on: shards and a tracker given the user and its password file
+/// announce, follow and answer; a tracker without them sees no member.
+#[test]
+fn etcd_with_a_user_and_password_carries_the_membership() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let d = dir("etcd-auth");
+    std::fs::create_dir_all(&d).unwrap();
+    let etcd = testkit::etcd::Etcd::start();
+    etcd.enable_auth("s3cret-pass");
+    let pw = d.join("password");
+    std::fs::write(&pw, "s3cret-pass\n").unwrap();
+    let pw = pw.display().to_string();
+    let ep = etcd.endpoint();
+    let token = procs::token_file("etcd-auth-token-0123456789abcdef");
+    let m = testkit::real_model();
+    let auth = [
+        "--registry-user",
+        "root",
+        "--registry-password-file",
+        pw.as_str(),
+    ];
+    let _shard = procs::announced(exe(), &m, "0..30", &token, "127.0.0.1:0", &ep, &auth);
+    let tracker = procs::registry_tracker(exe(), &token, &ep, &auth);
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0});
+    let answered = testkit::observe::wait_until(Duration::from_secs(30), || {
+        request("POST", &tracker.addr, "/v1/completions", Some(&body), &[])
+            .is_ok_and(|r| r.status == 200)
+    });
+    assert!(answered, "no route formed over the authenticated registry");
+
+    let stranger = procs::registry_tracker(exe(), &token, &ep, &[]);
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(get(&stranger.addr, "/readyz").status, 503);
+    assert_eq!(
+        testkit::observe::tracker_metric(&stranger.addr, "strata_registry_connected"),
+        0.0
+    );
+}

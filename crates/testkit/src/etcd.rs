@@ -13,6 +13,9 @@ pub struct Etcd {
     dir: PathBuf,
     client_port: u16,
     peer_port: u16,
+    /// With TLS: its certificates (clients must present one signed by the same CA), and the
+    /// clear-text port of its `/health` (etcd's metrics listener).
+    tls: Option<(crate::tls::TestCerts, u16)>,
 }
 
 fn free_port() -> u16 {
@@ -31,6 +34,17 @@ fn binary() -> PathBuf {
 impl Etcd {
     /// Starts etcd and waits until it answers.
     pub fn start() -> Etcd {
+        Etcd::start_with(None)
+    }
+
+    /// Starts etcd serving its clients over TLS only, with `certs` (a certificate for
+    /// 127.0.0.1), and asking every client for a certificate signed by `certs.ca`
+    /// (`--client-cert-auth`).
+    pub fn start_tls(certs: &crate::tls::TestCerts) -> Etcd {
+        Etcd::start_with(Some(certs.clone()))
+    }
+
+    fn start_with(tls: Option<crate::tls::TestCerts>) -> Etcd {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("strata-etcd-{}-{n}", std::process::id()));
@@ -41,11 +55,13 @@ impl Etcd {
             dir,
             client_port: 0,
             peer_port: 0,
+            tls: None,
         };
         // A port found free may be taken before etcd binds it: then other ports.
         for attempt in 1..=3 {
             e.client_port = free_port();
             e.peer_port = free_port();
+            e.tls = tls.clone().map(|c| (c, free_port()));
             match e.launch() {
                 Ok(()) => return e,
                 Err(why) if attempt < 3 => eprintln!("etcd did not start ({why}); other ports"),
@@ -55,9 +71,10 @@ impl Etcd {
         unreachable!("the last attempt returns or panics")
     }
 
-    /// `http://127.0.0.1:PORT`, what `--registry` takes.
+    /// `http://127.0.0.1:PORT` (`https://` with TLS), what `--registry` takes.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     /// Kills etcd (SIGKILL), keeping its data for [`Etcd::restart`].
@@ -81,7 +98,18 @@ impl Etcd {
         self.kill();
         let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = Command::new(binary())
+        let mut cmd = Command::new(binary());
+        let mut health = format!("127.0.0.1:{}", self.client_port);
+        if let Some((certs, metrics_port)) = &self.tls {
+            let file = |p: &PathBuf| p.display().to_string();
+            health = format!("127.0.0.1:{metrics_port}");
+            cmd.args(["--cert-file", &file(&certs.cert)])
+                .args(["--key-file", &file(&certs.key)])
+                .args(["--trusted-ca-file", &file(&certs.ca)])
+                .arg("--client-cert-auth")
+                .args(["--listen-metrics-urls", &format!("http://{health}")]);
+        }
+        let child = cmd
             .args([
                 "--name",
                 "strata-test",
@@ -110,9 +138,8 @@ impl Etcd {
             });
         self.child = Some(child);
         let t0 = Instant::now();
-        let addr = format!("127.0.0.1:{}", self.client_port);
         loop {
-            let r = client::request("GET", &addr, "/health", None, &[]);
+            let r = client::request("GET", &health, "/health", None, &[]);
             if r.is_ok_and(|r| r.status == 200 && r.body.contains("true")) {
                 return Ok(());
             }
@@ -133,6 +160,24 @@ impl Etcd {
         let addr = format!("127.0.0.1:{}", self.client_port);
         let r = client::request("POST", &addr, path, Some(body), &[]).expect("etcd gateway");
         serde_json::from_str(&r.body).unwrap_or_default()
+    }
+
+    /// Turns authentication on, with one user, `root` (etcd's root role) with `password`,
+    /// through the JSON gateway (whose other helpers then fail: they send no token).
+    pub fn enable_auth(&self, password: &str) {
+        use serde_json::json;
+        self.gateway(
+            "/v3/auth/user/add",
+            &json!({"name": "root", "password": password}),
+        );
+        // The root role may exist already; adding it again is refused, harmlessly.
+        self.gateway("/v3/auth/role/add", &json!({"name": "root"}));
+        self.gateway(
+            "/v3/auth/user/grant",
+            &json!({"user": "root", "role": "root"}),
+        );
+        let on = self.gateway("/v3/auth/enable", &json!({}));
+        assert!(on.get("error").is_none(), "etcd auth enable: {on}");
     }
 
     /// Writes `value` under `key` with no lease (as an operator's `etcdctl put` would).

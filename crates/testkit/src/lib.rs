@@ -326,6 +326,34 @@ pub fn reference_text(name: &str) -> String {
         .unwrap_or_else(|e| panic!("cannot read reference {}: {e}", p.display()))
 }
 
+/// Writes the GGUF `bytes` as a split model of `n_parts` files in `dir`, as llama.cpp's
+/// `gguf-split` lays one out: `PREFIX-00001-of-0000N.gguf` holds all the metadata, every part
+/// its share of the tensors in file order (contiguous groups, so layers stay together) and
+/// `split.no`, `split.count` and `split.tensors.count`. Returns the first part's path.
+pub fn write_split(bytes: &[u8], dir: &Path, prefix: &str, n_parts: usize) -> PathBuf {
+    let f = gguf::GgufFile::from_bytes(bytes.to_vec()).expect("a valid GGUF to split");
+    let tensors = f.header().tensors();
+    let per_part = tensors.len().div_ceil(n_parts);
+    std::fs::create_dir_all(dir).expect("create the split's directory");
+    for (no, group) in tensors.chunks(per_part).enumerate() {
+        let mut w = Writer::new(3);
+        if no == 0 {
+            for (k, v) in f.header().metadata() {
+                w.metadata(k, v.clone());
+            }
+        }
+        w.metadata("split.no", Value::U16(no as u16));
+        w.metadata("split.count", Value::U16(n_parts as u16));
+        w.metadata("split.tensors.count", Value::I32(tensors.len() as i32));
+        for t in group {
+            w.tensor(&t.name, &t.shape, t.ty, f.data(t).to_vec());
+        }
+        let path = dir.join(format!("{prefix}-{:05}-of-{n_parts:05}.gguf", no + 1));
+        std::fs::write(&path, w.to_bytes()).expect("write a part");
+    }
+    dir.join(format!("{prefix}-00001-of-{n_parts:05}.gguf"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -48,7 +48,7 @@ pub struct TrackerConfig {
 /// it announces.
 #[derive(Debug, Clone)]
 pub struct RegistryConfig {
-    pub endpoints: String,
+    pub connect: registry::Connect,
     pub prefix: String,
     pub link: proto::Link,
 }

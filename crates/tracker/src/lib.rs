@@ -67,7 +67,7 @@ impl Tracker {
         metrics::declare(&metrics);
         let members = match &config.registry {
             Some(r) => Some(
-                registry::follow(&r.endpoints, &r.prefix)
+                registry::follow(&r.connect, &r.prefix)
                     .map_err(|e| format!("the registry: {e}"))?,
             ),
             None => None,

@@ -383,7 +383,7 @@ pub async fn prompt_tokens(
     mut req: ValidRequest,
     headers: &HeaderMap,
 ) -> Result<usize, Refusal> {
-    let model = s.model(req.model.as_deref())?;
+    let model = s.model_within(req.model.as_deref()).await?;
     s.key(headers)?;
     check_against_model(&model, &req)?;
     thinking_of(&model, &mut req);
@@ -400,7 +400,7 @@ pub async fn admit_valid(
     let endpoint = req.endpoint;
     record.priority = priority_of(&req, headers)?;
     record.user = req.user.clone().unwrap_or_default();
-    let model = s.model(req.model.as_deref())?;
+    let model = s.model_within(req.model.as_deref()).await?;
     record.model = model.id.clone();
     let key = s.key(headers)?;
     check_against_model(&model, &req)?;

@@ -43,6 +43,25 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// [`AppState::model`], waiting up to `failover_wait` while the answer is `no_route`: a
+    /// request that comes in the moment its model's routes leave and rejoin the table (a
+    /// registry blip, the last route failing over) waits for them as a moved session does;
+    /// past the wait the refusal is the client's.
+    pub async fn model_within(&self, requested: Option<&str>) -> Result<Arc<ModelEntry>, Refusal> {
+        let deadline = std::time::Instant::now() + self.failover_wait;
+        loop {
+            match self.model(requested) {
+                Err(e)
+                    if e.reason == engine::Reason::NoRoute
+                        && std::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+                answer => return answer,
+            }
+        }
+    }
+
     /// The model a request names (or the only one, when it names none). A model no route
     /// holds is refused as `not_resident`: nothing is ever loaded to answer a request. With
     /// no route at all (none joined yet, or the model's routes all left), the refusal is a
