@@ -179,6 +179,14 @@ pub struct Etcd {
     user: Option<(String, String)>,
 }
 
+impl std::fmt::Debug for Etcd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Etcd")
+            .field("user", &self.user.as_ref().map(|(u, _)| u))
+            .finish_non_exhaustive()
+    }
+}
+
 impl Etcd {
     fn svc(&self) -> Svc {
         InterceptedService::new(self.raw.clone(), self.token.clone())
@@ -699,12 +707,7 @@ type Snapshot = (
 );
 
 /// Every record under the prefix, read in pages all at one revision (the first page's).
-async fn snapshot(
-    channel: &Etcd,
-    prefix: &str,
-    key: &[u8],
-    end: &[u8],
-) -> Result<Snapshot, Error> {
+async fn snapshot(channel: &Etcd, prefix: &str, key: &[u8], end: &[u8]) -> Result<Snapshot, Error> {
     let mut kv = KvClient::new(channel.svc()).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let mut shards = BTreeMap::new();
     let mut rejected = BTreeMap::new();
@@ -757,8 +760,7 @@ async fn watch_from(
     revision: i64,
     tx: &watch::Sender<Members>,
 ) -> Result<std::convert::Infallible, Error> {
-    let mut watcher =
-        WatchClient::new(channel.svc()).max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let mut watcher = WatchClient::new(channel.svc()).max_decoding_message_size(MAX_MESSAGE_BYTES);
     // The request stream stays open as long as `req_tx` lives: dropping it ends the watch.
     let (req_tx, req_rx) = mpsc::channel(1);
     req_tx

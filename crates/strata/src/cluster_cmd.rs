@@ -91,7 +91,10 @@ impl RegistryAccess {
             (Some(u), Some(f)) => {
                 let password = String::from_utf8(read(f, "--registry-password-file")?)
                     .context("--registry-password-file is not UTF-8")?;
-                Some((u.clone(), password.trim_end_matches(['\r', '\n']).to_string()))
+                Some((
+                    u.clone(),
+                    password.trim_end_matches(['\r', '\n']).to_string(),
+                ))
             }
             _ => None,
         };
@@ -806,13 +809,14 @@ pub fn tracker(a: TrackerArgs) -> Result<()> {
     let token = read_token(&a.cluster_token_file)?;
     let link = link(token, a.tls_ca.as_deref())?;
     let config = tracker::TrackerConfig {
-        registry: a.registry_access.connect(a.registry.as_ref())?.map(|connect| {
-            tracker::RegistryConfig {
+        registry: a
+            .registry_access
+            .connect(a.registry.as_ref())?
+            .map(|connect| tracker::RegistryConfig {
                 connect,
                 prefix: a.registry_prefix.clone(),
                 link: link.clone(),
-            }
-        }),
+            }),
         ..tracker_config(&a.route, &a.api)?
     };
     let mut named: Vec<(String, Vec<String>)> = Vec::new();
