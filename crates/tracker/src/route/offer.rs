@@ -38,6 +38,13 @@ fn another_may_take(e: &Refusal) -> bool {
     }
 }
 
+/// A job a route took: the route, the session's id there and its events.
+type Admitted = (
+    Arc<RouteHandle>,
+    engine::SessionId,
+    mpsc::UnboundedReceiver<SessionEvent>,
+);
+
 /// Whether every route refusing for this reason is a moment of change (a route failing over,
 /// draining, or a shard restarting and its route rejoining) rather than an answer: not a full route (admission refuses at once, typed) nor anything about the request.
 fn passes(e: &Refusal) -> bool {
@@ -58,14 +65,7 @@ pub async fn submit_within(
     model: &ModelEntry,
     job: Job,
     wait: Duration,
-) -> Result<
-    (
-        Arc<RouteHandle>,
-        engine::SessionId,
-        mpsc::UnboundedReceiver<SessionEvent>,
-    ),
-    Refusal,
-> {
+) -> Result<Admitted, Refusal> {
     let deadline = Instant::now() + wait;
     let mut entry = None;
     loop {
@@ -85,17 +85,7 @@ pub async fn submit_within(
 
 /// Offers the job to the model's routes in turn; the first that admits it runs it. When every
 /// route refuses for capacity the last refusal is returned; any other refusal is final.
-pub async fn submit(
-    model: &ModelEntry,
-    job: Job,
-) -> Result<
-    (
-        Arc<RouteHandle>,
-        engine::SessionId,
-        mpsc::UnboundedReceiver<SessionEvent>,
-    ),
-    Refusal,
-> {
+pub async fn submit(model: &ModelEntry, job: Job) -> Result<Admitted, Refusal> {
     use std::sync::atomic::Ordering::Relaxed;
     let mut last = Refusal::no_route("the model has no route now; retry shortly");
     // The least loaded route first (sessions held and requests on their way; between equals,
