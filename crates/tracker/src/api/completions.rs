@@ -383,7 +383,8 @@ pub async fn prompt_tokens(
     mut req: ValidRequest,
     headers: &HeaderMap,
 ) -> Result<usize, Refusal> {
-    let model = s.model_within(req.model.as_deref()).await?;
+    let wait_until = std::time::Instant::now() + s.failover_wait;
+    let model = s.model_within(req.model.as_deref(), wait_until).await?;
     s.key(headers)?;
     check_against_model(&model, &req)?;
     thinking_of(&model, &mut req);
@@ -400,7 +401,9 @@ pub async fn admit_valid(
     let endpoint = req.endpoint;
     record.priority = priority_of(&req, headers)?;
     record.user = req.user.clone().unwrap_or_default();
-    let model = s.model_within(req.model.as_deref()).await?;
+    // One bound for all the waiting for a route this request may do (`--failover-wait-ms`).
+    let wait_until = std::time::Instant::now() + s.failover_wait;
+    let model = s.model_within(req.model.as_deref(), wait_until).await?;
     record.model = model.id.clone();
     let key = s.key(headers)?;
     check_against_model(&model, &req)?;
@@ -431,7 +434,7 @@ pub async fn admit_valid(
         ledger_row: None,
         billed_prompt: 0,
     };
-    let choices = submit_choices(s, &model, key.as_ref(), job, req.n).await?;
+    let choices = submit_choices(s, &model, key.as_ref(), job, req.n, wait_until).await?;
     let n = s
         .responses
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -580,6 +583,7 @@ async fn submit_choices(
     key: Option<&ApiKey>,
     job: Job,
     n: usize,
+    wait_until: std::time::Instant,
 ) -> Result<Vec<Choice>, Refusal> {
     let n_prompt = job.prompt_ids.len() as u64;
     let mut choices: Vec<Choice> = Vec::with_capacity(n);
@@ -599,7 +603,7 @@ async fn submit_choices(
             _ => None,
         };
         let ledger_row = job_i.ledger_row;
-        match submit_within(&s.table, model, job_i, s.failover_wait).await {
+        match submit_within(&s.table, model, job_i, wait_until).await {
             Ok((route, id, events)) => {
                 let mut c = Choice {
                     events,

@@ -43,12 +43,15 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// [`AppState::model`], waiting up to `failover_wait` while the answer is `no_route`: a
-    /// request that comes in the moment its model's routes leave and rejoin the table (a
-    /// registry blip, the last route failing over) waits for them as a moved session does;
-    /// past the wait the refusal is the client's.
-    pub async fn model_within(&self, requested: Option<&str>) -> Result<Arc<ModelEntry>, Refusal> {
-        let deadline = std::time::Instant::now() + self.failover_wait;
+    /// [`AppState::model`], waiting until `deadline` while the answer is `no_route`: a request
+    /// that comes in the moment its model's routes leave and rejoin the table (a registry
+    /// blip, the last route failing over) waits for them as a moved session does; past the
+    /// deadline the refusal is the client's.
+    pub async fn model_within(
+        &self,
+        requested: Option<&str>,
+        deadline: std::time::Instant,
+    ) -> Result<Arc<ModelEntry>, Refusal> {
         loop {
             match self.model(requested) {
                 Err(e)

@@ -56,17 +56,16 @@ fn passes(e: &Refusal) -> bool {
 
 /// What the model's routes answer when the job is offered to them ([`submit`]); when all
 /// refuse for a reason that passes, offered again every 50 ms, with the routes read afresh
-/// from `table` (one that joined meanwhile included), until one takes it or `wait` is over. A
+/// from `table` (one that joined meanwhile included), until one takes it or `deadline` has passed. A
 /// client thus gets no error for a moment in which no route of its model was open (a replica
 /// failing over, a shard restarting, a route rejoining from the registry), as a session moved
-/// off a failed route gets none; past `wait` the refusal is the client's, typed.
+/// off a failed route gets none; past `deadline` the refusal is the client's, typed.
 pub async fn submit_within(
     table: &RouteTable,
     model: &ModelEntry,
     job: Job,
-    wait: Duration,
+    deadline: Instant,
 ) -> Result<Admitted, Refusal> {
-    let deadline = Instant::now() + wait;
     let mut entry = None;
     loop {
         let m = entry.as_deref().unwrap_or(model);
