@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: fetches what the tests need into the cache, without
-# root, then runs `cargo test --workspace` (extra arguments go to cargo test).
+# root, then runs `cargo nextest run --workspace` (extra arguments go to nextest: a test's name
+# to run only the tests whose names contain it, `--profile ci` as CI does).
+#   STRATA_LONG=1 also runs the long tests (`long_*`: the 10-minute chaos soak and the other
+#   runs made by hand when an issue needs their figures).
 #   - the real models (scripts/fetch-model.sh, checksummed, cached);
 #   - etcd (the registry tests start real ones) and promtool (checks /metrics): the ones on the
 #     PATH, else Debian's packages (etcd-server, prometheus) fetched with `apt-get download` and
@@ -49,5 +52,14 @@ tool() {
 ETCD_BIN="${ETCD_BIN:-$(tool etcd etcd-server)}"
 STRATA_PROMTOOL="${STRATA_PROMTOOL:-$(tool promtool prometheus)}"
 export ETCD_BIN STRATA_PROMTOOL
+
+# cargo-nextest runs each test in its own process with a time limit and prints its time
+# (.config/nextest.toml); installed from crates.io when missing (once, a few minutes).
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "== installing cargo-nextest (cargo install --locked cargo-nextest)" >&2
+  cargo install --locked cargo-nextest >&2
+fi
+long=()
+[ "${STRATA_LONG:-0}" = 1 ] && long=(--ignore-default-filter)
 echo "== tests (etcd: $ETCD_BIN, promtool: $STRATA_PROMTOOL)" >&2
-exec cargo test --workspace "$@"
+exec cargo nextest run --workspace "${long[@]}" "$@"

@@ -7,12 +7,10 @@
 //! `PROPTEST_CASES=N` sets the number of sequences (default 64; the hardening note quotes a
 //! long run).
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{config, frag};
+use crate::common::{config, frag};
 use futures::StreamExt;
 use proptest::prelude::*;
 use proto::v1::{route_msg, Fragment, RouteMsg, RouteReply, RouteSetup, Sampling, Step};

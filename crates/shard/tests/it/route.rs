@@ -5,12 +5,10 @@
 //! The first shard starts the next decode step on the last shard's token hint, uses it when the
 //! tracker's step is that step, and rolls it back otherwise.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{config, frag};
+use crate::common::{config, frag};
 use futures::{FutureExt, StreamExt};
 use proto::v1::{route_msg, Fragment, RouteMsg, RouteReply, RouteSetup, Step};
 use proto::{GrpcShard, ReplyStream, ShardTransport};

@@ -3,12 +3,10 @@
 //! that dies takes its streams down with a typed failure (the shard stops looking alive), and a
 //! shard told to stop ends its streams and stops even while a tracker holds them open.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{config, frag};
+use crate::common::{config, frag};
 use futures::StreamExt;
 use proto::v1::{route_msg, Fragment, RouteMsg, RouteReply, RouteSetup, Step};
 use proto::{ReplyStream, ShardTransport};

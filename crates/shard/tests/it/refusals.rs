@@ -1,12 +1,10 @@
 //! A shard's typed refusals and KV accounting, driven through the in-memory transport on a tiny
 //! model: cache miss, stale epoch, recipe mismatch, KV budget, and exact release.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{config, frag};
+use crate::common::{config, frag};
 use futures::StreamExt;
 use proto::v1::{route_msg, CacheRecipe, Fragment, RouteMsg, RouteReply, RouteSetup, Step};
 use proto::{ReplyStream, ShardTransport};

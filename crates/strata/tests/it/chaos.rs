@@ -1,7 +1,8 @@
 //! Chaos: random faults under a mixed load on two replicated routes of SmolLM2 (two shards
 //! each, announced in etcd) behind two trackers that build their routes from the registry, each
-//! with its own usage ledger. For `STRATA_CHAOS_SECS` seconds (default 120, what CI runs; run
-//! it long with e.g. `STRATA_CHAOS_SECS=600 cargo test -p strata --test chaos -- --nocapture`)
+//! with its own usage ledger. For `STRATA_CHAOS_SECS` seconds (default 120, what CI runs; the
+//! 10-minute soak is `long_random_faults_for_ten_minutes`: `STRATA_LONG=1 scripts/test.sh
+//! chaos::long_ --no-capture`)
 //! a fault thread picks, at random, one of:
 //!
 //! - a shard, and kills it (SIGKILL, then restarts it on its address), freezes it (SIGSTOP for
@@ -397,10 +398,21 @@ impl Client {
 
 #[test]
 fn random_faults_under_a_mixed_load_cost_no_client_an_error() {
+    chaos(120);
+}
+
+/// The soak: ten minutes of the same (`STRATA_LONG=1 scripts/test.sh long_`).
+#[test]
+fn long_random_faults_for_ten_minutes() {
+    chaos(600);
+}
+
+/// `secs` seconds of faults under load, or `STRATA_CHAOS_SECS`.
+fn chaos(secs: u64) {
     let secs: u64 = std::env::var("STRATA_CHAOS_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(120);
+        .unwrap_or(secs);
     let seed: u64 = std::env::var("STRATA_CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())

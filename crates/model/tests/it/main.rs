@@ -1,0 +1,7 @@
+//! The integration tests of `model`, one test binary (one link) with a module per scenario.
+
+mod hostile_families;
+mod invariants;
+mod real_families;
+mod real_model;
+mod split_files;

@@ -1,0 +1,3 @@
+//! The integration tests of `registry`, one test binary (one link) with a module per scenario.
+
+mod etcd;

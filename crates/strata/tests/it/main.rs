@@ -1,0 +1,21 @@
+//! The integration tests of `strata`, one test binary (one link) with a module per scenario.
+
+mod admission;
+mod agent_api;
+mod agent_endpoints;
+mod api_limits;
+mod chaos;
+mod cli;
+mod cluster;
+mod compute_failure;
+mod error_bodies;
+mod failover;
+mod families;
+mod faults;
+mod hardening;
+mod isolation;
+mod probes;
+mod residency;
+mod serve;
+mod swarm_hygiene;
+mod tls;
