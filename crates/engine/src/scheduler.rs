@@ -171,6 +171,20 @@ impl Entry {
     fn n_generated(&self) -> usize {
         self.tokens.len() - self.n_prompt
     }
+
+    /// Its last known token awaits its one-position decode step.
+    fn decodes(&self) -> bool {
+        self.in_flight.is_none()
+            && self.n_computed >= self.n_prompt
+            && self.n_computed + 1 == self.tokens.len()
+    }
+
+    /// Positions before its last known token remain to be computed: a prompt, or the known
+    /// tokens of a replay, which may reach past the prompt (output recomputed after a cache
+    /// miss goes chunk by chunk like a prompt).
+    fn prefills(&self) -> bool {
+        self.in_flight.is_none() && self.n_computed < self.tokens.len() && !self.decodes()
+    }
 }
 
 /// The scheduler: waiting sessions in arrival order per priority class, active sessions, steps
@@ -341,11 +355,11 @@ impl Scheduler {
                 &mut items,
             );
         }
-        let grading_runnable = self.active.values().any(|e| {
-            e.priority == Priority::Grading
-                && e.in_flight.is_none()
-                && e.n_computed < e.tokens.len()
-        }) || self.n_waiting_of(Priority::Grading) > 0;
+        let grading_runnable = self
+            .active
+            .values()
+            .any(|e| e.priority == Priority::Grading && (e.decodes() || e.prefills()))
+            || self.n_waiting_of(Priority::Grading) > 0;
         if items.len() > n_before || !grading_runnable {
             self.grading_unserved_since = None;
         } else if self.grading_unserved_since.is_none() {
@@ -379,11 +393,7 @@ impl Scheduler {
             if *budget == 0 || items.len() >= max_sessions {
                 break;
             }
-            if e.priority == priority
-                && e.in_flight.is_none()
-                && e.n_computed >= e.n_prompt
-                && e.n_computed + 1 == e.tokens.len()
-            {
+            if e.priority == priority && e.decodes() {
                 items.push(PlanItem {
                     session: id,
                     start_pos: e.n_computed,
@@ -400,9 +410,7 @@ impl Scheduler {
         let prefill: Vec<SessionId> = self
             .active
             .iter()
-            .filter(|(_, e)| {
-                e.priority == priority && e.in_flight.is_none() && e.n_computed < e.n_prompt
-            })
+            .filter(|(_, e)| e.priority == priority && e.prefills())
             .map(|(&id, _)| id)
             .collect();
         let mut owners: Vec<u64> = prefill.iter().map(|id| self.active[id].owner).collect();
@@ -587,6 +595,30 @@ mod tests {
     /// Runs a step with a fake model that always samples `7`.
     fn run(s: &mut Scheduler) -> (StepPlan, Vec<Event>) {
         run_at(s, Instant::now())
+    }
+
+    /// A replay of more known tokens than one chunk holds goes chunk by chunk to the end, then
+    /// decodes (its later chunks lie past the prompt, where only a decode step used to look:
+    /// such a session stalled, neither prefilling nor decoding).
+    #[test]
+    fn a_replay_longer_than_a_chunk_goes_on_past_the_prompt() {
+        let mut s = Scheduler::new(cfg(4, 4));
+        s.add(SessionId(1), vec![1, 2], 20, Priority::Agent, 0);
+        for _ in 0..7 {
+            run(&mut s);
+        }
+        // 2 prompt tokens and 7 generated: 9 known, recomputed in chunks of 4, 4 and 1.
+        assert!(s.replay(SessionId(1)));
+        let mut spans = Vec::new();
+        for _ in 0..4 {
+            let (p, _) = run(&mut s);
+            let i = &p.items[0];
+            spans.push((i.start_pos, i.tokens.len(), i.want_output));
+        }
+        assert_eq!(
+            spans,
+            vec![(0, 4, false), (4, 4, false), (8, 1, true), (9, 1, true)]
+        );
     }
 
     /// [`run`] at a given time.
