@@ -79,6 +79,7 @@ impl Tracker {
             moved_rx,
             Arc::clone(&table),
             config.ledger.clone(),
+            Arc::clone(&metrics),
             config.failover_wait,
         ));
         let starter = Arc::new(route::start::RouteStarter {

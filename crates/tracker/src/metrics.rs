@@ -315,6 +315,11 @@ pub fn declare(m: &Metrics) {
             "sessions moved off a failed, draining or departed route to another route of their model, by reason",
         ),
         (
+            "strata_sessions_lost_total",
+            "counter",
+            "sessions of a failed route whose clients got its error, by why: no route of their model took them within the failover wait (no_route_in_time), it could not move (unplaced: no replica, or nothing more to generate), a session blamed for too many route failures (moves_spent), or a failure that is not one to move on (final)",
+        ),
+        (
             "strata_registry_connected",
             "gauge",
             "1 while the tracker's watch on the registry is live (0: membership frozen as last seen)",

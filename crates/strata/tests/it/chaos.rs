@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use testkit::etcd::Etcd;
-use testkit::http::{request, SseStream};
+use testkit::http::{get, request, SseStream};
 use testkit::observe::{shard_stat, tracker_metric, wait_until};
 use testkit::procs::{self, Proc};
 
@@ -557,9 +557,25 @@ fn chaos(secs: u64) {
         tally.resent,
         tally.failures.len()
     );
+    // Why sessions were lost, as each tracker counts it (for a failure's diagnosis).
+    let lost: Vec<String> = swarm
+        .trackers
+        .iter()
+        .flat_map(|t| {
+            get(&t.addr, "/metrics")
+                .body
+                .lines()
+                .filter(|l| {
+                    l.starts_with("strata_sessions_lost_total")
+                        || l.starts_with("strata_failures_total")
+                })
+                .map(|l| format!("{}: {l}", t.addr))
+                .collect::<Vec<_>>()
+        })
+        .collect();
     assert!(
         tally.failures.is_empty(),
-        "client errors or changed outputs: {:#?}",
+        "client errors or changed outputs: {:#?}\nlost sessions and route failures by kind: {lost:#?}",
         tally.failures
     );
     assert!(tally.answered > 0 && !faults.is_empty());

@@ -442,7 +442,8 @@ fn greedy_ids(addr: &str) -> (u16, Value) {
 /// second route without a restart; 16 sessions share the two routes; a shard killed
 /// mid-generation costs no stream an error or a token, its route leaves the table when its
 /// lease runs out and comes back when the shard restarts; with one route left, a killed shard
-/// is today's typed `shard_failed` within 2 s.
+/// that does not come back is a typed `shard_failed` once the failover wait (3 s: a route
+/// may rejoin from the registry meanwhile) is over.
 #[test]
 fn on_a_registry_shards_join_share_the_load_and_fail_over() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -514,8 +515,8 @@ fn on_a_registry_shards_join_share_the_load_and_fail_over() {
     within(Duration::from_secs(20), "thawed route back", || {
         route_names(&addr).len() == 2 && metric(&addr, "strata_route_up") == 2.0
     });
-    // One route only (the other's shard drained away), then its shard killed: the stream
-    // fails typed, as without a registry.
+    // One route only (the other's shard drained away), then its shard killed: the session
+    // waits out the failover wait for a route to join, then the stream fails typed.
     shards[3].signal(15);
     within(Duration::from_secs(10), "drained route left", || {
         route_names(&addr).len() == 1
@@ -534,7 +535,7 @@ fn on_a_registry_shards_join_share_the_load_and_fail_over() {
     let v: Value = serde_json::from_str(&last).unwrap_or(Value::Null);
     assert_eq!(v["error"]["reason"], "shard_failed", "{last}");
     assert!(
-        failed_in < Duration::from_secs(2),
+        failed_in < Duration::from_secs(6),
         "failed after {failed_in:?}"
     );
     eprintln!("one route, its shard killed: typed shard_failed after {failed_in:?}");

@@ -603,6 +603,13 @@ async fn submit_choices(
             _ => None,
         };
         let ledger_row = job_i.ledger_row;
+        // The later choices wait for the first one's prompt first: that is computing, not
+        // waiting for a route, so their own wait for a route starts now.
+        let wait_until = if i == 0 {
+            wait_until
+        } else {
+            wait_until.max(std::time::Instant::now() + s.failover_wait)
+        };
         match submit_within(&s.table, model, job_i, wait_until).await {
             Ok((route, id, events)) => {
                 let mut c = Choice {

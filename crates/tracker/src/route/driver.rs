@@ -2,7 +2,7 @@
 //! each plan down the route, turns replies into per-session events, and fails sessions with
 //! typed errors when the route breaks. Policy lives in the scheduler, not here.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -175,9 +175,12 @@ fn owner_of(key: &str) -> u64 {
 
 struct Live {
     n_replays: u32,
-    /// Routes it moved to after a failure since its last token; when the last move happened
-    /// (until its first token on the new route).
+    /// Moves blamed on it (see [`session::blames`]) since its frontier last advanced.
     n_moves: u32,
+    /// Positions of it some route has computed and answered, on any route it was on: a
+    /// failure while recomputing positions below this cannot be its doing.
+    frontier: usize,
+    /// When it last moved (until its first token on the new route).
     moved_at: Option<Instant>,
     /// The API key's name, for admission on another route.
     key: String,
@@ -735,6 +738,7 @@ impl Runner {
             Live {
                 n_replays: 0,
                 n_moves: 0,
+                frontier: 0,
                 moved_at: None,
                 key: job.key.clone(),
                 events,
@@ -875,7 +879,19 @@ impl Runner {
     fn route_failed(&mut self, err: Refusal) {
         tracing::warn!(error = %err.message, "route failed");
         self.link = None;
-        self.in_flight.clear();
+        // The sessions the route was computing new positions of when it failed: only their
+        // moves can be their own doing (a session that kills every route computing it).
+        let new_ground: HashSet<SessionId> = self
+            .in_flight
+            .drain(..)
+            .flat_map(|f| f.plan.items)
+            .filter(|i| {
+                self.live
+                    .get(&i.session)
+                    .is_some_and(|l| i.start_pos + i.tokens.len() > l.frontier)
+            })
+            .map(|i| i.session)
+            .collect();
         self.publish_route_state();
         self.metrics
             .inc("strata_failures_total", &[("kind", err.reason.name())], 1.0);
@@ -885,14 +901,17 @@ impl Runner {
             .into_iter()
             .map(|(id, tokens, left)| (id, (tokens, left)))
             .collect();
+        let blamed = |id: SessionId| session::blames(&err, new_ground.contains(&id));
         for (id, mut l) in std::mem::take(&mut self.live) {
             self.admission.release(id);
             // With another route for the model, the session moves there and the client sees
             // nothing; a route failure is not the session's fault, a non-retryable refusal is
             // not a failure at all.
             match (&self.failover, known.remove(&id)) {
-                (Some(tx), Some((tokens, max_new))) if session::moves(&err, l.n_moves, max_new) => {
-                    l.n_moves += 1;
+                (Some(tx), Some((tokens, max_new)))
+                    if session::moves(&err, l.n_moves, blamed(id), max_new) =>
+                {
+                    l.n_moves += u32::from(blamed(id));
                     l.moved_at = Some(Instant::now());
                     self.metrics.inc(
                         "strata_migrations_total",
@@ -916,9 +935,18 @@ impl Runner {
                         session = id.0,
                         replicas = failover.is_some(),
                         known = known.is_some(),
-                        moves_since_token = l.n_moves,
+                        blamed_moves = l.n_moves,
                         "a session of the failed route fails with it"
                     );
+                    let why = if !err.retryable() {
+                        "final"
+                    } else if blamed(id) && l.n_moves >= session::MAX_MOVES {
+                        "moves_spent"
+                    } else {
+                        "unplaced"
+                    };
+                    self.metrics
+                        .inc("strata_sessions_lost_total", &[("why", why)], 1.0);
                     self.settle(&l, "failed");
                     let _ = l.events.send(SessionEvent::Error(err.clone()));
                 }
@@ -958,8 +986,17 @@ impl Runner {
             .collect();
         let logprobs: HashMap<u64, &proto::v1::SessionOutput> =
             reply.outputs.iter().map(|o| (o.session_id, o)).collect();
+        let refused: HashSet<u64> = reply.errors.iter().map(|e| e.session_id).collect();
         let (mut n_prefill, mut n_decode) = (0usize, 0usize);
         for item in &plan.items {
+            // Computed and answered (not refused): what a failure later cannot blame on it.
+            if let Some(l) = self.live.get_mut(&item.session) {
+                let end = item.start_pos + item.tokens.len();
+                if end > l.frontier && !refused.contains(&item.session.0) {
+                    l.frontier = end;
+                    l.n_moves = 0;
+                }
+            }
             if item.start_pos > 0 && item.tokens.len() == 1 {
                 n_decode += 1;
             } else {
@@ -1036,7 +1073,6 @@ impl Runner {
         }
         live.last_token = Some(now);
         if let Some(t) = live.moved_at.take() {
-            live.n_moves = 0;
             self.metrics.observe(
                 "strata_migration_seconds",
                 &[],

@@ -4,7 +4,9 @@
 //! The client's stream goes on with no error and no token lost or repeated. A session no route
 //! takes within `wait` fails with the route's own error, as it would have without a replica.
 //! The routes are read from the route table at every try, so a route that joined meanwhile
-//! (a shard announced in the registry) takes sessions too.
+//! (a shard announced in the registry) takes sessions too. Without another route the session
+//! fails at once on a tracker of static routes (nothing can join), and waits out `wait` on one
+//! following a registry (the chain of a restarted or resumed shard joins within it).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,6 +14,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::ledger::Ledger;
+use crate::metrics::Metrics;
 use crate::route::driver::{Command, Moved};
 use crate::route::table::RouteTable;
 
@@ -20,10 +23,17 @@ pub async fn dispatch(
     mut moved: mpsc::UnboundedReceiver<Box<Moved>>,
     table: Arc<RouteTable>,
     ledger: Option<Arc<Ledger>>,
+    metrics: Arc<Metrics>,
     wait: Duration,
 ) {
     while let Some(m) = moved.recv().await {
-        tokio::spawn(place(m, Arc::clone(&table), ledger.clone(), wait));
+        tokio::spawn(place(
+            m,
+            Arc::clone(&table),
+            ledger.clone(),
+            Arc::clone(&metrics),
+            wait,
+        ));
     }
 }
 
@@ -31,6 +41,7 @@ async fn place(
     mut m: Box<Moved>,
     table: Arc<RouteTable>,
     ledger: Option<Arc<Ledger>>,
+    metrics: Arc<Metrics>,
     wait: Duration,
 ) {
     let deadline = Instant::now() + wait;
@@ -67,12 +78,20 @@ async fn place(
                 Err(_) => return,
             }
         }
-        // With no other route the failure is the client's at once, as without failover.
-        if replicas == 0 || Instant::now() >= deadline {
+        // With no other route and nothing that can join, the failure is the client's at once,
+        // as without failover.
+        let none_can_come = replicas == 0 && table.registry.is_none();
+        if none_can_come || Instant::now() >= deadline {
             tracing::warn!(
                 from = %m.from,
                 replicas,
+                error = %m.error.message,
                 "no route took a moved session in time: it fails"
+            );
+            metrics.inc(
+                "strata_sessions_lost_total",
+                &[("why", "no_route_in_time")],
+                1.0,
             );
             m.fail(ledger.as_deref());
             return;

@@ -66,16 +66,15 @@ pub async fn submit_within(
     job: Job,
     deadline: Instant,
 ) -> Result<Admitted, Refusal> {
-    let mut entry = None;
     loop {
+        // The routes as the table holds them now: the caller's entry may list a route that
+        // has left since (its loop stopped), and never one that joined.
+        let entry = table.model(&model.digest);
         let m = entry.as_deref().unwrap_or(model);
         match submit(m, job.clone()).await {
-            Err(e) if passes(&e) && Instant::now() < deadline => {
+            // A model that left the table altogether is not a moment of change.
+            Err(e) if passes(&e) && entry.is_some() && Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                entry = table.model(&model.digest);
-                if entry.is_none() {
-                    return Err(e);
-                }
             }
             answer => return answer,
         }

@@ -8,11 +8,13 @@ use text::{StopMatcher, StopStep};
 /// Times one session may be recomputed after a shard lost its cache before it fails.
 pub const MAX_REPLAYS: u32 = 3;
 
-/// Times one session may move to another route without generating a token there before a
-/// route failure fails it. A session that makes progress between failures moves again, as
-/// often as its faults come (each move then costs at least one token of its length limit, so
-/// the moves stay bounded); one that every route fails before it gets anything does not
-/// travel the swarm forever.
+/// Times one session may move to another route because a route failed while computing
+/// positions of it that no route had computed before, with no route computing new positions
+/// of it in between, before such a failure fails it. A session whose computation kills every
+/// shard that runs it fails at the same positions each time, so it does not travel the swarm
+/// forever; one that makes progress between failures moves again, as often as its faults
+/// come. Moves it cannot have caused (its route drained or left the registry, or failed while
+/// the session only waited or recomputed positions computed before) do not count.
 pub const MAX_MOVES: u32 = 3;
 
 /// Whether a shard's refusal of a session's fragment is answered by recomputing the session
@@ -21,11 +23,20 @@ pub fn replays(reason: Reason, n_replays: u32) -> bool {
     reason == Reason::CacheMiss && n_replays < MAX_REPLAYS
 }
 
+/// Whether a route's failure can be a session's doing, and so counts against its
+/// [`MAX_MOVES`]: the route failed (rather than drained or left the registry, an operator's or
+/// the swarm's decision) while a step carrying positions of the session past its frontier
+/// (positions no route had computed yet) was in flight (`new_ground`).
+pub fn blames(err: &Refusal, new_ground: bool) -> bool {
+    new_ground && err.reason != Reason::Draining
+}
+
 /// Whether a session a failed route held moves to another route (when the model has one):
-/// the failure is one that may pass (a lost or draining shard, not a terminal refusal), it has
-/// not moved too often since its last token (`n_moves`), and it may still generate.
-pub fn moves(err: &Refusal, n_moves: u32, max_new: usize) -> bool {
-    err.retryable() && n_moves < MAX_MOVES && max_new > 0
+/// the failure is one that may pass (a lost or draining shard, not a terminal refusal), it
+/// may still generate, and when the failure `blamed` it, it has not been blamed too often
+/// since its frontier last advanced (`n_moves`).
+pub fn moves(err: &Refusal, n_moves: u32, blamed: bool, max_new: usize) -> bool {
+    err.retryable() && max_new > 0 && (!blamed || n_moves < MAX_MOVES)
 }
 
 /// The text a session cut at its length limit still owes its client: what its decoder held
@@ -54,11 +65,29 @@ mod tests {
     #[test]
     fn only_retryable_failures_move_and_only_while_tokens_are_left() {
         let lost = Refusal::shard_failed("a", "gone");
-        assert!(moves(&lost, 0, 5));
-        assert!(!moves(&lost, MAX_MOVES, 5));
-        assert!(!moves(&lost, 0, 0));
-        assert!(!moves(&Refusal::recipe_mismatch("x"), 0, 5));
-        assert!(moves(&Refusal::draining("x"), 2, 1));
+        assert!(moves(&lost, 0, true, 5));
+        assert!(!moves(&lost, MAX_MOVES, true, 5));
+        assert!(!moves(&lost, 0, true, 0));
+        assert!(!moves(&Refusal::recipe_mismatch("x"), 0, true, 5));
+        assert!(moves(&Refusal::draining("x"), 2, false, 1));
+    }
+
+    /// A session that every route computing new positions of it loses stops after MAX_MOVES;
+    /// routes that drain, leave the registry or fail while it only waits or recomputes known
+    /// positions move it however often that happens.
+    #[test]
+    fn only_failures_while_computing_a_session_count_against_its_moves() {
+        let lost = Refusal::shard_failed("a", "gone");
+        let drained = Refusal::draining("route r left the registry");
+        assert!(blames(&lost, true));
+        assert!(
+            !blames(&lost, false),
+            "it waited or recomputed known positions"
+        );
+        assert!(!blames(&drained, true), "a drain is nobody's fault");
+        assert!(moves(&drained, MAX_MOVES, blames(&drained, true), 5));
+        assert!(moves(&lost, MAX_MOVES, blames(&lost, false), 5));
+        assert!(!moves(&lost, MAX_MOVES, blames(&lost, true), 5));
     }
 
     #[test]
