@@ -126,19 +126,32 @@ fn json_schema_answers_always_match_in_one_process_and_through_two_shards() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for shards in ["1", "2"] {
         let t = serve(shards);
-        for (i, p) in PROMPTS.iter().enumerate() {
-            for stream in [false, true] {
-                // Greedy and hot sampling: the grammar holds either way.
-                for temperature in [0.0, 1.2] {
-                    let (doc, finish) =
-                        answer(&t.addr, &schema_request(p, stream, temperature, i as u64));
-                    assert_eq!(finish, "stop", "{shards} shards, {p:?}: {doc}");
-                    matches_schema(&doc).unwrap_or_else(|e| {
-                        panic!("{shards} shards, {p:?}, stream {stream}, t {temperature}: {e}")
-                    });
-                }
+        // Every prompt, streamed and not, greedy and hot (the grammar holds either way), all
+        // at once: the sessions share steps, each with its own grammar.
+        let cases: Vec<(usize, bool, f64)> = (0..PROMPTS.len())
+            .flat_map(|i| [false, true].map(|stream| (i, stream)))
+            .flat_map(|(i, stream)| [0.0, 1.2].map(|t| (i, stream, t)))
+            .collect();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = cases
+                .iter()
+                .map(|&(i, stream, temperature)| {
+                    let addr = &t.addr;
+                    scope.spawn(move || {
+                        let body = schema_request(PROMPTS[i], stream, temperature, i as u64);
+                        (i, stream, temperature, answer(addr, &body))
+                    })
+                })
+                .collect();
+            for h in handles {
+                let (i, stream, temperature, (doc, finish)) = h.join().unwrap();
+                let p = PROMPTS[i];
+                assert_eq!(finish, "stop", "{shards} shards, {p:?}: {doc}");
+                matches_schema(&doc).unwrap_or_else(|e| {
+                    panic!("{shards} shards, {p:?}, stream {stream}, t {temperature}: {e}")
+                });
             }
-        }
+        });
         // Any JSON object.
         let body = json!({"messages": [{"role": "user", "content": "List three fruits."}], "max_tokens": 64, "temperature": 0,
                           "response_format": {"type": "json_object"}});
