@@ -62,6 +62,22 @@ impl Isa {
             Isa::Avx512Vnni => "avx512-vnni",
         }
     }
+
+    /// For a test of this instruction set's kernels: whether the CPU has it. When it does not,
+    /// the test says so in its output (it is tested on the machines that have it) instead of
+    /// passing in silence.
+    #[cfg(test)]
+    pub(crate) fn testable(self, test: &str) -> bool {
+        let ok = self.is_supported();
+        if !ok {
+            eprintln!(
+                "{test}: {} not tested here (this CPU runs {})",
+                self.name(),
+                Isa::detect().name()
+            );
+        }
+        ok
+    }
 }
 
 type DotFn = fn(usize, &[u8], &[u8]) -> f32;
@@ -440,6 +456,14 @@ impl Kernels {
 mod tests {
     use super::*;
 
+    /// The kernel families of `isas` this CPU runs; the test names those it cannot run.
+    fn runnable(isas: &[Isa], test: &str) -> Vec<(Isa, Kernels)> {
+        isas.iter()
+            .filter(|isa| isa.testable(test))
+            .map(|&isa| (isa, Kernels::new(isa).expect("supported")))
+            .collect()
+    }
+
     /// A deterministic xorshift source of values in [-scale/2, scale/2) (for the kernel tests).
     pub(crate) fn uniform(seed: u32) -> impl FnMut(f32) -> f32 {
         let mut s = seed;
@@ -468,6 +492,10 @@ mod tests {
     /// the reference agrees with the dequantized f32 product.
     #[test]
     fn simd_paths_match_the_scalar_reference() {
+        let simd = runnable(
+            &[Isa::Avx2, Isa::Avx512Vnni],
+            "simd_paths_match_the_scalar_reference",
+        );
         let n = 1024;
         let x = data(n, 1);
         let wf = data(n, 2);
@@ -507,8 +535,7 @@ mod tests {
                 (reference as f64 - exact).abs() < 2e-4 * (1.0 + magnitude),
                 "{ty}: scalar {reference} vs exact {exact}"
             );
-            for isa in [Isa::Avx2, Isa::Avx512Vnni] {
-                let Some(k) = Kernels::new(isa) else { continue };
+            for (isa, k) in &simd {
                 let got = k.dot(ty, n, &w, &a, &mut scratch);
                 assert!(
                     (got - reference).abs() <= 1e-4 * (1.0 + reference.abs()),
@@ -524,6 +551,10 @@ mod tests {
     /// activations, whose integer sums are the largest.
     #[test]
     fn k_quant_kernels_equal_the_scalar_reference_bitwise() {
+        let simd = runnable(
+            &[Isa::Avx2, Isa::Avx512Vnni],
+            "k_quant_kernels_equal_the_scalar_reference_bitwise",
+        );
         let scalar = Kernels::new(Isa::Scalar).unwrap();
         let mut scratch = Vec::new();
         let mut next = uniform(0x1234_5678);
@@ -555,8 +586,7 @@ mod tests {
                     act::quantize_row(GgmlType::Q8K, &x, &mut a);
                     let want = scalar.dot(ty, n, &w, &a, &mut scratch);
                     assert!(want.is_finite(), "{ty} n={n}");
-                    for isa in [Isa::Avx2, Isa::Avx512Vnni] {
-                        let Some(k) = Kernels::new(isa) else { continue };
+                    for (isa, k) in &simd {
                         let got = k.dot(ty, n, &w, &a, &mut scratch);
                         assert_eq!(
                             got.to_bits(),
@@ -572,6 +602,10 @@ mod tests {
     /// The multi-row kernels give bitwise the single-row results, for every row position.
     #[test]
     fn multi_row_kernels_equal_single_row_calls_bitwise() {
+        let families = runnable(
+            &[Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni],
+            "multi_row_kernels_equal_single_row_calls_bitwise",
+        );
         let mut scratch = Vec::new();
         for ty in [
             GgmlType::Q4_0,
@@ -591,8 +625,7 @@ mod tests {
                     a
                 })
                 .collect();
-            for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni] {
-                let Some(k) = Kernels::new(isa) else { continue };
+            for (isa, k) in &families {
                 let four = k.dot4(
                     ty,
                     n,

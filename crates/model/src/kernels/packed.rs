@@ -778,7 +778,9 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn simd_activation_quantizer_equals_the_reference_bitwise() {
-        if !super::super::Isa::Avx512Vnni.is_supported() {
+        if !super::super::Isa::Avx512Vnni
+            .testable("simd_activation_quantizer_equals_the_reference_bitwise")
+        {
             return;
         }
         // 48 blocks (three groups of sixteen), 18 (one and a part), 7 (a part only); the
