@@ -37,9 +37,21 @@ struct Session {
     grammar: Grammar,
     n_top: u32,
     last_used: Instant,
+    /// Its prefix-cache partition (the tracker's `cache_salt`): the blocks it registers and
+    /// attaches are keyed under it.
+    cache_salt: u64,
 }
 
 impl Session {
+    /// The key root of its prefix blocks: the step's `root` within its partition. Salt 0 is
+    /// the shared partition, whose root is the step's own.
+    fn prefix_root(&self, root: u64) -> u64 {
+        if self.cache_salt == 0 {
+            return root;
+        }
+        KvPool::prefix_root(splitmix64(root ^ splitmix64(self.cache_salt)))
+    }
+
     /// Cuts the session back to `len` positions (whole blocks past the end go back to the
     /// pool); the sampler's counts and the constraint follow.
     fn rewind(&mut self, len: usize) {
@@ -386,6 +398,7 @@ impl Worker {
                     grammar,
                     n_top: f.n_top_logprobs,
                     last_used: job.now,
+                    cache_salt: f.cache_salt,
                 };
                 self.sessions.insert(key, session);
                 Ok(true)
@@ -404,6 +417,7 @@ impl Worker {
         root: u64,
     ) -> Result<(), SessionError> {
         let s = self.sessions.get_mut(&key).expect("opened before");
+        let root = s.prefix_root(root);
         if !f.prefix.is_empty() {
             let held = if self.config.prefix_cache {
                 self.kv_pool
@@ -755,6 +769,7 @@ impl Worker {
             // Full blocks become shareable as soon as they are written.
             for key in keys {
                 if let Some(s) = self.sessions.get_mut(key) {
+                    let root = s.prefix_root(root);
                     self.kv_pool.register(&mut s.kv, &s.tokens, root);
                 }
             }
@@ -947,4 +962,12 @@ impl Worker {
             });
         }
     }
+}
+
+/// A 64-bit mix (splitmix64's finalizer): distinct partitions get unrelated roots.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }

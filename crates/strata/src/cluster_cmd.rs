@@ -305,6 +305,12 @@ pub struct RouteArgs {
     /// a route rejoining) waits as long for one before its typed 503.
     #[arg(long, default_value_t = 3000)]
     failover_wait_ms: u64,
+    /// Whose prompts share cached prefix blocks on the shards: `key` keys them by API key, so
+    /// one key's prompts never speed up another's (whose time to first token would tell that
+    /// someone else sent the same prompt: a way to guess another tenant's secrets); `global`
+    /// shares them across every key, for a deployment with one tenant only.
+    #[arg(long, default_value = "key", value_parser = ["key", "global"])]
+    prefix_cache_scope: String,
     /// Active sessions grading work may hold (the rest of --max-active stays for agent work).
     #[arg(long, default_value_t = 48)]
     grading_max_active: usize,
@@ -455,6 +461,11 @@ pub fn tracker_config(route: &RouteArgs, api: &ApiArgs) -> Result<tracker::Track
         startup_wait: Duration::from_millis(route.startup_wait_ms),
         liveness: Duration::from_millis(route.liveness_ms),
         failover_wait: Duration::from_millis(route.failover_wait_ms),
+        prefix_scope: match route.prefix_cache_scope.as_str() {
+            "key" => tracker::PrefixScope::Key,
+            "global" => tracker::PrefixScope::Global,
+            other => bail!("`--prefix-cache-scope` must be `key` or `global`, not `{other}`"),
+        },
         ledger,
         admin_token: match &api.admin_token_file {
             Some(p) => Some(read_token(p)?),

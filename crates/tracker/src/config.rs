@@ -42,6 +42,8 @@ pub struct TrackerConfig {
     /// this many bytes of their conversations.
     pub stored_responses: usize,
     pub stored_response_bytes: usize,
+    /// Whose sessions share cached prefix blocks (`--prefix-cache-scope`).
+    pub prefix_scope: crate::route::driver::PrefixScope,
 }
 
 /// Following a registry: where it is, this cluster's prefix in it, and how to reach the shards
@@ -75,6 +77,7 @@ impl Default for TrackerConfig {
             registry: None,
             stored_responses: 1024,
             stored_response_bytes: 64 << 20,
+            prefix_scope: crate::route::driver::PrefixScope::Key,
         }
     }
 }

@@ -23,6 +23,7 @@ pub use api::server::{default_max_connections, HttpConfig};
 pub use config::{RegistryConfig, TrackerConfig};
 pub use metrics::Metrics;
 pub use route::cluster::{validate_route, Cluster, Health};
+pub use route::driver::PrefixScope;
 
 /// A tracker whose routes were validated, ready to serve HTTP.
 pub struct Tracker {

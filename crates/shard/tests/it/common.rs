@@ -19,6 +19,7 @@ pub fn frag(session_id: u64, start_pos: u32, tokens: &[u32]) -> Fragment {
         want_logprob: false,
         reuse_prefix: false,
         prefix: vec![],
+        cache_salt: 0,
     }
 }
 

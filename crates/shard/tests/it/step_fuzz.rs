@@ -123,6 +123,7 @@ fn fragment() -> impl Strategy<Value = Fragment> {
                 want_logprob,
                 reuse_prefix,
                 prefix,
+                cache_salt: 0,
             },
         )
 }

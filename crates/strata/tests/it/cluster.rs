@@ -570,6 +570,95 @@ fn evicted_sessions_are_replayed_and_clients_see_identical_output() {
     );
 }
 
+/// The prefix cache is partitioned by API key: a key's repeated prompt starts on its cached
+/// blocks on every shard, another key's same prompt computes every position (so its time to
+/// first token tells it nothing of what others sent), and the answers are the same.
+#[test]
+fn cached_prefix_blocks_are_shared_within_a_key_and_never_across_keys() {
+    let _serial = serial();
+    let prompt: Vec<u32> = eight_prompts()[4..].concat();
+    assert!(prompt.len() > 32, "two full blocks and more");
+    let dir = std::env::temp_dir().join(format!("strata-prefix-keys-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys");
+    std::fs::write(
+        &keys,
+        "alice sk-alice-0123 100000000\nbob sk-bob-4567 100000000\n",
+    )
+    .unwrap();
+    let ledger = dir.join("ledger.sqlite");
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let m = model();
+    let shards: Vec<Proc> = ["0..15", "15..30"]
+        .iter()
+        .map(|r| procs::shard(exe(), &m, r, &token, &["--threads", "1"]))
+        .collect();
+    let refs: Vec<&Proc> = shards.iter().collect();
+    let tracker = procs::tracker(
+        exe(),
+        &refs,
+        &token,
+        &[
+            "--health-period-ms",
+            "100",
+            "--ledger",
+            ledger.to_str().unwrap(),
+            "--api-keys",
+            keys.to_str().unwrap(),
+            // The shards' counters are read without a key.
+            "--public-metrics",
+        ],
+    );
+    let t = tracker.addr.clone();
+    let ask = |secret: &str| -> Vec<u64> {
+        let auth = format!("Bearer {secret}");
+        let body =
+            json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true});
+        let r = testkit::http::request(
+            "POST",
+            &t,
+            "/v1/completions",
+            Some(&body),
+            &[("authorization", &auth)],
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect()
+    };
+    let reused = || -> Vec<u64> {
+        shards
+            .iter()
+            .map(|s| metric(&t, "strata_shard_prefix_reused_tokens_total", &s.addr) as u64)
+            .collect()
+    };
+    let blocks = ((prompt.len() - 1) / 16 * 16) as u64;
+    let want = ask("sk-alice-0123");
+    assert_eq!(ask("sk-alice-0123"), want);
+    assert!(
+        wait_until(Duration::from_secs(10), || reused() == vec![blocks; 2]).is_some(),
+        "alice's repeat starts on her cached blocks on both shards: {:?}",
+        reused()
+    );
+    assert_eq!(ask("sk-bob-4567"), want, "bob gets the same answer");
+    assert_eq!(ask("sk-alice-0123"), want);
+    assert!(
+        wait_until(Duration::from_secs(10), || reused() != vec![blocks; 2]).is_some(),
+        "alice's third request reuses her blocks again"
+    );
+    assert_eq!(
+        reused(),
+        vec![2 * blocks; 2],
+        "alice's second and third requests reused her prefix, bob's nothing"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A prompt seen before starts on the cached KV blocks of its full 16-position blocks on every
 /// shard of a 3-shard route (each shard takes the same positions from its cache), and the
 /// answers stay those of one process: asked again alone, by four sessions at once, and through

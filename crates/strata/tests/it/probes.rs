@@ -1,12 +1,15 @@
 //! Probes for orchestrators on a real 2-shard route with an API key: `/livez` answers 200
 //! without a key whatever the routes do; `/readyz` answers without a key, 200 while the model
 //! has an open route and 503 naming it once its route is down, 200 again after the shard is
-//! back; `/v1/models` and `/health` need the key.
+//! back; `/v1/models` and `/health` need the key, and every other endpoint refuses a caller
+//! without one from its headers alone, before reading its body or resolving its model.
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 use testkit::http::{get, request};
 use testkit::observe::wait_until;
 use testkit::procs::{self, Proc};
@@ -55,6 +58,52 @@ fn livez_answers_without_a_key_and_readyz_names_the_model_whose_route_is_down() 
         r.json()["data"][0]["id"].as_str().unwrap().to_string()
     };
     assert_eq!(get(&addr, &format!("/v1/models/{id}")).status, 401);
+    // Without a key, a completion naming an unknown model learns nothing of the models and
+    // an empty Responses body is not validated: 401, both.
+    let unknown_model = request(
+        "POST",
+        &addr,
+        "/v1/chat/completions",
+        Some(&json!({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})),
+        &[],
+    )
+    .unwrap();
+    assert_eq!(unknown_model.status, 401, "{}", unknown_model.body);
+    assert!(
+        !unknown_model.body.contains(&id) && !unknown_model.body.contains("127.0.0.1"),
+        "a refusal to a caller without a key names nothing of the cluster: {}",
+        unknown_model.body
+    );
+    for path in [
+        "/v1/responses",
+        "/v1/messages",
+        "/tokenize",
+        "/v1/completions",
+    ] {
+        let r = request("POST", &addr, path, Some(&json!({})), &[]).unwrap();
+        assert_eq!(r.status, 401, "{path}: {}", r.body);
+    }
+    assert_eq!(get(&addr, "/v1/usage").status, 401);
+    assert_eq!(get(&addr, "/v1/responses/resp_0").status, 401);
+    // A caller announcing a megabyte and sending none of it is answered from its headers, at
+    // once (a handler would wait out the body timeout reading it).
+    let t = Instant::now();
+    let mut c = TcpStream::connect(&addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        c,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: 1048576\r\n\r\n"
+    )
+    .unwrap();
+    let mut head = [0u8; 12];
+    c.read_exact(&mut head).unwrap();
+    assert_eq!(
+        &head,
+        b"HTTP/1.1 401",
+        "{:?}",
+        String::from_utf8_lossy(&head)
+    );
+    eprintln!("401 from the headers alone after {:?}", t.elapsed());
     let live = get(&addr, "/livez");
     assert_eq!(
         (live.status, live.json()["status"].clone()),

@@ -59,6 +59,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(ops::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            auth::key_first,
+        ))
         .with_state(state)
 }
 

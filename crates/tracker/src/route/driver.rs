@@ -136,6 +136,19 @@ pub struct RunnerConfig {
     /// step is in flight before it is declared failed; shards working on a long step say so
     /// at a quarter of this.
     pub liveness: Duration,
+    /// Whose sessions share cached prefix blocks on the shards.
+    pub prefix_scope: PrefixScope,
+}
+
+/// Whose sessions share cached prefix blocks on the shards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefixScope {
+    /// The sessions of one API key (the default): no key's prompts speed up, and so reveal
+    /// themselves to, another's.
+    #[default]
+    Key,
+    /// Every session: for a deployment with one tenant only.
+    Global,
 }
 
 /// Whether another route of a model takes work now (the route table answers): where a
@@ -163,6 +176,14 @@ pub struct RunnerParts {
     pub replicas: Arc<dyn Replicas>,
     /// Sessions it holds, published for choosing routes.
     pub load: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// The prefix-cache partition of a session of API key `key` (its name; "" without a ledger).
+fn cache_salt(scope: PrefixScope, key: &str) -> u64 {
+    match scope {
+        PrefixScope::Key => owner_of(key),
+        PrefixScope::Global => 0,
+    }
 }
 
 /// The per-owner fairness id of an API key's name.
@@ -861,6 +882,7 @@ impl Runner {
                     // prefix; a session being recomputed after a cache miss computes them.
                     reuse_prefix: item.tokens.len() > 1 && live.is_some_and(|l| l.n_replays == 0),
                     prefix: Vec::new(),
+                    cache_salt: live.map_or(0, |l| cache_salt(self.config.prefix_scope, &l.key)),
                 }
             })
             .collect();

@@ -73,6 +73,7 @@ async fn start(name: &str) -> Route {
             },
             seam: config.seam,
             liveness: Duration::from_secs(5),
+            prefix_scope: config.prefix_scope,
         },
         name: "local".into(),
         admission: admission_of(&config, &cluster),

@@ -240,6 +240,7 @@ async fn start_route(
             scheduler,
             seam: config.seam,
             liveness: config.liveness,
+            prefix_scope: config.prefix_scope,
         },
         name: name.to_string(),
         cluster: Arc::clone(&cluster),
