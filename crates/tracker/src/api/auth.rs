@@ -1,42 +1,6 @@
-//! The caller's credentials as the API reads them, checked before anything else.
+//! The caller's credentials as the API reads them.
 
-use std::sync::Arc;
-
-use axum::extract::{Request, State};
 use axum::http::HeaderMap;
-use axum::middleware::Next;
-use axum::response::Response;
-
-use super::error::Answer;
-use super::state::AppState;
-
-/// The key comes first: a request to any endpoint that needs one is refused from its headers
-/// alone, before its body is read, parsed or validated and before its model is resolved, so
-/// an unauthenticated caller learns nothing of the cluster (no model list, no validation
-/// message) and costs no more than its headers. The handlers check the key again where they
-/// need its identity. Open: the probes (`/livez`, `/readyz`) and the console's static files
-/// (the page asks for the key itself); `/health` and `/metrics` as `--public-metrics` says;
-/// `/admin/...` under the operator's own token, which its handler checks.
-pub async fn key_first(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let path = req.uri().path();
-    let checked = match path {
-        "/livez"
-        | "/readyz"
-        | "/"
-        | "/console"
-        | "/console/console.js"
-        | "/console/console.css" => Ok(()),
-        "/health" | "/metrics" => s.may_observe(req.headers()),
-        _ if path.starts_with("/admin/") => Ok(()),
-        _ => s.key(req.headers()).map(|_| ()),
-    };
-    match checked {
-        Ok(()) => next.run(req).await,
-        // The Messages API's clients read Anthropic's error shape.
-        Err(refusal) if path.starts_with("/v1/messages") => super::error::anthropic(&refusal),
-        Err(refusal) => refusal.into_response(),
-    }
-}
 
 /// The secret from `Authorization: Bearer <key>`, else from `x-api-key` (how Anthropic's
 /// clients send it), "" when there is none.

@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
+use axum::extract::{Request, State};
 use axum::http::{Method, Uri};
+use axum::middleware::Next;
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
@@ -30,6 +32,7 @@ pub mod server;
 pub mod state;
 pub mod store;
 
+use error::Answer;
 use state::AppState;
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -61,9 +64,37 @@ pub fn router(state: Arc<AppState>) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state),
-            auth::key_first,
+            key_first,
         ))
         .with_state(state)
+}
+
+/// The key comes first: a request to any endpoint that needs one is refused from its headers
+/// alone, before its body is read, parsed or validated and before its model is resolved, so
+/// an unauthenticated caller learns nothing of the cluster (no model list, no validation
+/// message) and costs no more than its headers. The handlers check the key again where they
+/// need its identity. Open: the probes (`/livez`, `/readyz`) and the console's static files
+/// (the page asks for the key itself); `/health` and `/metrics` as `--public-metrics` says;
+/// `/admin/...` under the operator's own token, which its handler checks.
+async fn key_first(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    let checked = match path {
+        "/livez"
+        | "/readyz"
+        | "/"
+        | "/console"
+        | "/console/console.js"
+        | "/console/console.css" => Ok(()),
+        "/health" | "/metrics" => s.may_observe(req.headers()),
+        _ if path.starts_with("/admin/") => Ok(()),
+        _ => s.key(req.headers()).map(|_| ()),
+    };
+    match checked {
+        Ok(()) => next.run(req).await,
+        // The Messages API's clients read Anthropic's error shape.
+        Err(refusal) if path.starts_with("/v1/messages") => error::anthropic(&refusal),
+        Err(refusal) => refusal.into_response(),
+    }
 }
 
 async fn not_found(uri: Uri) -> Response {
