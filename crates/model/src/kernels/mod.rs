@@ -345,9 +345,11 @@ impl Kernels {
 pub const PANEL_ACTS: usize = 8;
 
 impl Kernels {
-    /// Whether weights should be repacked at load for [`Kernels::packed_panel`].
+    /// Whether weights should be repacked at load for [`Kernels::packed_panels`]: always, with
+    /// every instruction set. The scalar, AVX2 and AVX-512 panel kernels give bitwise the
+    /// results of [`packed::panel_reference`], so the instruction set never changes a product.
     pub fn packs_weights(&self) -> bool {
-        self.isa == Isa::Avx512Vnni
+        true
     }
 
     /// Quantizes one activation row for a packed matrix ([`packed::quantize_act_row`]'s bytes).
@@ -368,9 +370,10 @@ impl Kernels {
 
     /// Weight rows `0..n_rows` of the consecutive panels `w` (a run of a packed matrix) times
     /// the packed activation rows `a`: row `r` . `a[j]` is written to `out[j * stride + r]`.
-    /// Activation rows go through the kernel [`PANEL_ACTS`] at a time, then four, two, one;
-    /// each element is computed by the same instruction sequence whatever the grouping (and
-    /// equals [`packed::panel_reference`] bitwise), so grouping never changes a result.
+    /// Activation rows go through the kernel as many at a time as the isa's registers hold
+    /// ([`PANEL_ACTS`] with AVX-512, four with AVX2), then four, two, one; each element is
+    /// computed by the same instruction sequence whatever the grouping (and equals
+    /// [`packed::panel_reference`] bitwise), so grouping never changes a result.
     ///
     /// # Safety
     /// `out[j * stride + r]` must be valid for writes, and written by no one else meanwhile,
@@ -385,11 +388,13 @@ impl Kernels {
         stride: usize,
     ) {
         #[cfg(target_arch = "x86_64")]
-        if self.isa == Isa::Avx512Vnni {
-            use packed::vnni::{kind_id, panels, panels_k};
+        if self.isa != Isa::Scalar {
+            use packed::vnni::kind_id;
             use packed::vnni::{Q2K, Q3K, Q40, Q41, Q4K, Q50, Q51, Q5K, Q6K, Q8};
+            // AVX2 has half of AVX-512's vector registers: four activation rows a call at most.
+            let most = if self.isa == Isa::Avx512Vnni { 8 } else { 4 };
             macro_rules! by_rows {
-                ($run:ident, $k:expr) => {{
+                ($isa:ident, $run:ident, $k:expr) => {{
                     const K: u8 = $k;
                     let mut j = 0;
                     while j < a.len() {
@@ -399,41 +404,52 @@ impl Kernels {
                         // rows `j..` are within the caller's contract.
                         unsafe {
                             let o = out.add(j * stride);
-                            if left >= 8 {
+                            if left >= 8 && most >= 8 {
                                 let rows = std::array::from_fn(|i| a[j + i]);
-                                $run::<K, 8>(layout, w, n_rows, rows, o, stride);
+                                packed::$isa::$run::<K, 8>(layout, w, n_rows, rows, o, stride);
                                 j += 8;
                             } else if left >= 4 {
                                 let rows = std::array::from_fn(|i| a[j + i]);
-                                $run::<K, 4>(layout, w, n_rows, rows, o, stride);
+                                packed::$isa::$run::<K, 4>(layout, w, n_rows, rows, o, stride);
                                 j += 4;
                             } else if left >= 2 {
                                 let rows = std::array::from_fn(|i| a[j + i]);
-                                $run::<K, 2>(layout, w, n_rows, rows, o, stride);
+                                packed::$isa::$run::<K, 2>(layout, w, n_rows, rows, o, stride);
                                 j += 2;
                             } else {
-                                $run::<K, 1>(layout, w, n_rows, [a[j]], o, stride);
+                                packed::$isa::$run::<K, 1>(layout, w, n_rows, [a[j]], o, stride);
                                 j += 1;
                             }
                         }
                     }
                 }};
             }
-            match kind_id(layout.kind) {
-                Q40 => by_rows!(panels, Q40),
-                Q41 => by_rows!(panels, Q41),
-                Q50 => by_rows!(panels, Q50),
-                Q51 => by_rows!(panels, Q51),
-                Q8 => by_rows!(panels, Q8),
-                Q2K => by_rows!(panels_k, Q2K),
-                Q3K => by_rows!(panels_k, Q3K),
-                Q4K => by_rows!(panels_k, Q4K),
-                Q5K => by_rows!(panels_k, Q5K),
-                _ => by_rows!(panels_k, Q6K),
+            macro_rules! by_kind {
+                ($isa:ident) => {
+                    match kind_id(layout.kind) {
+                        Q40 => by_rows!($isa, panels, Q40),
+                        Q41 => by_rows!($isa, panels, Q41),
+                        Q50 => by_rows!($isa, panels, Q50),
+                        Q51 => by_rows!($isa, panels, Q51),
+                        Q8 => by_rows!($isa, panels, Q8),
+                        Q2K => by_rows!($isa, panels_k, Q2K),
+                        Q3K => by_rows!($isa, panels_k, Q3K),
+                        Q4K => by_rows!($isa, panels_k, Q4K),
+                        Q5K => by_rows!($isa, panels_k, Q5K),
+                        _ => by_rows!($isa, panels_k, Q6K),
+                    }
+                };
+            }
+            if self.isa == Isa::Avx512Vnni {
+                by_kind!(vnni);
+            } else {
+                by_kind!(avx2);
             }
             return;
         }
         let pb = layout.panel_bytes();
+        const MOST: usize = packed::portable::MOST_ACTS;
+        let mut products = [[0f32; packed::PANEL]; MOST];
         for (p, panel) in w
             .chunks_exact(pb)
             .take(n_rows.div_ceil(packed::PANEL))
@@ -441,11 +457,15 @@ impl Kernels {
         {
             let r0 = p * packed::PANEL;
             let valid = (n_rows - r0).min(packed::PANEL);
-            for (j, a1) in a.iter().enumerate() {
-                let v = packed::panel_reference(layout, panel, a1);
-                for (r, v) in v.iter().enumerate().take(valid) {
-                    // SAFETY: the caller's contract.
-                    unsafe { out.add(j * stride + r0 + r).write(*v) };
+            for (c, acts) in a.chunks(MOST).enumerate() {
+                let products = &mut products[..acts.len()];
+                packed::portable::panel_products(layout, panel, acts, products);
+                for (j, v) in products.iter().enumerate() {
+                    let j = c * MOST + j;
+                    for (r, v) in v.iter().enumerate().take(valid) {
+                        // SAFETY: the caller's contract.
+                        unsafe { out.add(j * stride + r0 + r).write(*v) };
+                    }
                 }
             }
         }

@@ -604,8 +604,7 @@ pub fn quantize_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
 }
 
 /// Reference for the panel kernels, element by element in the same order, so the SIMD kernels
-/// must equal it bitwise. Also the fallback where AVX-512 is missing: `out[r]` = lane `r` of
-/// `panel` . `a`.
+/// (AVX2 and AVX-512) must equal it bitwise: `out[r]` = lane `r` of `panel` . `a`.
 pub fn panel_reference(layout: &Layout, panel: &[u8], a: &[u8]) -> [f32; PANEL] {
     let kind = layout.kind;
     let bv = kind.block_values();
@@ -665,6 +664,9 @@ fn offset_corrected(kind: PackKind) -> bool {
     !kind.is_k() && kind.offset() != 0
 }
 
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+pub mod portable;
 #[cfg(target_arch = "x86_64")]
 pub mod vnni;
 
@@ -824,12 +826,23 @@ mod tests {
         }
     }
 
-    /// Every grouping of activation rows, on a run of panels whose last is partial, gives
-    /// bitwise the element-by-element reference, and nothing is written past the last row.
+    /// With every instruction set this CPU has, every grouping of activation rows, on a run
+    /// of panels whose last is partial, gives bitwise the element-by-element reference, and
+    /// nothing is written past the last row.
     #[test]
     fn panel_kernel_equals_the_reference_bitwise() {
-        let fast = super::super::Kernels::detect();
-        let scalar = super::super::Kernels::new(super::super::Isa::Scalar).unwrap();
+        use super::super::{Isa, Kernels};
+        let fast = Kernels::detect();
+        let isas: Vec<Kernels> = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni]
+            .into_iter()
+            .filter_map(|isa| {
+                let k = Kernels::new(isa);
+                if k.is_none() {
+                    eprintln!("{} not on this CPU: not checked", isa.name());
+                }
+                k
+            })
+            .collect();
         for kind in PackKind::ALL {
             let n = if kind.is_k() { 768 } else { 576 + 32 };
             let layout = Layout::new(kind, n);
@@ -851,7 +864,7 @@ mod tests {
                 .collect();
             let a: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
             let stride = n_rows + 3;
-            for k in [&fast, &scalar] {
+            for k in &isas {
                 let mut out = vec![f32::NAN; a.len() * stride];
                 // SAFETY: `out` holds `a.len()` rows of `stride >= n_rows` values.
                 unsafe { k.packed_panels(&layout, &panels, n_rows, &a, out.as_mut_ptr(), stride) };
@@ -861,7 +874,12 @@ mod tests {
                         for r in 0..PANEL.min(stride - p * PANEL) {
                             let got = out[j * stride + p * PANEL + r];
                             if p * PANEL + r < n_rows {
-                                assert_eq!(got.to_bits(), want[r].to_bits(), "{kind:?} [{j}][{r}]");
+                                assert_eq!(
+                                    got.to_bits(),
+                                    want[r].to_bits(),
+                                    "{kind:?} {} [{j}][{r}]",
+                                    k.isa().name()
+                                );
                             } else {
                                 assert!(
                                     got.is_nan(),

@@ -468,18 +468,33 @@ fn memory_follows_the_range() {
             .and_then(|i| i.parse::<usize>().ok())
             .is_some_and(|i| (a..b).contains(&i))
     };
-    // Scalar kernels keep ggml's layout, so held bytes equal the file's tensor bytes exactly
-    // (repacked layouts are counted as what they hold).
+    // Every ISA repacks the quantized weights into panels (a few bytes of scales per block
+    // more than ggml's layout, and rows padded to a whole panel): the two halves hold exactly
+    // what the whole model holds, and each holds its own tensors' file bytes to within 1%.
     let opts = ModelOptions {
         isa: Some(Isa::Scalar),
         ..ModelOptions::default()
     };
+    let whole = Model::load(&f, None, opts).unwrap();
     let first = Model::load(&f, Some(LayerRange { start: 0, end: 2 }), opts).unwrap();
-    let want = sum(&|n| in_layers(n, 0, 2) || n == "token_embd.weight");
-    assert_eq!(first.weight_bytes(), want);
     let last = Model::load(&f, Some(LayerRange { start: 2, end: 4 }), opts).unwrap();
+    assert_eq!(
+        first.weight_bytes() + last.weight_bytes(),
+        whole.weight_bytes()
+    );
+    let near = |held: usize, want: usize| held >= want && held - want <= want / 100;
+    let want = sum(&|n| in_layers(n, 0, 2) || n == "token_embd.weight");
+    assert!(
+        near(first.weight_bytes(), want),
+        "{} vs {want}",
+        first.weight_bytes()
+    );
     let want = sum(&|n| in_layers(n, 2, 4) || n == "output.weight" || n == "output_norm.weight");
-    assert_eq!(last.weight_bytes(), want);
+    assert!(
+        near(last.weight_bytes(), want),
+        "{} vs {want}",
+        last.weight_bytes()
+    );
 }
 
 /// Feeds `ids` at positions `start..` to one cache and returns the logits of every row.

@@ -1,0 +1,530 @@
+//! The panel kernels with AVX2: [`super::vnni`]'s arithmetic on 256-bit registers, a panel's
+//! 16 lanes as two halves of 8. Every lane computes what the reference computes for its row,
+//! in the same order (exact integer sums, converted once per block, one fused multiply-add
+//! into the row's running sum), so the results are bitwise [`super::panel_reference`]'s, and
+//! so the AVX-512 kernels' (which equal the same reference): the instruction set never changes
+//! a token.
+//!
+//! `vpdpbusd` (four u8 x i8 products summed into an i32 lane) becomes `vpmaddubsw` then
+//! `vpmaddwd`. The former saturates a pair of products at i16, which the stored values of every
+//! kind but Q8_0 cannot reach (at most 63 x 128 x 2); Q8_0's stored bytes (up to 255) are
+//! multiplied as two nibbles, the high one's sum shifted by four bits, which is exact.
+
+use std::arch::x86_64::*;
+
+use gguf::quant::{QK, QK_K};
+
+use super::vnni::{kind_id, Q2K, Q3K, Q41, Q4K, Q50, Q51, Q5K, Q6K, Q8};
+use super::{Layout, PackKind, PANEL, SUBS};
+
+/// Lanes (weight rows) of one 256-bit half of a panel.
+const HALF: usize = PANEL / 2;
+
+/// The kind of a kernel's `KIND`, so that its block size and offsets are compile-time constants.
+const fn kind_of(id: u8) -> PackKind {
+    match id {
+        super::vnni::Q40 => PackKind::Q4_0,
+        Q41 => PackKind::Q4_1,
+        Q8 => PackKind::Q8_0,
+        Q50 => PackKind::Q5_0,
+        Q51 => PackKind::Q5_1,
+        Q4K => PackKind::Q4K,
+        Q5K => PackKind::Q5K,
+        Q6K => PackKind::Q6K,
+        Q2K => PackKind::Q2K,
+        Q3K => PackKind::Q3K,
+        _ => panic!("not a kind id"),
+    }
+}
+
+/// Four activation values (bytes `at..at + 4` of a row) in every lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bcast4(a: *const u8, at: usize) -> __m256i {
+    // SAFETY: the caller keeps `at + 4` within the row.
+    _mm256_set1_epi32(unsafe { (a.add(at) as *const i32).read_unaligned() })
+}
+
+/// `acc` plus, per 32-bit lane, the sum of the four products of `u`'s unsigned bytes (each at
+/// most 127 apart from Q8_0, see the module's doc) and `s`'s signed bytes: `vpdpbusd`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dpbusd(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+    let pairs = _mm256_maddubs_epi16(u, s);
+    _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+}
+
+/// [`dpbusd`] for any unsigned bytes (Q8_0's stored values): low and high nibbles apart.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dpbusd_bytes(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+    let nibble = _mm256_set1_epi8(0x0F);
+    let lo = dpbusd(_mm256_setzero_si256(), _mm256_and_si256(u, nibble), s);
+    let hi = dpbusd(
+        _mm256_setzero_si256(),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(u), nibble),
+        s,
+    );
+    _mm256_add_epi32(acc, _mm256_add_epi32(lo, _mm256_slli_epi32::<4>(hi)))
+}
+
+/// `acc` plus, per 32-bit lane, `a`'s two i16 times `b`'s two i16: `vpdpwssd` (no lane here
+/// can overflow: unsigned mins times activation sums).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dpwssd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+    _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+}
+
+/// 32 bytes at `at`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load(at: *const u8) -> __m256i {
+    // SAFETY: the caller's contract.
+    unsafe { _mm256_loadu_si256(at as *const __m256i) }
+}
+
+/// Eight f16 at `at` as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16x8(at: *const u8) -> __m256 {
+    // SAFETY: the caller keeps 16 bytes at `at` in bounds.
+    _mm256_cvtph_ps(unsafe { _mm_loadu_si128(at as *const __m128i) })
+}
+
+/// The values `8h + j` (`lo`) and `8h + 4 + j` (`hi`) of this half's lanes of a sub-block,
+/// from its nibble chunk `h` and, for `HIGH` bits above the nibble, its planes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn chunk<const HIGH: usize>(
+    sub: *const u8,
+    h: usize,
+    half: usize,
+    planes: [__m256i; 2],
+) -> (__m256i, __m256i) {
+    let nibble = _mm256_set1_epi8(0x0F);
+    // SAFETY: the caller keeps the sub-block's nibble bytes in bounds.
+    let c = unsafe { load(sub.add(64 * h + 32 * half)) };
+    let lo = _mm256_and_si256(c, nibble);
+    let hi = _mm256_and_si256(_mm256_srli_epi32::<4>(c), nibble);
+    match HIGH {
+        // Bits 2h and 2h + 1 of each byte are the fifth bits of `lo` and `hi`.
+        1 => {
+            let p = _mm256_srl_epi32(planes[0], _mm_cvtsi32_si128(2 * h as i32));
+            let five = _mm256_set1_epi8(0x10);
+            (
+                _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32::<4>(p), five)),
+                _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi32::<3>(p), five)),
+            )
+        }
+        // Plane h / 2, bits 4(h % 2) .. +2 for `lo` and the next two for `hi`.
+        2 => {
+            let p = _mm256_srl_epi32(planes[h / 2], _mm_cvtsi32_si128(4 * (h % 2) as i32));
+            let top = _mm256_set1_epi8(0x30);
+            (
+                _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32::<4>(p), top)),
+                _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi32::<2>(p), top)),
+            )
+        }
+        _ => (lo, hi),
+    }
+}
+
+/// This half's bit planes of a sub-block (as many as the kind has; the rest zero).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn planes<const HIGH: usize>(sub: *const u8, half: usize) -> [__m256i; 2] {
+    let base = PANEL * QK / 2 + 32 * half;
+    // SAFETY: the caller keeps the sub-block (with its planes) in bounds.
+    unsafe {
+        match HIGH {
+            1 => [load(sub.add(base)), _mm256_setzero_si256()],
+            2 => [load(sub.add(base)), load(sub.add(base + 64))],
+            _ => [_mm256_setzero_si256(); 2],
+        }
+    }
+}
+
+/// The values `16c + 4t + j` of this half's lanes of a sub-block of crumbs (Q2_K, Q3_K) from
+/// its chunk `c` and, for Q3_K, its plane of third bits (bit `4c + t` of each byte).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn crumbs<const KIND: u8>(chunk: __m256i, plane: __m256i, c: usize, t: usize) -> __m256i {
+    let low = _mm256_and_si256(
+        _mm256_srl_epi32(chunk, _mm_cvtsi32_si128(2 * t as i32)),
+        _mm256_set1_epi8(0x03),
+    );
+    if KIND != Q3K {
+        return low;
+    }
+    let third = _mm256_slli_epi32::<2>(_mm256_srl_epi32(
+        plane,
+        _mm_cvtsi32_si128((4 * c + t) as i32),
+    ));
+    _mm256_or_si256(low, _mm256_and_si256(third, _mm256_set1_epi8(0x04)))
+}
+
+/// 16 bytes at `at` (two per lane of this half) widened to 16 i16, lane `r`'s pair in its
+/// 32-bit lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lane_pairs(at: *const u8) -> __m256i {
+    // SAFETY: the caller keeps 16 bytes at `at` in bounds.
+    _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(at as *const __m128i) })
+}
+
+/// Eight bytes at `at` (one per lane of this half), widened: signed or unsigned.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lane_bytes<const SIGNED: bool>(at: *const u8) -> __m256i {
+    // SAFETY: the caller keeps 8 bytes at `at` in bounds.
+    let v = unsafe { _mm_loadl_epi64(at as *const __m128i) };
+    if SIGNED {
+        _mm256_cvtepi8_epi32(v)
+    } else {
+        _mm256_cvtepu8_epi32(v)
+    }
+}
+
+/// Stores the lanes of half `half` of panel `p` whose rows exist.
+///
+/// # Safety
+/// `out[16p + 8 half ..]` must be valid for writes up to row `n_rows`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn store_rows(out: *mut f32, p: usize, half: usize, n_rows: usize, v: __m256) {
+    let r0 = p * PANEL + half * HALF;
+    if r0 >= n_rows {
+        return;
+    }
+    let valid = (n_rows - r0).min(HALF);
+    let mut lanes = [0f32; HALF];
+    // SAFETY: eight floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+    for (r, v) in lanes.iter().enumerate().take(valid) {
+        // SAFETY: the caller's contract.
+        unsafe { out.add(r0 + r).write(*v) };
+    }
+}
+
+/// How far ahead of the bytes being multiplied the kernels ask for weights in L1 (a stream of
+/// weights read from memory outruns the hardware prefetcher otherwise).
+const PREFETCH: usize = 4096;
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch_ahead(at: *const u8, len: usize) {
+    let mut off = 0;
+    while off < len {
+        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH + off) as *const i8);
+        off += 64;
+    }
+}
+
+/// Weight rows `0..n_rows` of the consecutive panels `w` times `RA` activation rows, for the
+/// legacy kinds (blocks of 32): row `r` . `a[j]` is written to `out[j * stride + r]`, bitwise
+/// equal to [`super::panel_reference`]'s lane `r % 16` of panel `r / 16`.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `KIND` must be [`kind_id`] of the layout's kind;
+/// `out[j * stride + r]` must be valid for writes, and written by no one else meanwhile, for
+/// every `j < RA` and `r < n_rows`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn panels<const KIND: u8, const RA: usize>(
+    layout: &Layout,
+    w: &[u8],
+    n_rows: usize,
+    a: [&[u8]; RA],
+    out: *mut f32,
+    stride: usize,
+) {
+    debug_assert_eq!(kind_id(layout.kind), KIND);
+    assert!(!layout.kind.is_k());
+    let n_panels = n_rows.div_ceil(PANEL);
+    assert!(w.len() >= n_panels * layout.panel_bytes());
+    assert!(a.iter().all(|a| a.len() >= layout.a_row_bytes()));
+    let mins = KIND == Q41 || KIND == Q51;
+    let five = KIND == Q50 || KIND == Q51;
+    let (bb, d_at, m_at) = const {
+        let kind = kind_of(KIND);
+        (kind.block_bytes(), kind.d_at(), kind.m_at())
+    };
+    let (a_d, a_corr, a_sums) = (layout.a_d(), layout.a_corr(), layout.a_sums());
+    let ap = a.map(|a| a.as_ptr());
+    for p in 0..n_panels {
+        // SAFETY: panel `p` is in bounds by the assertion above.
+        let wp = unsafe { w.as_ptr().add(p * layout.panel_bytes()) };
+        for half in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); RA];
+            let mut msum = [_mm256_setzero_ps(); RA];
+            for b in 0..layout.n_blocks {
+                // SAFETY (every read below): block `b` of the panel and of each activation
+                // row is in bounds by the length assertions above.
+                let blk = unsafe { wp.add(b * bb) };
+                if half == 0 {
+                    prefetch_ahead(blk, bb);
+                }
+                let mut even = [_mm256_setzero_si256(); RA];
+                let mut odd = [_mm256_setzero_si256(); RA];
+                if !mins {
+                    for j in 0..RA {
+                        even[j] = unsafe { bcast4(ap[j], a_corr + 4 * b) };
+                    }
+                }
+                if KIND == Q8 {
+                    for g in 0..QK / 4 {
+                        let wv = unsafe { load(blk.add(64 * g + 32 * half)) };
+                        for j in 0..RA {
+                            let x = unsafe { bcast4(ap[j], QK * b + 4 * g) };
+                            if g % 2 == 0 {
+                                even[j] = dpbusd_bytes(even[j], wv, x);
+                            } else {
+                                odd[j] = dpbusd_bytes(odd[j], wv, x);
+                            }
+                        }
+                    }
+                } else {
+                    let pl = if five {
+                        unsafe { planes::<1>(blk, half) }
+                    } else {
+                        [_mm256_setzero_si256(); 2]
+                    };
+                    for h in 0..QK / 8 {
+                        let (lo, hi) = if five {
+                            unsafe { chunk::<1>(blk, h, half, pl) }
+                        } else {
+                            unsafe { chunk::<0>(blk, h, half, pl) }
+                        };
+                        for j in 0..RA {
+                            let (x0, x1) = unsafe {
+                                (
+                                    bcast4(ap[j], QK * b + 8 * h),
+                                    bcast4(ap[j], QK * b + 8 * h + 4),
+                                )
+                            };
+                            even[j] = dpbusd(even[j], lo, x0);
+                            odd[j] = dpbusd(odd[j], hi, x1);
+                        }
+                    }
+                }
+                let d = unsafe { f16x8(blk.add(d_at + 2 * HALF * half)) };
+                let m = if mins {
+                    unsafe { f16x8(blk.add(m_at + 2 * HALF * half)) }
+                } else {
+                    _mm256_setzero_ps()
+                };
+                for j in 0..RA {
+                    let dot = _mm256_cvtepi32_ps(_mm256_add_epi32(even[j], odd[j]));
+                    let ad = unsafe { (ap[j].add(a_d + 4 * b) as *const f32).read_unaligned() };
+                    acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(ad)), acc[j]);
+                    if mins {
+                        let s =
+                            unsafe { (ap[j].add(a_sums + 4 * b) as *const f32).read_unaligned() };
+                        msum[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(s), msum[j]);
+                    }
+                }
+            }
+            for j in 0..RA {
+                // SAFETY: rows `16p + 8 half ..` of output row `j`, the caller's contract.
+                unsafe {
+                    store_rows(
+                        out.add(j * stride),
+                        p,
+                        half,
+                        n_rows,
+                        _mm256_add_ps(acc[j], msum[j]),
+                    )
+                };
+            }
+        }
+    }
+}
+
+/// [`panels`] for the K-quants (blocks of 256 in eight sub-blocks), with [`super::vnni`]'s
+/// `panels_k` arithmetic: each sub-block's exact integer sum times its integer scale into one
+/// i32 per row and block, the mins times the activation's sums into another, each converted
+/// once per block.
+///
+/// # Safety
+/// As for [`panels`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
+    layout: &Layout,
+    w: &[u8],
+    n_rows: usize,
+    a: [&[u8]; RA],
+    out: *mut f32,
+    stride: usize,
+) {
+    debug_assert_eq!(kind_id(layout.kind), KIND);
+    assert!(layout.kind.is_k());
+    let n_panels = n_rows.div_ceil(PANEL);
+    assert!(w.len() >= n_panels * layout.panel_bytes());
+    assert!(a.iter().all(|a| a.len() >= layout.a_row_bytes()));
+    let halves = KIND == Q2K || KIND == Q3K || KIND == Q6K;
+    let offset = KIND == Q3K || KIND == Q6K;
+    let two_bit = KIND == Q2K || KIND == Q3K;
+    let (bb, sub_bytes, sc_at, mins_at, d_at, m_at) = const {
+        let kind = kind_of(KIND);
+        (
+            kind.block_bytes(),
+            kind.sub_bytes(),
+            kind.sc_at(),
+            kind.mins_at(),
+            kind.d_at(),
+            kind.m_at(),
+        )
+    };
+    let (a_d, a_corr, a_sums) = (layout.a_d(), layout.a_corr(), layout.a_sums());
+    let (corr_bytes, sums_bytes) = (layout.corr_bytes(), layout.sums_bytes());
+    let ap = a.map(|a| a.as_ptr());
+    for p in 0..n_panels {
+        // SAFETY: panel `p` is in bounds by the assertion above.
+        let wp = unsafe { w.as_ptr().add(p * layout.panel_bytes()) };
+        for half in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); RA];
+            let mut mins = [_mm256_setzero_ps(); RA];
+            for b in 0..layout.n_blocks {
+                // SAFETY (every read below): block `b` of the panel and of each activation
+                // row is in bounds by the length assertions above.
+                let blk = unsafe { wp.add(b * bb) };
+                if half == 0 {
+                    prefetch_ahead(blk, bb);
+                }
+                let mut total = [_mm256_setzero_si256(); RA];
+                let mut msum = [_mm256_setzero_si256(); RA];
+                for s in 0..SUBS {
+                    let sub = unsafe { blk.add(s * sub_bytes) };
+                    let mut g = [[_mm256_setzero_si256(); RA]; 2];
+                    if offset {
+                        for j in 0..RA {
+                            let at = a_corr + corr_bytes * b + 8 * s;
+                            g[0][j] = unsafe { bcast4(ap[j], at) };
+                            g[1][j] = unsafe { bcast4(ap[j], at + 4) };
+                        }
+                    }
+                    if two_bit {
+                        let plane = if KIND == Q3K {
+                            unsafe { load(sub.add(2 * 64 + 32 * half)) }
+                        } else {
+                            _mm256_setzero_si256()
+                        };
+                        for (c, part) in g.iter_mut().enumerate() {
+                            let chunk = unsafe { load(sub.add(64 * c + 32 * half)) };
+                            for t in 0..4 {
+                                let v = crumbs::<KIND>(chunk, plane, c, t);
+                                for j in 0..RA {
+                                    let at = QK_K * b + QK * s + 16 * c + 4 * t;
+                                    part[j] = dpbusd(part[j], v, unsafe { bcast4(ap[j], at) });
+                                }
+                            }
+                        }
+                    } else {
+                        let pl = match KIND {
+                            Q5K => unsafe { planes::<1>(sub, half) },
+                            Q6K => unsafe { planes::<2>(sub, half) },
+                            _ => [_mm256_setzero_si256(); 2],
+                        };
+                        for h in 0..QK / 8 {
+                            let (lo, hi) = match KIND {
+                                Q5K => unsafe { chunk::<1>(sub, h, half, pl) },
+                                Q6K => unsafe { chunk::<2>(sub, h, half, pl) },
+                                _ => unsafe { chunk::<0>(sub, h, half, pl) },
+                            };
+                            for j in 0..RA {
+                                let at = QK_K * b + QK * s + 8 * h;
+                                let (x0, x1) =
+                                    unsafe { (bcast4(ap[j], at), bcast4(ap[j], at + 4)) };
+                                if halves {
+                                    let i = h / 2;
+                                    g[i][j] = dpbusd(g[i][j], lo, x0);
+                                    g[i][j] = dpbusd(g[i][j], hi, x1);
+                                } else {
+                                    g[0][j] = dpbusd(g[0][j], lo, x0);
+                                    g[1][j] = dpbusd(g[1][j], hi, x1);
+                                }
+                            }
+                        }
+                    }
+                    if KIND == Q2K {
+                        // Lane `r`'s two bytes (scale | min << 4) of this sub-block's halves.
+                        let pair = unsafe { lane_pairs(blk.add(mins_at + 32 * s + 16 * half)) };
+                        let nibble = _mm256_set1_epi32(0x0F);
+                        let s0 = _mm256_and_si256(pair, nibble);
+                        let s1 = _mm256_and_si256(_mm256_srli_epi32::<16>(pair), nibble);
+                        let m = _mm256_and_si256(
+                            _mm256_srli_epi32::<4>(pair),
+                            _mm256_set1_epi32(0x000F_000F),
+                        );
+                        for j in 0..RA {
+                            let both = _mm256_add_epi32(
+                                _mm256_mullo_epi32(s0, g[0][j]),
+                                _mm256_mullo_epi32(s1, g[1][j]),
+                            );
+                            total[j] = _mm256_add_epi32(total[j], both);
+                            let sums = unsafe { bcast4(ap[j], a_sums + sums_bytes * b + 4 * s) };
+                            msum[j] = dpwssd(msum[j], m, sums);
+                        }
+                    } else if halves {
+                        let sc = |i: usize| unsafe {
+                            lane_bytes::<true>(blk.add(sc_at + PANEL * i + HALF * half))
+                        };
+                        let (s0, s1) = (sc(2 * s), sc(2 * s + 1));
+                        for j in 0..RA {
+                            let both = _mm256_add_epi32(
+                                _mm256_mullo_epi32(s0, g[0][j]),
+                                _mm256_mullo_epi32(s1, g[1][j]),
+                            );
+                            total[j] = _mm256_add_epi32(total[j], both);
+                        }
+                    } else {
+                        let s0 = unsafe {
+                            lane_bytes::<false>(blk.add(sc_at + PANEL * s + HALF * half))
+                        };
+                        for j in 0..RA {
+                            let sum = _mm256_add_epi32(g[0][j], g[1][j]);
+                            total[j] = _mm256_add_epi32(total[j], _mm256_mullo_epi32(s0, sum));
+                        }
+                    }
+                }
+                let d = unsafe { f16x8(blk.add(d_at + 2 * HALF * half)) };
+                let ad = ap.map(|a| unsafe {
+                    _mm256_set1_ps((a.add(a_d + 4 * b) as *const f32).read_unaligned())
+                });
+                for j in 0..RA {
+                    let dd = _mm256_mul_ps(d, ad[j]);
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[j]), dd, acc[j]);
+                }
+                if KIND == Q4K || KIND == Q5K {
+                    for k in 0..SUBS / 2 {
+                        // Lane `r`'s pair of mins.
+                        let mp = unsafe { lane_pairs(blk.add(mins_at + 32 * k + 16 * half)) };
+                        for j in 0..RA {
+                            let s = unsafe { bcast4(ap[j], a_sums + sums_bytes * b + 4 * k) };
+                            msum[j] = dpwssd(msum[j], mp, s);
+                        }
+                    }
+                }
+                if KIND == Q2K || KIND == Q4K || KIND == Q5K {
+                    let dmin = unsafe { f16x8(blk.add(m_at + 2 * HALF * half)) };
+                    for j in 0..RA {
+                        let md = _mm256_mul_ps(dmin, ad[j]);
+                        mins[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum[j]), md, mins[j]);
+                    }
+                }
+            }
+            for j in 0..RA {
+                // SAFETY: rows `16p + 8 half ..` of output row `j`, the caller's contract.
+                unsafe {
+                    store_rows(
+                        out.add(j * stride),
+                        p,
+                        half,
+                        n_rows,
+                        _mm256_sub_ps(acc[j], mins[j]),
+                    )
+                };
+            }
+        }
+    }
+}
