@@ -656,6 +656,45 @@ fn cached_prefix_blocks_are_shared_within_a_key_and_never_across_keys() {
         vec![2 * blocks; 2],
         "alice's second and third requests reused her prefix, bob's nothing"
     );
+    // Another tracker on the same shards whose key is also named alice, with another secret:
+    // another tenant (the partition follows the secret, not the name).
+    let other_keys = dir.join("other-keys");
+    std::fs::write(&other_keys, "alice sk-other-alice-89 100000000\n").unwrap();
+    let other = procs::tracker(
+        exe(),
+        &refs,
+        &token,
+        &[
+            "--ledger",
+            dir.join("other-ledger.sqlite").to_str().unwrap(),
+            "--api-keys",
+            other_keys.to_str().unwrap(),
+        ],
+    );
+    let auth = "Bearer sk-other-alice-89";
+    let body =
+        json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true});
+    let r = testkit::http::request(
+        "POST",
+        &other.addr,
+        "/v1/completions",
+        Some(&body),
+        &[("authorization", auth)],
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let got: Vec<u64> = r.json()["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(
+        reused(),
+        vec![2 * blocks; 2],
+        "the other tracker's alice reused nothing of this one's alice"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

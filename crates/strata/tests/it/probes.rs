@@ -1,8 +1,9 @@
 //! Probes for orchestrators on a real 2-shard route with an API key: `/livez` answers 200
 //! without a key whatever the routes do; `/readyz` answers without a key, 200 while the model
-//! has an open route and 503 naming it once its route is down, 200 again after the shard is
-//! back; `/v1/models` and `/health` need the key, and every other endpoint refuses a caller
-//! without one from its headers alone, before reading its body or resolving its model.
+//! has an open route and 503 once its route is down, 200 again after the shard is back, and
+//! names the models (and takes `?model=`) only for a caller with the key; `/v1/models` and
+//! `/health` need the key, and every other endpoint refuses a caller without one from its
+//! headers alone, before reading its body or resolving its model.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -21,10 +22,12 @@ fn exe() -> &'static Path {
 }
 
 fn with_key(addr: &str, path: &str) -> u16 {
+    keyed(addr, path).status
+}
+
+fn keyed(addr: &str, path: &str) -> testkit::http::Response {
     let auth = format!("Bearer {KEY}");
-    request("GET", addr, path, None, &[("authorization", &auth)])
-        .unwrap()
-        .status
+    request("GET", addr, path, None, &[("authorization", &auth)]).unwrap()
 }
 
 #[test]
@@ -114,10 +117,15 @@ fn livez_answers_without_a_key_and_readyz_names_the_model_whose_route_is_down() 
     )
     .status
         == 200));
-    let ready = get(&addr, "/readyz").json();
+    // Without the key: the verdict only, no model named, no question about one answered.
+    let ready = get(&addr, "/readyz");
+    assert_eq!(ready.json(), json!({"status": "ready"}), "{}", ready.body);
+    assert_eq!(get(&addr, &format!("/readyz?model={id}")).status, 401);
+    assert_eq!(get(&addr, "/readyz?model=no-such-model").status, 401);
+    let ready = keyed(&addr, "/readyz").json();
     assert_eq!(ready["models"][&id], "ready", "{ready}");
-    assert_eq!(get(&addr, &format!("/readyz?model={id}")).status, 200);
-    let unknown = get(&addr, "/readyz?model=no-such-model");
+    assert_eq!(with_key(&addr, &format!("/readyz?model={id}")), 200);
+    let unknown = keyed(&addr, "/readyz?model=no-such-model");
     assert_eq!(unknown.status, 404, "{}", unknown.body);
     let bad = get(&addr, "/readyz?verbose=1");
     assert_eq!(bad.status, 400, "{}", bad.body);
@@ -132,13 +140,14 @@ fn livez_answers_without_a_key_and_readyz_names_the_model_whose_route_is_down() 
         "readyz stayed {}",
         get(&addr, "/readyz").body
     );
-    let down: Value = get(&addr, "/readyz").json();
+    assert_eq!(get(&addr, "/readyz").json(), json!({"status": "not ready"}));
+    let down: Value = keyed(&addr, "/readyz").json();
     assert_eq!(down["models"][&id], "not ready", "{down}");
     assert!(
         down["reason"].as_str().unwrap().contains(&id),
         "the reason names the model: {down}"
     );
-    assert_eq!(get(&addr, &format!("/readyz?model={id}")).status, 503);
+    assert_eq!(with_key(&addr, &format!("/readyz?model={id}")), 503);
     assert_eq!(get(&addr, "/livez").status, 200);
     assert_eq!(with_key(&addr, "/health"), 503);
 

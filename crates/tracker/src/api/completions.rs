@@ -431,6 +431,7 @@ pub async fn admit_valid(
         ignore_eos: req.ignore_eos,
         priority: record.priority,
         key: key.as_ref().map(|k| k.name.clone()).unwrap_or_default(),
+        tenant: s.tenant(key.as_ref()),
         ledger_row: None,
         billed_prompt: 0,
     };

@@ -55,7 +55,7 @@ pub async fn evict_route(
     axum::extract::Path(name): axum::extract::Path<String>,
 ) -> Response {
     match &s.admin_token {
-        Some(t) if bearer(&headers) == *t => {}
+        Some(t) if proto::secrets_equal(&bearer(&headers), t) => {}
         _ => return Refusal::unauthorized().into_response(),
     }
     let models = s.table.models();
@@ -262,16 +262,20 @@ pub async fn livez() -> Response {
 }
 
 /// `GET /readyz`: 200 when every resident model has a route open end to end, else 503 naming
-/// the models that have none; `?model=ID` asks about one model (404 if it is not resident). No
-/// key: it says only which models are ready, nothing of routes, shards or load.
+/// the models that have none; `?model=ID` asks about one model (404 if it is not resident).
+/// No key needed for the verdict (a readiness probe sends none); which models there are, and
+/// `?model=`, only for a caller who may read `/health` (with API keys on, a valid key or
+/// `--public-metrics`): the model table is not told to a caller without a key.
 pub async fn readyz(
     State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
     q: Result<Query<std::collections::HashMap<String, String>>, QueryRejection>,
 ) -> Response {
     let q = match q {
         Ok(Query(q)) => q,
         Err(e) => return Refusal::invalid("query", e.body_text()).into_response(),
     };
+    let named = s.may_observe(&headers);
     let table = s.table.models();
     let asked = q.get("model");
     if let Some(k) = q.keys().find(|k| k.as_str() != "model") {
@@ -280,6 +284,9 @@ pub async fn readyz(
             format!("`{k}` is not a /readyz parameter (only `model`)"),
         )
         .into_response();
+    }
+    if let (Some(_), Err(refusal)) = (asked, &named) {
+        return refusal.clone().into_response();
     }
     let mut models = serde_json::Map::new();
     let mut not_ready = Vec::new();
@@ -307,6 +314,14 @@ pub async fn readyz(
             Json(json!({"status": "not ready", "reason": "no model is resident", "models": {}})),
         )
             .into_response();
+    }
+    if named.is_err() {
+        let (code, status) = if not_ready.is_empty() {
+            (StatusCode::OK, "ready")
+        } else {
+            (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+        };
+        return (code, Json(json!({"status": status}))).into_response();
     }
     if not_ready.is_empty() {
         Json(json!({"status": "ready", "models": models})).into_response()

@@ -145,6 +145,20 @@ impl AppState {
             .transpose()
     }
 
+    /// The tenant of a caller with `key` ([`AppState::key`]'s answer): a hash of the secret
+    /// it presented (its ledger key's, else `--api-key`, else the empty secret of an open
+    /// tracker), so callers share cached prompt prefixes only when they hold the same secret,
+    /// also across trackers on the same shards; never 0 (the partition of
+    /// `--prefix-cache-scope global`).
+    pub fn tenant(&self, key: Option<&ApiKey>) -> u64 {
+        let secret = match (key, &self.api_key) {
+            (Some(k), _) if !k.secret.is_empty() => k.secret.as_str(),
+            (_, Some(s)) => s.as_str(),
+            _ => "",
+        };
+        tenant_of(secret)
+    }
+
     /// `/health` and `/metrics` tell an operator about the cluster: with API keys on they
     /// need a valid key, unless the tracker was started with `--public-metrics`.
     pub fn may_observe(&self, headers: &HeaderMap) -> Result<(), Refusal> {
@@ -152,5 +166,30 @@ impl AppState {
             return Ok(());
         }
         self.key(headers).map(|_| ())
+    }
+}
+
+/// The tenant of `secret`: SHA-256 of it under this use's own prefix, as a nonzero u64. A
+/// shard sees only this value; it does not reveal the secret.
+fn tenant_of(secret: &str) -> u64 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"strata prefix-cache tenant\0");
+    h.update(secret.as_bytes());
+    let d = h.finalize();
+    u64::from_le_bytes(d[..8].try_into().expect("8 bytes")).max(1)
+}
+
+#[cfg(test)]
+mod tenant_tests {
+    use super::tenant_of;
+
+    #[test]
+    fn tenants_are_nonzero_stable_and_apart() {
+        let (a, b, open) = (tenant_of("sk-alice"), tenant_of("sk-bob"), tenant_of(""));
+        assert!(a != 0 && b != 0 && open != 0);
+        assert_ne!(a, b);
+        assert_ne!(a, open);
+        assert_eq!(a, tenant_of("sk-alice"), "the same secret, the same tenant");
     }
 }

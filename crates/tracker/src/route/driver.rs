@@ -32,6 +32,9 @@ pub struct Job {
     pub priority: Priority,
     /// The caller's API key name ("" when there is no ledger).
     pub key: String,
+    /// The caller's tenant: its prefix-cache partition under [`PrefixScope::Key`]
+    /// (`AppState::tenant`: a hash of the secret it presented, never 0).
+    pub tenant: u64,
     /// The request's row in the usage ledger, settled when the session ends.
     pub ledger_row: Option<i64>,
     /// Prompt tokens its ledger row is charged (the first of `n` choices carries the prompt,
@@ -178,10 +181,11 @@ pub struct RunnerParts {
     pub load: Arc<std::sync::atomic::AtomicUsize>,
 }
 
-/// The prefix-cache partition of a session of API key `key` (its name; "" without a ledger).
-fn cache_salt(scope: PrefixScope, key: &str) -> u64 {
+/// The prefix-cache partition of a session of tenant `tenant` (nonzero; 0 is the partition
+/// every session shares).
+fn cache_salt(scope: PrefixScope, tenant: u64) -> u64 {
     match scope {
-        PrefixScope::Key => owner_of(key),
+        PrefixScope::Key => tenant,
         PrefixScope::Global => 0,
     }
 }
@@ -205,6 +209,8 @@ struct Live {
     moved_at: Option<Instant>,
     /// The API key's name, for admission on another route.
     key: String,
+    /// Its prefix-cache partition ([`Job::tenant`]).
+    tenant: u64,
     events: mpsc::UnboundedSender<SessionEvent>,
     decoder: StreamDecoder,
     stops: StopMatcher,
@@ -762,6 +768,7 @@ impl Runner {
                 frontier: 0,
                 moved_at: None,
                 key: job.key.clone(),
+                tenant: job.tenant,
                 events,
                 decoder: StreamDecoder::new(),
                 stops: StopMatcher::new(job.stop),
@@ -882,7 +889,7 @@ impl Runner {
                     // prefix; a session being recomputed after a cache miss computes them.
                     reuse_prefix: item.tokens.len() > 1 && live.is_some_and(|l| l.n_replays == 0),
                     prefix: Vec::new(),
-                    cache_salt: live.map_or(0, |l| cache_salt(self.config.prefix_scope, &l.key)),
+                    cache_salt: live.map_or(0, |l| cache_salt(self.config.prefix_scope, l.tenant)),
                 }
             })
             .collect();

@@ -122,6 +122,7 @@ fn job(max_tokens: usize, stop: Vec<String>) -> Job {
         ignore_eos: true,
         priority: Priority::Agent,
         key: String::new(),
+        tenant: 1,
         ledger_row: None,
         billed_prompt: 0,
     }
