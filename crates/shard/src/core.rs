@@ -40,7 +40,8 @@ impl std::fmt::Display for ComputeStopped {
 /// The shard's loaded model and the handle to its compute thread.
 pub struct ShardCore {
     pub config: ShardConfig,
-    /// The context length chosen and why, for the operator (the binary prints it).
+    /// The kernels in use and the context length chosen and why, for the operator (the binary
+    /// prints it).
     pub context: String,
     pub info: ShardInfo,
     pub vocab_gguf: Vec<u8>,
@@ -164,7 +165,12 @@ impl ShardCore {
             .file_stem()
             .map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned());
         let kv_pool = model.new_pool(config.kv_budget_bytes);
-        let context = choose_context(&mut config, c.n_ctx_train, &kv_pool);
+        let n_threads = config.n_threads;
+        let context = format!(
+            "{} kernels on 16-row weight panels, {n_threads} threads; {}",
+            model.isa().name(),
+            choose_context(&mut config, c.n_ctx_train, &kv_pool)
+        );
         let info = ShardInfo {
             protocol_version: proto::PROTOCOL_VERSION,
             version: env!("CARGO_PKG_VERSION").into(),

@@ -25,6 +25,10 @@ pub struct BenchArgs {
     /// Kernel threads (one-process bench).
     #[arg(long)]
     threads: Option<usize>,
+    /// Force an instruction set (one-process bench): scalar, avx2 or avx512-vnni (default: the
+    /// best available), to measure a smaller machine's kernels on a larger one.
+    #[arg(long, conflicts_with = "url")]
+    isa: Option<String>,
     /// Concurrent clients (cluster bench), comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     concurrency: Vec<usize>,
@@ -37,10 +41,14 @@ pub struct BenchArgs {
     /// Prompt lengths to measure (ppN), comma separated.
     #[arg(long, value_delimiter = ',', default_value = "128,512")]
     prompt_tokens: Vec<usize>,
+    /// Positions each prefill step computes (one-process bench), as `strata serve
+    /// --prefill-chunk` and llama-bench's micro-batch do; 0 computes each prompt in one step.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
     /// Generated tokens to measure (tgN); 0 skips decode.
     #[arg(long, default_value_t = 64)]
     gen_tokens: usize,
-    /// Runs of each test (after one warm-up run).
+    /// Runs of each test (after one warm-up run, of at most one prefill chunk for ppN).
     #[arg(long, default_value_t = 3)]
     repetitions: usize,
     /// Print one JSON object instead of tables.
@@ -82,10 +90,11 @@ fn bench_tokens(n: usize, n_vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-fn time_prefill(local: &Local, tokens: &[u32]) -> Result<f64> {
+fn time_prefill(local: &Local, tokens: &[u32], chunk: usize) -> Result<f64> {
     let mut cache = local.model.new_cache(tokens.len());
+    let chunk = if chunk == 0 { tokens.len() } else { chunk };
     let t = Instant::now();
-    local.prefill(&mut cache, tokens, tokens.len(), false)?;
+    local.prefill(&mut cache, tokens, chunk, false)?;
     Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
 }
 
@@ -137,7 +146,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             .clone()
             .expect("clap requires --model without --url"),
         threads: a.threads,
-        isa: None,
+        isa: a.isa.clone(),
     };
     let local = run.load()?;
     let n_vocab = local.model.config().n_vocab;
@@ -145,9 +154,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let reps = a.repetitions.max(1);
     for &n in &a.prompt_tokens {
         let tokens = bench_tokens(n, n_vocab);
-        time_prefill(&local, &tokens)?;
+        let chunk = a.prefill_chunk;
+        let warm = if chunk == 0 { n } else { n.min(chunk) };
+        time_prefill(&local, &tokens[..warm], chunk)?;
         let rates = (0..reps)
-            .map(|_| time_prefill(&local, &tokens))
+            .map(|_| time_prefill(&local, &tokens, chunk))
             .collect::<Result<Vec<_>>>()?;
         results.push(TestResult {
             name: format!("pp{n}"),
@@ -203,6 +214,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "weight_bytes": local.model.weight_bytes(),
                 "threads": threads,
                 "isa": isa,
+                "prefill_chunk": a.prefill_chunk,
                 "peak_rss_bytes": peak_rss,
                 "rss_bytes": rss,
                 "tests": tests,
@@ -220,7 +232,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 r.stddev()
             );
         }
-        println!("\npeak RSS {:.1} MiB", peak_rss as f64 / (1 << 20) as f64);
+        let chunk = match a.prefill_chunk {
+            0 => "one step per prompt".to_string(),
+            n => format!("steps of {n} positions"),
+        };
+        println!(
+            "\nprefill in {chunk}; peak RSS {:.1} MiB",
+            peak_rss as f64 / (1 << 20) as f64
+        );
     }
     Ok(())
 }

@@ -94,10 +94,7 @@ impl RunArgs {
     fn options(&self) -> Result<ModelOptions> {
         let isa = match self.isa.as_deref() {
             None => None,
-            Some("scalar") => Some(Isa::Scalar),
-            Some("avx2") => Some(Isa::Avx2),
-            Some("avx512-vnni") => Some(Isa::Avx512Vnni),
-            Some(other) => bail!("unknown --isa `{other}` (expected scalar, avx2 or avx512-vnni)"),
+            Some(name) => Some(Isa::from_name(name).map_err(|e| anyhow::anyhow!("--isa: {e}"))?),
         };
         let mut opts = ModelOptions {
             isa,

@@ -63,6 +63,24 @@ impl Isa {
         }
     }
 
+    /// The instruction set [`Isa::name`] calls `name`, if this CPU runs it; else an error
+    /// naming what it may be.
+    pub fn from_name(name: &str) -> Result<Isa, String> {
+        let isa = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni]
+            .into_iter()
+            .find(|i| i.name() == name)
+            .ok_or_else(|| {
+                format!("unknown isa `{name}` (expected scalar, avx2 or avx512-vnni)")
+            })?;
+        if !isa.is_supported() {
+            return Err(format!(
+                "isa `{name}` is not on this CPU (the best here is {})",
+                Isa::detect().name()
+            ));
+        }
+        Ok(isa)
+    }
+
     /// For a test of this instruction set's kernels: whether the CPU has it. When it does not,
     /// the test says so in its output (it is tested on the machines that have it) instead of
     /// passing in silence.
