@@ -2,6 +2,7 @@
 
 mod hostile_families;
 mod invariants;
+mod isa_contract;
 mod real_families;
 mod real_model;
 mod split_files;

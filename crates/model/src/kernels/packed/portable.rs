@@ -69,52 +69,88 @@ fn decode_block(
 /// Most activation rows one call takes (its running sums live on the stack).
 pub const MOST_ACTS: usize = 8;
 
+/// The exact integer dot product of two runs of values.
+fn dot(w: &[i32], a: &[i32]) -> i32 {
+    w.iter().zip(a).map(|(w, a)| w * a).sum()
+}
+
 /// Every lane of `panel` times every row of `acts` (at most [`MOST_ACTS`]): `out[j][r]` = lane
-/// `r` . `acts[j]`, bitwise [`super::panel_reference`]'s.
+/// `r` . `acts[j]`, bitwise [`super::panel_reference`]'s (the same exact integer sums, and the
+/// same float operations in the same order). A block's values and scales are decoded once for
+/// all the rows, and each row's block of activations once for all the lanes.
 pub fn panel_products(layout: &Layout, panel: &[u8], acts: &[&[u8]], out: &mut [[f32; PANEL]]) {
     assert_eq!(out.len(), acts.len());
     assert!(acts.len() <= MOST_ACTS);
     let kind = layout.kind;
     let bv = kind.block_values();
     let places = Places::of(kind);
+    // Legacy kinds: one group of the block's 32 values.
+    let (groups, gv) = if kind.is_k() {
+        (kind.scale_groups(), kind.group_values())
+    } else {
+        (1, QK)
+    };
     let mut values = [[0i32; QK_K]; PANEL];
+    let mut lane_scales = [(0f32, 0f32); PANEL];
+    let mut k_scales = [[0i32; 16]; PANEL];
+    let mut k_mins = [[0i32; 16]; PANEL];
+    let mut q = [0i32; QK_K];
     let mut acc = [[0f32; PANEL]; MOST_ACTS];
     let mut mins = [[0f32; PANEL]; MOST_ACTS];
     for b in 0..layout.n_blocks {
         decode_block(layout, &places, panel, b, &mut values);
+        for r in 0..PANEL {
+            lane_scales[r] = scales(layout, panel, r, b);
+            if kind.is_k() {
+                for g in 0..groups {
+                    k_scales[r][g] = k_scale(layout, panel, r, b, g);
+                    if kind.has_k_mins() {
+                        k_mins[r][g] = k_min(layout, panel, r, b, g);
+                    }
+                }
+            }
+        }
         for (j, a) in acts.iter().enumerate() {
             let ad = get_f32(a, layout.a_d() + 4 * b);
-            let q = |i: usize| a[bv * b + i] as i8 as i32;
-            for (r, lane) in values.iter().enumerate() {
-                let (d, m) = scales(layout, panel, r, b);
-                let dot_of =
-                    |from: usize, to: usize| -> i32 { (from..to).map(|i| lane[i] * q(i)).sum() };
-                if !kind.is_k() {
-                    let mut dot = if offset_corrected(kind) {
-                        get_i32(a, layout.a_corr() + 4 * b)
-                    } else {
-                        0
-                    };
-                    dot += dot_of(0, QK);
+            for (q, &x) in q[..bv].iter_mut().zip(&a[bv * b..bv * (b + 1)]) {
+                *q = x as i8 as i32;
+            }
+            if !kind.is_k() {
+                let corr = if offset_corrected(kind) {
+                    get_i32(a, layout.a_corr() + 4 * b)
+                } else {
+                    0
+                };
+                let sum = kind.has_mins().then(|| get_f32(a, layout.a_sums() + 4 * b));
+                for (r, lane) in values.iter().enumerate() {
+                    let (d, m) = lane_scales[r];
+                    let dot = corr + dot(&lane[..QK], &q[..QK]);
                     acc[j][r] = (dot as f32).mul_add(d * ad, acc[j][r]);
-                    if kind.has_mins() {
-                        mins[j][r] = m.mul_add(get_f32(a, layout.a_sums() + 4 * b), mins[j][r]);
+                    if let Some(sum) = sum {
+                        mins[j][r] = m.mul_add(sum, mins[j][r]);
                     }
-                    continue;
                 }
+                continue;
+            }
+            let mut corr = [0i32; 16];
+            let mut asums = [0i32; 16];
+            for g in 0..groups {
+                if kind.offset() != 0 {
+                    corr[g] = get_i32(a, layout.a_corr() + layout.corr_bytes() * b + 4 * g);
+                }
+                if kind.has_k_mins() {
+                    let at = layout.a_sums() + layout.sums_bytes() * b + 2 * g;
+                    asums[g] = i16::from_le_bytes([a[at], a[at + 1]]) as i32;
+                }
+            }
+            for (r, lane) in values.iter().enumerate() {
+                let (d, m) = lane_scales[r];
                 let (mut total, mut msum) = (0i32, 0i32);
-                let gv = kind.group_values();
-                for g in 0..kind.scale_groups() {
-                    let mut dot = dot_of(gv * g, gv * g + gv);
-                    if kind.offset() != 0 {
-                        dot += get_i32(a, layout.a_corr() + layout.corr_bytes() * b + 4 * g);
-                    }
-                    total += k_scale(layout, panel, r, b, g) * dot;
-                    if kind.has_k_mins() {
-                        let at = layout.a_sums() + layout.sums_bytes() * b + 2 * g;
-                        let asum = i16::from_le_bytes([a[at], a[at + 1]]) as i32;
-                        msum += k_min(layout, panel, r, b, g) * asum;
-                    }
+                for g in 0..groups {
+                    let at = gv * g;
+                    let dot = corr[g] + dot(&lane[at..at + gv], &q[at..at + gv]);
+                    total += k_scales[r][g] * dot;
+                    msum += k_mins[r][g] * asums[g];
                 }
                 if kind.has_k_mins() {
                     mins[j][r] = (msum as f32).mul_add(m * ad, mins[j][r]);
