@@ -182,6 +182,11 @@ impl Ledger {
             .ok_or_else(Refusal::unauthorized)
     }
 
+    /// How many API keys are configured.
+    pub fn n_keys(&self) -> usize {
+        self.keys.len()
+    }
+
     /// Whether API keys are configured (then every request must name one).
     pub fn has_keys(&self) -> bool {
         !self.keys.is_empty()

@@ -102,6 +102,8 @@ impl Tracker {
             ));
         }
         let n_cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // The stored responses are shared equally by the API keys (one share without keys).
+        let tenants = config.ledger.as_ref().map_or(1, |l| l.n_keys());
         let state = Arc::new(api::state::AppState {
             table,
             metrics,
@@ -117,6 +119,7 @@ impl Tracker {
             stored_responses: api::store::ResponseStore::new(
                 config.stored_responses,
                 config.stored_response_bytes,
+                tenants,
             ),
         });
         Ok(Tracker { state })

@@ -7,6 +7,51 @@
 use engine::Refusal;
 use serde_json::Value;
 
+/// `metadata`, where a request carries it, as OpenAI bounds it: an object of at most 16
+/// string values, keys of at most 64 characters, values of at most 512. The Responses API
+/// echoes it into the response it stores: unbounded, it would be memory any caller fills.
+pub fn metadata(body: &Value) -> Result<(), Refusal> {
+    let Some(m) = body.get("metadata").filter(|v| !v.is_null()) else {
+        return Ok(());
+    };
+    let Some(m) = m.as_object() else {
+        return Err(Refusal::invalid(
+            "metadata",
+            "`metadata` must be an object of string values",
+        ));
+    };
+    if m.len() > 16 {
+        return Err(Refusal::invalid(
+            "metadata",
+            format!("`metadata` has {} keys: at most 16", m.len()),
+        ));
+    }
+    for (k, v) in m {
+        if k.chars().count() > 64 {
+            return Err(Refusal::invalid(
+                "metadata",
+                "a `metadata` key is longer than 64 characters",
+            ));
+        }
+        match v.as_str() {
+            Some(v) if v.chars().count() <= 512 => {}
+            Some(_) => {
+                return Err(Refusal::invalid(
+                    "metadata",
+                    "a `metadata` value is longer than 512 characters",
+                ))
+            }
+            None => {
+                return Err(Refusal::invalid(
+                    "metadata",
+                    "`metadata` values must be strings",
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Fields that change nothing about generation, by endpoint, with why each is safe to take.
 /// This is the list the README's "Fields accepted without effect" section shows.
 pub const NO_EFFECT: &[(&str, &str)] = &[

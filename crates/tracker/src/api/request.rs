@@ -274,6 +274,7 @@ pub fn validate(
     fresh_seed: u64,
 ) -> Result<ValidRequest, Refusal> {
     let model = model_and_fields(endpoint, &body)?;
+    super::fields::metadata(&body)?;
     let n = choices(&body)?;
     let prompt = match endpoint {
         Endpoint::Completions => completion_prompt(&mut body)?,

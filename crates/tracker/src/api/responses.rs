@@ -354,6 +354,7 @@ pub fn validate(mut body: Value, fresh_seed: u64) -> Result<ResponsesRequest, Re
         ));
     }
     only(&body, "", FIELDS, "/v1/responses")?;
+    super::fields::metadata(&body)?;
     no_effect_fields(&body)?;
     let model = string(&body, "model")?;
     let instructions = string(&body, "instructions")?;
@@ -509,7 +510,11 @@ pub async fn get(
         Err(e) => return e.into_response(),
     };
     match s.stored_responses.get(&key, &id) {
-        Some(st) => axum::Json(st.response.clone()).into_response(),
+        Some(st) => (
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            st.response.clone(),
+        )
+            .into_response(),
         None => unknown_response(&id).with_param("id").into_response(),
     }
 }
@@ -597,6 +602,21 @@ mod tests {
                 "text.format.schema",
             ),
             (json!({}), "input"),
+            // `metadata` as OpenAI bounds it: it is echoed into the stored response.
+            (json!({"input": "x", "metadata": vec![0; 1000]}), "metadata"),
+            (json!({"input": "x", "metadata": {"k": 1}}), "metadata"),
+            (
+                json!({"input": "x", "metadata": {"k": "v".repeat(513)}}),
+                "metadata",
+            ),
+            (
+                json!({"input": "x", "metadata": {"k".repeat(65): "v"}}),
+                "metadata",
+            ),
+            (
+                json!({"input": "x", "metadata": (0..17).map(|i| (i.to_string(), json!("v"))).collect::<serde_json::Map<_, _>>()}),
+                "metadata",
+            ),
         ] {
             let e = validate(body.clone(), 1).err().expect("refused");
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
@@ -611,6 +631,7 @@ mod tests {
                              {"type": "web_search", "external_web_access": false}],
                    "tool_choice": "auto", "parallel_tool_calls": true, "reasoning": {"summary": "auto"}, "store": false,
                    "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k", "client_metadata": {"a": "b"},
+                   "metadata": {"session": "s-1", "user": "u"},
                    "text": {"format": {"type": "text"}}}),
             1,
         )

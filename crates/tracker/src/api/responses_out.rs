@@ -217,7 +217,7 @@ impl Build {
             &self.id,
             Stored {
                 conversation: Arc::new(conversation),
-                response: response.clone(),
+                response: response.to_string(),
             },
         );
     }

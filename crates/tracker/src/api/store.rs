@@ -6,30 +6,32 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use serde_json::Value;
 use text::ChatMessage;
 
 /// One stored response: the conversation it ends (every message but the instructions,
-/// which a later response does not inherit) and the response object as it was answered.
+/// which a later response does not inherit) and the response object as it was answered, as
+/// JSON text (so what it holds in memory is what it is counted: a parsed value of the same
+/// text can take ten times as much).
 #[derive(Debug)]
 pub struct Stored {
     pub conversation: Arc<Vec<ChatMessage>>,
-    pub response: Value,
+    pub response: String,
 }
 
-/// The bounded store.
+/// The bounded store: each API key has an equal share of its entries and bytes, and a key
+/// over its share forgets its own oldest responses, never another key's.
 #[derive(Debug)]
 pub struct ResponseStore {
-    max_entries: usize,
-    max_bytes: usize,
+    share_entries: usize,
+    share_bytes: usize,
     inner: Mutex<Inner>,
 }
 
 #[derive(Debug, Default)]
 struct Inner {
     by_id: HashMap<String, Entry>,
-    order: VecDeque<String>,
-    bytes: usize,
+    /// Each key's ids, oldest first, and the bytes they hold.
+    by_key: HashMap<String, (VecDeque<String>, usize)>,
 }
 
 #[derive(Debug)]
@@ -40,7 +42,7 @@ struct Entry {
     bytes: usize,
 }
 
-/// What an entry costs: its messages' text and its response object.
+/// What an entry costs: its messages' text and its response's JSON text.
 fn bytes_of(s: &Stored) -> usize {
     let messages: usize = s
         .conversation
@@ -52,14 +54,17 @@ fn bytes_of(s: &Stored) -> usize {
                 + 64
         })
         .sum();
-    messages + s.response.to_string().len()
+    messages + s.response.len()
 }
 
 impl ResponseStore {
-    pub fn new(max_entries: usize, max_bytes: usize) -> Self {
+    /// A store of at most `max_entries` responses and `max_bytes` bytes, shared equally by
+    /// `tenants` API keys (1 without keys).
+    pub fn new(max_entries: usize, max_bytes: usize, tenants: usize) -> Self {
+        let tenants = tenants.max(1);
         ResponseStore {
-            max_entries,
-            max_bytes,
+            share_entries: max_entries / tenants,
+            share_bytes: max_bytes / tenants,
             inner: Mutex::new(Inner::default()),
         }
     }
@@ -68,24 +73,27 @@ impl ResponseStore {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Keeps `stored` under `id` for `key`; one larger than the whole store is not kept.
+    /// Keeps `stored` under `id` for `key`, forgetting `key`'s oldest responses while it is
+    /// over its share; one larger than a share is not kept.
     pub fn put(&self, key: &str, id: &str, stored: Stored) {
         let bytes = bytes_of(&stored);
-        if bytes > self.max_bytes || self.max_entries == 0 {
+        if bytes > self.share_bytes || self.share_entries == 0 {
             return;
         }
         let mut g = self.lock();
-        while g.order.len() >= self.max_entries || g.bytes + bytes > self.max_bytes {
-            let Some(old) = g.order.pop_front() else {
+        let Inner { by_id, by_key } = &mut *g;
+        let (order, held) = by_key.entry(key.to_string()).or_default();
+        while order.len() >= self.share_entries || *held + bytes > self.share_bytes {
+            let Some(old) = order.pop_front() else {
                 break;
             };
-            if let Some(e) = g.by_id.remove(&old) {
-                g.bytes -= e.bytes;
+            if let Some(e) = by_id.remove(&old) {
+                *held -= e.bytes;
             }
         }
-        g.bytes += bytes;
-        g.order.push_back(id.to_string());
-        g.by_id.insert(
+        *held += bytes;
+        order.push_back(id.to_string());
+        by_id.insert(
             id.to_string(),
             Entry {
                 key: key.to_string(),
@@ -110,18 +118,21 @@ impl ResponseStore {
         if g.by_id.get(id).is_none_or(|e| e.key != key) {
             return false;
         }
-        if let Some(e) = g.by_id.remove(id) {
-            g.bytes -= e.bytes;
+        let Inner { by_id, by_key } = &mut *g;
+        if let (Some(e), Some((order, held))) = (by_id.remove(id), by_key.get_mut(key)) {
+            *held -= e.bytes;
+            order.retain(|x| x != id);
         }
-        g.order.retain(|x| x != id);
         true
     }
 
-    /// Entries and bytes kept.
+    /// Entries and bytes kept, all keys together.
     #[cfg(test)]
     pub fn usage(&self) -> (usize, usize) {
         let g = self.lock();
-        (g.order.len(), g.bytes)
+        g.by_key
+            .values()
+            .fold((0, 0), |(n, b), (order, held)| (n + order.len(), b + held))
     }
 }
 
@@ -133,13 +144,13 @@ mod tests {
     fn stored(text: &str) -> Stored {
         Stored {
             conversation: Arc::new(vec![ChatMessage::new("user", text)]),
-            response: json!({"id": "x"}),
+            response: json!({"id": "x"}).to_string(),
         }
     }
 
     #[test]
     fn the_store_is_bounded_and_keyed_by_who_stored() {
-        let s = ResponseStore::new(2, 10_000);
+        let s = ResponseStore::new(2, 10_000, 1);
         s.put("a", "r1", stored("one"));
         s.put("a", "r2", stored("two"));
         assert!(s.get("a", "r1").is_some());
@@ -147,7 +158,7 @@ mod tests {
         s.put("a", "r3", stored("three"));
         assert!(s.get("a", "r1").is_none(), "the oldest went first");
         assert_eq!(s.usage().0, 2);
-        let small = ResponseStore::new(100, 400);
+        let small = ResponseStore::new(100, 400, 1);
         for i in 0..50 {
             small.put("", &format!("r{i}"), stored(&"x".repeat(50)));
         }
@@ -161,5 +172,23 @@ mod tests {
         assert!(!small.delete("other", "r49"));
         assert!(small.delete("", "r49"));
         assert!(small.get("", "r49").is_none());
+    }
+
+    /// A key storing without end forgets only its own responses: another key's stay.
+    #[test]
+    fn one_key_never_evicts_another() {
+        let s = ResponseStore::new(8, 4000, 2);
+        s.put("alice", "a1", stored("alice's plan"));
+        for i in 0..100 {
+            s.put("bob", &format!("b{i}"), stored(&"x".repeat(300)));
+        }
+        assert!(
+            s.get("alice", "a1").is_some(),
+            "bob's flood left alice's response"
+        );
+        assert!(s.get("bob", "b99").is_some());
+        assert!(s.get("bob", "b0").is_none(), "bob forgot his own oldest");
+        let (n, bytes) = s.usage();
+        assert!(n <= 8 && bytes <= 4000, "{n} entries, {bytes} bytes");
     }
 }
