@@ -153,13 +153,8 @@ fn matrix(
             f.release(info, 0..n)
         }));
     }
-    // Copied or packed straight from the mapping, whose pages are dropped once consumed.
+    // Copied straight from the mapping, whose pages are dropped once consumed.
     let src = f.data(info);
-    if pack && PackKind::of(info.ty).is_some() {
-        return Ok(QMatrix::packed_from(info.ty, n_rows, n_cols, src, |n| {
-            f.release(info, 0..n)
-        }));
-    }
     let m = QMatrix::copied_from(info.ty, n_rows, n_cols, src);
     f.release(info, 0..src.len());
     Ok(m)
