@@ -655,10 +655,23 @@ fn two_trackers_on_one_registry_get_a_full_shards_typed_capacity_refusal() {
             greedy_ids(&t.addr).0 == 200
         });
     }
-    let mut s = SseStream::open(&one.addr, "/v1/completions", &json!({"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": true, "stream": true})).unwrap();
-    for _ in 0..3 {
-        s.next_data().expect("the first tracker's session runs");
-    }
+    // The shard's one session is free once the warm-up requests' sessions are released
+    // there, which the trackers do not wait for: the first tracker's stream is opened until
+    // it runs (a refusal ends it at once).
+    let t0 = Instant::now();
+    let s = loop {
+        let mut s = SseStream::open(&one.addr, "/v1/completions", &json!({"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": true, "stream": true})).unwrap();
+        let runs = s.status == 200
+            && (0..3).all(|_| s.next_data().is_some_and(|d| !d.contains("\"error\"")));
+        if runs {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the first tracker's session never ran"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
     let (status, body) = greedy_ids(&two.addr);
     assert_eq!(status, 503, "{body}");
     assert_eq!(body["error"]["reason"], "capacity", "{body}");
