@@ -170,7 +170,7 @@ impl PoolState {
             .remove(&uid)
             .expect("idle blocks are registered");
         self.keys.remove(&r.key);
-        debug_assert_eq!(Arc::strong_count(&r.data), 1);
+        assert_eq!(Arc::strong_count(&r.data), 1);
         self.spare.push(r.data);
         self.spare_ids.push(r.id);
         self.alive -= 1;
@@ -183,7 +183,7 @@ impl PoolState {
             self.drop_local(part);
         }
         if b.uid == 0 {
-            debug_assert_eq!(Arc::strong_count(&b.data), 1);
+            assert_eq!(Arc::strong_count(&b.data), 1);
             self.spare.push(b.data);
             self.spare_ids.push(b.id);
             self.alive -= 1;
@@ -431,7 +431,7 @@ impl KvPool {
             let key = (parent, chunk.try_into().expect("a full block of tokens"));
             if let Some(&uid) = s.keys.get(&key) {
                 let shared = s.hold(uid);
-                debug_assert!(
+                assert!(
                     shared
                         .data
                         .iter()

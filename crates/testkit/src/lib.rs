@@ -261,12 +261,17 @@ pub fn write_tiny_model(spec: &TinySpec, name: &str) -> PathBuf {
     path
 }
 
-/// The repository root (testkit lives at `crates/testkit`).
+/// The repository root: two levels above the running test's crate (cargo and nextest give
+/// its folder at run time), else above testkit's own as it was built. The run-time folder
+/// comes first because one build cache serves several clones: testkit built in one clone is
+/// reused unchanged by another, which must not look for its models in the first.
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    let crate_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+    crate_dir
         .join("../..")
         .canonicalize()
-        .expect("repo root")
+        .unwrap_or_else(|e| panic!("repo root above {}: {e}", crate_dir.display()))
 }
 
 /// The real model: `STRATA_MODEL` if set, else whatever `scripts/fetch-model.sh` prints (it is

@@ -238,7 +238,7 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
     out: *mut f32,
     stride: usize,
 ) {
-    debug_assert_eq!(kind_id(layout.kind), KIND);
+    assert_eq!(kind_id(layout.kind), KIND);
     assert!(!layout.kind.is_k());
     let n_panels = n_rows.div_ceil(PANEL);
     assert!(w.len() >= n_panels * layout.panel_bytes());
@@ -356,7 +356,7 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
     out: *mut f32,
     stride: usize,
 ) {
-    debug_assert_eq!(kind_id(layout.kind), KIND);
+    assert_eq!(kind_id(layout.kind), KIND);
     assert!(layout.kind.is_k());
     let n_panels = n_rows.div_ceil(PANEL);
     assert!(w.len() >= n_panels * layout.panel_bytes());
