@@ -228,6 +228,7 @@ fn fused_attention(c: &mut Criterion) {
     let ks: Vec<Vec<f16>> = (0..n_pos).map(|t| row(100 + t as u32)).collect();
     let vs: Vec<Vec<f16>> = (0..n_pos).map(|t| row(1000 + t as u32)).collect();
     let (mut scores, mut out) = (vec![0f32; g * n_pos], vec![0f32; g * hd]);
+    let mut tile = vec![0f32; attn::tile_floats(hd)];
     let mut grp = c.benchmark_group("fused_attention");
     grp.throughput(Throughput::Elements((g * n_pos * hd * 4) as u64));
     grp.bench_function("3 heads x 128 positions", |b| {
@@ -240,6 +241,7 @@ fn fused_attention(c: &mut Criterion) {
                 |t| &ks[t][..],
                 |t| &vs[t][..],
                 &mut scores,
+                &mut tile,
                 &mut out,
             ))
         })

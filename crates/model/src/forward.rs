@@ -776,10 +776,11 @@ impl Model {
         // reallocate step after step).
         let longest = rows.iter().map(|r| r.pos + 1).max().unwrap_or(0);
         let n_ctx = caches.iter().map(|c| c.n_ctx()).max().unwrap_or(0);
+        let tile = crate::kernels::attn::tile_floats(hd);
         scratch.resize_with(pool.n_threads(), Vec::new);
         for s in scratch.iter_mut() {
-            if s.len() < per_task * (hd + longest + 1) {
-                s.resize(per_task * (hd + n_ctx.max(longest) + 1), 0.0);
+            if s.len() < per_task * (hd + longest + 1) + tile {
+                s.resize(per_task * (hd + n_ctx.max(longest) + 1) + tile, 0.0);
             }
         }
         let scratch = SharedMut::new(scratch);
@@ -793,27 +794,29 @@ impl Model {
             let n_pos = row.pos + 1 - from;
             // SAFETY: a thread runs one task at a time; only it uses its entry.
             let scratch = unsafe { &mut scratch.slice(thread, 1)[0] };
-            let need = per_task * (hd + n_pos + 1);
+            let need = per_task * (hd + n_pos + 1) + tile;
             let (qs, rest) = scratch[..need].split_at_mut(per_task * hd);
-            let (scores, inv) = rest.split_at_mut(per_task * n_pos);
+            let (scores, rest) = rest.split_at_mut(per_task * n_pos);
+            let (inv, tile) = rest.split_at_mut(per_task);
             let q_row = &q[i * qd + first * hd..][..per_task * hd];
             // SAFETY: each task writes its own heads' head_dim slices of `out`.
             let o = unsafe { out_ptr.slice(i * qd + first * hd, per_task * hd) };
+            // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity.
+            for (d, &x) in qs.iter_mut().zip(q_row) {
+                *d = f16::from_f32(x).to_f32();
+            }
             if self.kernels.fused_attention(
                 hd,
-                q_row,
+                qs,
                 n_pos,
                 scale,
                 |t| &cache.row(li, 0, from + t)[kvh * hd..][..hd],
                 |t| &cache.row(li, 1, from + t)[kvh * hd..][..hd],
                 scores,
+                tile,
                 o,
             ) {
                 return;
-            }
-            // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity.
-            for (d, &x) in qs.iter_mut().zip(q_row) {
-                *d = f16::from_f32(x).to_f32();
             }
             // K and V are read from the session's blocks in place, one head row at a time.
             for t in 0..n_pos {

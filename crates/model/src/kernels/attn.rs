@@ -262,6 +262,209 @@ pub mod fused {
     }
 }
 
+/// Positions the tiled kernel ([`tiled`]) decodes at once for heads of width `hd`: about 16 KiB
+/// of f32, a multiple of eight.
+pub fn tile_positions(hd: usize) -> usize {
+    (4096 / hd.max(1) / 8 * 8).max(8)
+}
+
+/// The f32 scratch the tiled kernel needs besides the scores.
+pub fn tile_floats(hd: usize) -> usize {
+    tile_positions(hd) * hd
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod tiled {
+    //! One attention task — `g` query heads sharing one KV head — for AVX2's 16 vector
+    //! registers, with exactly the arithmetic of the generic path ([`super::dot_f16`], the
+    //! softmax, the rounded weights, [`super::axpy_f16`]). K and V are decoded to f32 a tile of
+    //! positions at a time into L1 scratch, once for every head; each head's dot products run
+    //! eight positions at once (eight independent fused multiply-add chains, reduced together as
+    //! `dot_f16` reduces one), and its weighted sum keeps up to 64 output values in registers
+    //! across a whole tile. Nothing is called per position and head.
+
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use crate::kernels::exp;
+
+    /// Most query heads per KV head this kernel takes.
+    pub const MAX_GROUP: usize = exp::avx2::MAX_ROWS;
+
+    use super::tile_positions;
+
+    /// Decodes `n` rows of `hd` f16 values (`row(p)`) into `tile` (row `p` at `p * hd`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn decode<'a>(hd: usize, n: usize, row: impl Fn(usize) -> &'a [f16], tile: &mut [f32]) {
+        for p in 0..n {
+            let r = &row(p)[..hd];
+            let dst = &mut tile[p * hd..(p + 1) * hd];
+            for ch in 0..hd / 8 {
+                // SAFETY: `8 * ch + 8 <= hd` for both rows.
+                unsafe {
+                    let x = _mm_loadu_si128(r.as_ptr().add(8 * ch).cast());
+                    _mm256_storeu_ps(dst.as_mut_ptr().add(8 * ch), _mm256_cvtph_ps(x));
+                }
+            }
+        }
+    }
+
+    /// The sums of eight vectors of eight partial sums (one vector per position), each as
+    /// [`super::dot_f16`] reduces it: `((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7))`.
+    /// Lane `p` of the result is vector `p`'s sum.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn reduce8(a: [__m256; 8]) -> __m256 {
+        let b: [__m256; 4] = std::array::from_fn(|p| {
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(a[p], a[p + 4]),
+                _mm256_permute2f128_ps::<0x31>(a[p], a[p + 4]),
+            )
+        });
+        let c = _mm256_hadd_ps(b[0], b[1]);
+        let d = _mm256_hadd_ps(b[2], b[3]);
+        _mm256_hadd_ps(c, d)
+    }
+
+    /// `o[..8 * M] += Σ_p w[p] * tile[p * hd + col..][..8 * M]`, one fused multiply-add per
+    /// value and position, in position order, the `M` registers of `o` held across the tile.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn weighted_sum<const M: usize>(w: &[f32], tile: &[f32], hd: usize, col: usize, o: &mut [f32]) {
+        assert!(o.len() >= 8 * M && col + 8 * M <= hd && tile.len() >= w.len() * hd);
+        // SAFETY: the bounds asserted above.
+        unsafe {
+            let mut acc: [__m256; M] =
+                std::array::from_fn(|ch| _mm256_loadu_ps(o.as_ptr().add(8 * ch)));
+            for (p, &wp) in w.iter().enumerate() {
+                let wv = _mm256_set1_ps(wp);
+                let row = tile.as_ptr().add(p * hd + col);
+                for (ch, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * ch)), *a);
+                }
+            }
+            for (ch, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.as_mut_ptr().add(8 * ch), *a);
+            }
+        }
+    }
+
+    /// `q` holds the `g` query rows, already rounded to f16 values (as the generic path
+    /// rounds them); `k(t)` and `v(t)` are this KV head's rows at position `t`; `scores` is
+    /// scratch of `g * n_pos`, `tile` of [`super::tile_floats`]; `out` receives the `g` outputs.
+    /// Returns false, doing nothing, for a shape it does not take (a width not a multiple of
+    /// eight, more than [`MAX_GROUP`] heads).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn heads<'a>(
+        hd: usize,
+        q: &[f32],
+        n_pos: usize,
+        scale: f32,
+        k: impl Fn(usize) -> &'a [f16],
+        v: impl Fn(usize) -> &'a [f16],
+        scores: &mut [f32],
+        tile: &mut [f32],
+        out: &mut [f32],
+    ) -> bool {
+        if hd == 0 || !hd.is_multiple_of(8) || !q.len().is_multiple_of(hd) {
+            return false;
+        }
+        let g = q.len() / hd;
+        if g == 0 || g > MAX_GROUP {
+            return false;
+        }
+        let tp = tile_positions(hd);
+        assert!(out.len() >= g * hd && scores.len() >= g * n_pos && tile.len() >= tp * hd);
+        // Scores: a tile of K rows decoded (zeros after the last position, so the last group
+        // of eight computes on zeros and stores only the real positions), then per head eight
+        // positions at a time.
+        for t0 in (0..n_pos).step_by(tp) {
+            let n = (n_pos - t0).min(tp);
+            let n8 = n.div_ceil(8) * 8;
+            decode(hd, n, |p| k(t0 + p), tile);
+            tile[n * hd..n8 * hd].fill(0.0);
+            for h in 0..g {
+                let qh = &q[h * hd..(h + 1) * hd];
+                for p0 in (0..n).step_by(8) {
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    for ch in 0..hd / 8 {
+                        // SAFETY: `8 * ch + 8 <= hd`; rows `p0..p0 + 8` are within `n8`.
+                        unsafe {
+                            let qv = _mm256_loadu_ps(qh.as_ptr().add(8 * ch));
+                            let base = tile.as_ptr().add(p0 * hd + 8 * ch);
+                            for (j, a) in acc.iter_mut().enumerate() {
+                                *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(base.add(j * hd)), *a);
+                            }
+                        }
+                    }
+                    // Then `dot_f16`'s (empty) tail, and the scale.
+                    let sums = _mm256_add_ps(reduce8(acc), _mm256_setzero_ps());
+                    let mut lanes = [0f32; 8];
+                    // SAFETY: eight floats.
+                    unsafe {
+                        _mm256_storeu_ps(
+                            lanes.as_mut_ptr(),
+                            _mm256_mul_ps(sums, _mm256_set1_ps(scale)),
+                        )
+                    };
+                    let m = (n - p0).min(8);
+                    scores[h * n_pos + t0 + p0..][..m].copy_from_slice(&lanes[..m]);
+                }
+            }
+        }
+        let mut inv = [0f32; MAX_GROUP];
+        // SAFETY: this function's features include the softmax's; `g <= MAX_ROWS`.
+        unsafe { exp::avx2::softmax_numerators_rows(scores, g, n_pos, &mut inv) };
+        for (h, &inv) in inv[..g].iter().enumerate() {
+            let s = &mut scores[h * n_pos..(h + 1) * n_pos];
+            // w = f16(score * inv), as the generic path rounds it before the weighted sum.
+            let mut chunks = s.chunks_exact_mut(8);
+            for c in &mut chunks {
+                // SAFETY: 8 floats.
+                unsafe {
+                    let x = _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), _mm256_set1_ps(inv));
+                    let r = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+                    _mm256_storeu_ps(c.as_mut_ptr(), r);
+                }
+            }
+            for x in chunks.into_remainder() {
+                *x = f16::from_f32(*x * inv).to_f32();
+            }
+        }
+        // The weighted sums: a tile of V rows decoded, then per head and group of up to 64
+        // output values, every position of the tile.
+        out[..g * hd].fill(0.0);
+        for t0 in (0..n_pos).step_by(tp) {
+            let n = (n_pos - t0).min(tp);
+            decode(hd, n, |p| v(t0 + p), tile);
+            for h in 0..g {
+                let w = &scores[h * n_pos + t0..][..n];
+                let o = &mut out[h * hd..(h + 1) * hd];
+                for col in (0..hd).step_by(64) {
+                    let o = &mut o[col..];
+                    match (hd - col).min(64) / 8 {
+                        8 => weighted_sum::<8>(w, tile, hd, col, o),
+                        7 => weighted_sum::<7>(w, tile, hd, col, o),
+                        6 => weighted_sum::<6>(w, tile, hd, col, o),
+                        5 => weighted_sum::<5>(w, tile, hd, col, o),
+                        4 => weighted_sum::<4>(w, tile, hd, col, o),
+                        3 => weighted_sum::<3>(w, tile, hd, col, o),
+                        2 => weighted_sum::<2>(w, tile, hd, col, o),
+                        _ => weighted_sum::<1>(w, tile, hd, col, o),
+                    }
+                }
+            }
+        }
+        true
+    }
+}
+
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
@@ -292,43 +495,55 @@ mod tests {
         out
     }
 
+    /// The AVX-512 kernel (its head widths and groups) and the AVX2 one (any width that is a
+    /// multiple of eight, tiles of positions crossed) against the generic path.
     #[test]
     fn fused_attention_equals_the_generic_path_bitwise() {
-        if !crate::kernels::Isa::Avx512Vnni
-            .testable("fused_attention_equals_the_generic_path_bitwise")
-        {
-            return;
-        }
-        let mut uniform = crate::kernels::tests::uniform(0x1234_5679);
-        let mut next = || uniform(6.0);
-        for hd in FUSED_HEAD_DIMS {
-            for g in 1..=FUSED_MAX_GROUP {
-                for n_pos in [1, 7, 8, 17, 100] {
-                    let q: Vec<f32> = (0..g * hd).map(|_| next()).collect();
-                    let row = |next: &mut dyn FnMut() -> f32| -> Vec<f16> {
-                        (0..hd).map(|_| f16::from_f32(next())).collect()
-                    };
-                    let ks: Vec<Vec<f16>> = (0..n_pos).map(|_| row(&mut next)).collect();
-                    let vs: Vec<Vec<f16>> = (0..n_pos).map(|_| row(&mut next)).collect();
-                    let want = generic(&q, &ks, &vs, 0.125, g);
-                    let mut scores = vec![0f32; g * n_pos];
-                    let mut got = vec![0f32; g * hd];
-                    let k = crate::kernels::Kernels::detect();
-                    assert!(k.fused_attention(
-                        hd,
-                        &q,
-                        n_pos,
-                        0.125,
-                        |t| &ks[t][..],
-                        |t| &vs[t][..],
-                        &mut scores,
-                        &mut got
-                    ));
-                    assert_eq!(
-                        want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                        "hd = {hd}, g = {g}, n_pos = {n_pos}"
-                    );
+        use crate::kernels::{Isa, Kernels};
+        for isa in [Isa::Avx2, Isa::Avx512Vnni] {
+            if !isa.testable("fused_attention_equals_the_generic_path_bitwise") {
+                continue;
+            }
+            let kernels = Kernels::new(isa).unwrap();
+            let widths: &[usize] = match isa {
+                Isa::Avx2 => &[8, 64, 80, 128, 256],
+                _ => &FUSED_HEAD_DIMS,
+            };
+            let mut uniform = crate::kernels::tests::uniform(0x1234_5679);
+            let mut next = || uniform(6.0);
+            for &hd in widths {
+                for g in 1..=FUSED_MAX_GROUP {
+                    for n_pos in [1, 7, 8, 17, 100, 131] {
+                        let q: Vec<f32> = (0..g * hd)
+                            .map(|_| f16::from_f32(next()).to_f32())
+                            .collect();
+                        let row = |next: &mut dyn FnMut() -> f32| -> Vec<f16> {
+                            (0..hd).map(|_| f16::from_f32(next())).collect()
+                        };
+                        let ks: Vec<Vec<f16>> = (0..n_pos).map(|_| row(&mut next)).collect();
+                        let vs: Vec<Vec<f16>> = (0..n_pos).map(|_| row(&mut next)).collect();
+                        let want = generic(&q, &ks, &vs, 0.125, g);
+                        let mut scores = vec![0f32; g * n_pos];
+                        let mut tile = vec![0f32; tile_floats(hd)];
+                        let mut got = vec![0f32; g * hd];
+                        assert!(kernels.fused_attention(
+                            hd,
+                            &q,
+                            n_pos,
+                            0.125,
+                            |t| &ks[t][..],
+                            |t| &vs[t][..],
+                            &mut scores,
+                            &mut tile,
+                            &mut got
+                        ));
+                        assert_eq!(
+                            want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                            got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                            "{}: hd = {hd}, g = {g}, n_pos = {n_pos}",
+                            isa.name()
+                        );
+                    }
                 }
             }
         }

@@ -208,6 +208,131 @@ pub mod avx512 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    //! Eight floats at a time as two registers of four doubles, lane for lane the scalar
+    //! arithmetic above (the table read by a gather), for CPUs without AVX-512.
+
+    use std::arch::x86_64::*;
+
+    use super::{C, INV_LN2_N, SHIFT, TABLE};
+
+    /// e^x of four doubles in the table formula's range, rounded to f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp4(xd: __m256d) -> __m128 {
+        let inv = _mm256_set1_pd(f64::from_bits(INV_LN2_N));
+        let shift = _mm256_set1_pd(f64::from_bits(SHIFT));
+        let kd = _mm256_fmadd_pd(inv, xd, shift);
+        let ki = _mm256_castpd_si256(kd);
+        let kd = _mm256_sub_pd(kd, shift);
+        let r = _mm256_fmsub_pd(inv, xd, kd);
+        let idx = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
+        // SAFETY: every index is below 32, the table's length.
+        let tv = unsafe { _mm256_i64gather_epi64::<8>(TABLE.as_ptr().cast(), idx) };
+        let s = _mm256_castsi256_pd(_mm256_add_epi64(tv, _mm256_slli_epi64::<47>(ki)));
+        let c = C.map(|v| _mm256_set1_pd(f64::from_bits(v)));
+        let z = _mm256_fmadd_pd(r, c[0], c[1]);
+        let r2 = _mm256_mul_pd(r, r);
+        let y = _mm256_fmadd_pd(r, c[2], _mm256_set1_pd(1.0));
+        let y = _mm256_fmadd_pd(z, r2, y);
+        _mm256_cvtpd_ps(_mm256_mul_pd(y, s))
+    }
+
+    /// e^x of eight values; `None` when one is outside the table formula's range.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp8(x: __m256) -> Option<__m256> {
+        let bits = _mm256_castps_si256(x);
+        let top = _mm256_and_si256(_mm256_srli_epi32::<20>(bits), _mm256_set1_epi32(0x7ff));
+        if _mm256_movemask_epi8(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x42a))) != 0 {
+            return None;
+        }
+        let lo = exp4(_mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+        let hi = exp4(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x)));
+        Some(_mm256_set_m128(hi, lo))
+    }
+
+    /// [`super::silu_mul`], bitwise.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn silu_mul(g: &mut [f32], u: &[f32]) {
+        assert!(u.len() >= g.len());
+        let n8 = g.len() / 8 * 8;
+        for i in (0..n8).step_by(8) {
+            // SAFETY: i + 8 <= len of both.
+            unsafe {
+                let a = _mm256_loadu_ps(g.as_ptr().add(i));
+                match exp8(_mm256_xor_ps(a, _mm256_set1_ps(-0.0))) {
+                    Some(e) => {
+                        let v = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0), e));
+                        let v = _mm256_mul_ps(v, _mm256_loadu_ps(u.as_ptr().add(i)));
+                        _mm256_storeu_ps(g.as_mut_ptr().add(i), v);
+                    }
+                    None => super::silu_mul(&mut g[i..i + 8], &u[i..i + 8]),
+                }
+            }
+        }
+        super::silu_mul(&mut g[n8..], &u[n8..]);
+    }
+
+    /// Most rows [`softmax_numerators_rows`] takes.
+    pub const MAX_ROWS: usize = 8;
+
+    /// [`super::softmax_numerators`] of `g` rows of `n` values (`s[h * n..][..n]`), bitwise,
+    /// each row's `1 / Σ` in `inv[h]`: each row's maximum (the same value whatever order finds
+    /// it) and numerators as above, then the `g` in-order f64 sums advanced together, so their
+    /// dependency chains overlap instead of running one after another.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn softmax_numerators_rows(s: &mut [f32], g: usize, n: usize, inv: &mut [f32]) {
+        assert!(g <= MAX_ROWS && s.len() >= g * n && inv.len() >= g);
+        for row in s[..g * n].chunks_exact_mut(n) {
+            let mut chunks = row.chunks_exact(8);
+            let mut m8 = _mm256_set1_ps(f32::NEG_INFINITY);
+            for ch in &mut chunks {
+                // SAFETY: eight floats. The running maximum is the second operand, so a NaN is
+                // skipped as `f32::max` skips it.
+                m8 = _mm256_max_ps(unsafe { _mm256_loadu_ps(ch.as_ptr()) }, m8);
+            }
+            let mut lanes = [0f32; 8];
+            // SAFETY: eight floats.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m8) };
+            let max = chunks
+                .remainder()
+                .iter()
+                .chain(&lanes)
+                .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let mut chunks = row.chunks_exact_mut(8);
+            for ch in &mut chunks {
+                // SAFETY: eight floats.
+                let x = unsafe { _mm256_sub_ps(_mm256_loadu_ps(ch.as_ptr()), _mm256_set1_ps(max)) };
+                match exp8(x) {
+                    // SAFETY: as above.
+                    Some(e) => unsafe { _mm256_storeu_ps(ch.as_mut_ptr(), e) },
+                    None => ch.iter_mut().for_each(|v| *v = super::exp(*v - max)),
+                }
+            }
+            for v in chunks.into_remainder() {
+                *v = super::exp(*v - max);
+            }
+        }
+        let mut sums = [0f64; MAX_ROWS];
+        for t in 0..n {
+            for (h, sum) in sums[..g].iter_mut().enumerate() {
+                *sum += s[h * n + t] as f64;
+            }
+        }
+        for (i, sum) in inv[..g].iter_mut().zip(sums) {
+            *i = (1.0 / sum) as f32;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,41 +376,56 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn simd_silu_and_softmax_equal_the_scalar_ones_bitwise() {
-        if !crate::kernels::Isa::Avx512Vnni
-            .testable("simd_silu_and_softmax_equal_the_scalar_ones_bitwise")
-        {
-            return;
-        }
-        let mut next = crate::kernels::tests::uniform(0x2468_ace1);
-        for scale in [1.0, 20.0, 300.0] {
-            let g: Vec<f32> = (0..1037).map(|_| next(scale)).collect();
-            let u: Vec<f32> = (0..1037).map(|_| next(2.0)).collect();
-            let (mut want, mut got) = (g.clone(), g.clone());
-            silu_mul(&mut want, &u);
-            // SAFETY: support checked above.
-            unsafe { avx512::silu_mul(&mut got, &u) };
-            assert_eq!(
-                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                "silu, scale {scale}"
-            );
-            // Three rows of each length, as one attention task's heads.
-            for n in [1, 7, 8, 37, 345] {
-                let mut want = g[..3 * n].to_vec();
-                let mut got = want.clone();
-                let a: Vec<f32> = want.chunks_exact_mut(n).map(softmax_numerators).collect();
-                // SAFETY: as above.
-                let b = unsafe { avx512::softmax_numerators_rows::<3>(&mut got, n) };
-                assert_eq!(
-                    a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    b.map(f32::to_bits).to_vec(),
-                    "softmax sums, scale {scale}, n {n}"
-                );
+        use crate::kernels::Isa;
+        for isa in [Isa::Avx2, Isa::Avx512Vnni] {
+            if !isa.testable("simd_silu_and_softmax_equal_the_scalar_ones_bitwise") {
+                continue;
+            }
+            let mut next = crate::kernels::tests::uniform(0x2468_ace1);
+            for scale in [1.0, 20.0, 300.0] {
+                let g: Vec<f32> = (0..1037).map(|_| next(scale)).collect();
+                let u: Vec<f32> = (0..1037).map(|_| next(2.0)).collect();
+                let (mut want, mut got) = (g.clone(), g.clone());
+                silu_mul(&mut want, &u);
+                // SAFETY: support checked above.
+                unsafe {
+                    match isa {
+                        Isa::Avx2 => avx2::silu_mul(&mut got, &u),
+                        _ => avx512::silu_mul(&mut got, &u),
+                    }
+                }
                 assert_eq!(
                     want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                     got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    "softmax, scale {scale}, n {n}"
+                    "{}: silu, scale {scale}",
+                    isa.name()
                 );
+                // Three rows of each length, as one attention task's heads.
+                for n in [1, 7, 8, 37, 345] {
+                    let mut want = g[..3 * n].to_vec();
+                    let mut got = want.clone();
+                    let a: Vec<f32> = want.chunks_exact_mut(n).map(softmax_numerators).collect();
+                    let mut b = [0f32; 3];
+                    // SAFETY: as above.
+                    unsafe {
+                        match isa {
+                            Isa::Avx2 => avx2::softmax_numerators_rows(&mut got, 3, n, &mut b),
+                            _ => b = avx512::softmax_numerators_rows::<3>(&mut got, n),
+                        }
+                    }
+                    assert_eq!(
+                        a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        b.map(f32::to_bits).to_vec(),
+                        "{}: softmax sums, scale {scale}, n {n}",
+                        isa.name()
+                    );
+                    assert_eq!(
+                        want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        "{}: softmax, scale {scale}, n {n}",
+                        isa.name()
+                    );
+                }
             }
         }
     }

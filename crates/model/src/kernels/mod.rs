@@ -284,11 +284,12 @@ impl Kernels {
 }
 
 impl Kernels {
-    /// One attention task in one call where a fused kernel exists for this isa and shape (head
-    /// widths [`attn::FUSED_HEAD_DIMS`], up to [`attn::FUSED_MAX_GROUP`] query heads per KV
-    /// head): `q` holds the query heads' rows (the kernel rounds them to f16 values, as the
-    /// generic path does),
-    /// `k(t)` / `v(t)` the KV head's rows at position `t`.
+    /// One attention task in one call where a fused kernel exists for this isa and shape:
+    /// AVX-512 (head widths [`attn::FUSED_HEAD_DIMS`], up to [`attn::FUSED_MAX_GROUP`] query
+    /// heads per KV head) and AVX2 ([`attn::tiled`]: widths that are multiples of eight, up to
+    /// [`attn::tiled::MAX_GROUP`] heads). `q` holds the query heads' rows rounded to f16 values
+    /// (as the generic path rounds them), `k(t)` / `v(t)` the KV head's rows at position `t`,
+    /// `scores` is scratch of `heads * n_pos` and `tile` of [`attn::tile_floats`].
     /// Bitwise the generic path's result; returns false (nothing done) where there is no such
     /// kernel.
     #[allow(clippy::too_many_arguments)]
@@ -301,8 +302,17 @@ impl Kernels {
         k: impl Fn(usize) -> &'a [half::f16],
         v: impl Fn(usize) -> &'a [half::f16],
         scores: &mut [f32],
+        tile: &mut [f32],
         out: &mut [f32],
     ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self.isa == Isa::Avx2 {
+            // SAFETY: the isa (AVX2, FMA, F16C) was checked when these kernels were made;
+            // lengths are asserted inside.
+            return unsafe {
+                attn::tiled::heads(head_dim, q, n_pos, scale, k, v, scores, tile, out)
+            };
+        }
         #[cfg(target_arch = "x86_64")]
         if self.isa == Isa::Avx512Vnni {
             use attn::fused::heads;
@@ -333,7 +343,7 @@ impl Kernels {
             }
             return true;
         }
-        let _ = (head_dim, q, n_pos, scale, k, v, scores, out);
+        let _ = (head_dim, q, n_pos, scale, k, v, scores, tile, out);
         false
     }
 }
@@ -346,6 +356,11 @@ impl Kernels {
             // SAFETY: the isa (AVX-512 F/VL with AVX2 and FMA) was checked when these kernels
             // were made.
             return unsafe { exp::avx512::silu_mul(g, u) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.isa == Isa::Avx2 {
+            // SAFETY: the isa (AVX2 and FMA) was checked when these kernels were made.
+            return unsafe { exp::avx2::silu_mul(g, u) };
         }
         exp::silu_mul(g, u)
     }
