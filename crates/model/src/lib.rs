@@ -22,6 +22,6 @@ pub use config::Family;
 pub use config::{BlockSpec, FfnAct, LayerSpec, ModelConfig, RopeStyle};
 pub use error::Error;
 pub use forward::{Batch, Model, ModelOptions, Output, Row};
-pub use kernels::{Isa, Kernels};
+pub use kernels::{Isa, Kernels, NUMERIC_CONTRACT};
 pub use kv::{KvCache, KvExhausted, KvPool, BLOCK_POSITIONS};
 pub use weights::LayerRange;

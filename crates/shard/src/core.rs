@@ -143,7 +143,7 @@ impl ShardCore {
             range,
             ModelOptions {
                 n_threads: config.n_threads,
-                isa: None,
+                isa: config.isa,
             },
         )?;
         let c = model.config().clone();
@@ -167,8 +167,9 @@ impl ShardCore {
         let kv_pool = model.new_pool(config.kv_budget_bytes);
         let n_threads = config.n_threads;
         let context = format!(
-            "{} kernels on 16-row weight panels, {n_threads} threads; {}",
+            "{} kernels on 16-row weight panels (numeric contract {}), {n_threads} threads; {}",
             model.isa().name(),
+            model::NUMERIC_CONTRACT,
             choose_context(&mut config, c.n_ctx_train, &kv_pool)
         );
         let info = ShardInfo {
@@ -192,6 +193,7 @@ impl ShardCore {
                 rope_freq_scale: c.rope_freq_scale,
                 block_size: model::BLOCK_POSITIONS as u32,
                 n_ctx: config.n_ctx as u32,
+                numeric_contract: model::NUMERIC_CONTRACT,
             }),
             budgets: Some(Budgets {
                 weight_bytes: model.weight_bytes() as u64,

@@ -149,6 +149,7 @@ impl crate::ShardConfig {
             model_path,
             layers: None,
             n_threads: 1,
+            isa: None,
             n_ctx: 256,
             kv_budget_bytes: 16 << 20,
             kv_ttl: Duration::from_secs(600),

@@ -35,6 +35,9 @@ pub struct ShardConfig {
     /// `None` serves every layer.
     pub layers: Option<(usize, usize)>,
     pub n_threads: usize,
+    /// The instruction set the kernels use (`None`: the best this CPU has); every one gives
+    /// bitwise the same results ([`model::NUMERIC_CONTRACT`]).
+    pub isa: Option<model::Isa>,
     /// Most positions one session may hold; `0` chooses: the model's trained context, cut to
     /// what the KV budget holds for one session ([`ShardCore::context`] says which and why).
     pub n_ctx: usize,

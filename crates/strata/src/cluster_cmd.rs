@@ -145,6 +145,11 @@ pub struct ShardLimits {
     /// Kernel threads (default: all cores; an idle shard's threads sleep).
     #[arg(long)]
     threads: Option<usize>,
+    /// Force an instruction set: scalar, avx2 or avx512-vnni (default: the best this CPU
+    /// has). Every one gives bitwise the same activations and tokens (one numeric contract,
+    /// carried in the cache recipe), so shards on different CPUs chain and replicate.
+    #[arg(long, value_parser = model::Isa::from_name)]
+    isa: Option<model::Isa>,
     /// Most positions one session may hold (default: the model's trained context, cut to
     /// what the KV budget holds for one session; the shard says at start what it chose).
     #[arg(long)]
@@ -218,6 +223,9 @@ impl ShardLimits {
         ];
         if let Some(t) = self.threads {
             v.extend(["--threads".to_string(), t.to_string()]);
+        }
+        if let Some(i) = self.isa {
+            v.extend(["--isa".to_string(), i.name().to_string()]);
         }
         if let Some(c) = self.ctx {
             v.extend(["--ctx".to_string(), c.to_string()]);
@@ -579,6 +587,7 @@ pub fn shard_config(
         model_path: model.to_path_buf(),
         layers,
         n_threads: limits.threads(),
+        isa: limits.isa,
         n_ctx: limits.ctx.unwrap_or(0),
         kv_budget_bytes: limits.kv_budget_mib() << 20,
         kv_ttl: Duration::from_millis(limits.kv_ttl_ms),
@@ -663,7 +672,10 @@ fn shard_record(core: &shard::ShardCore, instance: &str) -> registry::ShardRecor
     let info = &core.info;
     let stats = core.stats();
     let recipe = info.recipe.as_ref().map_or_else(String::new, |r| {
-        format!("block {} kv {} ctx {}", r.block_size, r.kv_dtype, r.n_ctx)
+        format!(
+            "block {} kv {} ctx {} contract {}",
+            r.block_size, r.kv_dtype, r.n_ctx, r.numeric_contract
+        )
     });
     let budgets = info.budgets.unwrap_or_default();
     registry::ShardRecord {

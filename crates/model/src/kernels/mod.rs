@@ -377,6 +377,16 @@ impl Kernels {
 /// Most activation rows one call of the panel kernel takes.
 pub const PANEL_ACTS: usize = 8;
 
+/// The version of the numeric contract every kernel follows: what a shard's results are a
+/// function of besides its weights and inputs. Weight products run on panels with exact
+/// integer block sums and one fused multiply-add per block and row
+/// ([`packed::panel_reference`]); attention, SiLU, softmax and `exp` have one order of
+/// operations each; so the scalar, AVX2 and AVX-512 kernels give bitwise the same results, and
+/// shards on different CPUs may be chained or replicated. A change of any kernel's arithmetic
+/// is a new version; shards of different versions are never mixed (the cache recipe carries
+/// it).
+pub const NUMERIC_CONTRACT: u32 = 1;
+
 impl Kernels {
     /// Whether weights should be repacked at load for [`Kernels::packed_panels`]: always, with
     /// every instruction set. The scalar, AVX2 and AVX-512 panel kernels give bitwise the

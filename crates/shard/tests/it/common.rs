@@ -30,6 +30,7 @@ pub fn config(kv_budget_bytes: usize, kv_ttl: Duration) -> ShardConfig {
         model_path: path,
         layers: None,
         n_threads: 1,
+        isa: None,
         n_ctx: 64,
         kv_budget_bytes,
         kv_ttl,

@@ -14,6 +14,7 @@ mod families;
 mod faults;
 mod hardening;
 mod isolation;
+mod mixed_isa;
 mod probes;
 mod residency;
 mod serve;

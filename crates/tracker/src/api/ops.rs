@@ -369,6 +369,7 @@ pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respo
                     "address": sh.address,
                     "version": info.map(|i| i.version.as_str()),
                     "protocol": info.map(|i| i.protocol_version),
+                    "numeric_contract": r.cluster.numeric_contract(),
                     "model": m.id,
                     "route": r.name,
                     "layers": format!("{}..{}", sh.layers.0, sh.layers.1),

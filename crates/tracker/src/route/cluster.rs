@@ -152,6 +152,14 @@ pub fn validate_route(infos: &[(String, ShardInfo)]) -> Result<Vec<usize>, Strin
                 range(i)
             ));
         }
+        if a.numeric_contract != b.numeric_contract {
+            return Err(format!(
+                "shard {addr} (layers {}) computes under numeric contract {} but shard {first_addr} under {}: their activations do not chain bitwise",
+                range(i),
+                a.numeric_contract,
+                b.numeric_contract
+            ));
+        }
     }
     let mut order: Vec<usize> = (0..infos.len()).collect();
     order.sort_by_key(|&k| infos[k].1.layer_start);
@@ -180,6 +188,14 @@ pub fn validate_route(infos: &[(String, ShardInfo)]) -> Result<Vec<usize>, Strin
 }
 
 impl Cluster {
+    /// The numeric contract the route's shards compute under (one for all, validated).
+    pub fn numeric_contract(&self) -> u32 {
+        self.infos
+            .first()
+            .and_then(|i| i.recipe.as_ref())
+            .map_or(0, |r| r.numeric_contract)
+    }
+
     /// Describes every shard (retrying until `wait`), then validates the route.
     pub async fn connect(
         shards: Vec<Arc<dyn ShardTransport>>,
@@ -512,5 +528,34 @@ mod tests {
         assert!(validate_route(&other)
             .unwrap_err()
             .contains("shard b (layers 15..30) serves model e"));
+    }
+
+    /// Shards whose kernels follow different numeric contracts do not chain: their
+    /// activations would not be what one process computes.
+    #[test]
+    fn shards_of_different_numeric_contracts_are_refused_naming_both() {
+        let with = |start, end, contract| {
+            let mut i = info(start, end, "d");
+            if let Some(r) = i.recipe.as_mut() {
+                r.numeric_contract = contract;
+            }
+            i
+        };
+        let mixed = [
+            ("a".to_string(), with(0, 15, 1)),
+            ("b".to_string(), with(15, 30, 2)),
+        ];
+        let e = validate_route(&mixed).unwrap_err();
+        assert!(
+            e.contains(
+                "shard b (layers 15..30) computes under numeric contract 2 but shard a under 1"
+            ),
+            "{e}"
+        );
+        let same = [
+            ("a".to_string(), with(0, 15, 1)),
+            ("b".to_string(), with(15, 30, 1)),
+        ];
+        assert_eq!(validate_route(&same), Ok(vec![0, 1]));
     }
 }

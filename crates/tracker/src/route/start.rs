@@ -68,12 +68,22 @@ impl RouteStarter {
             wait,
         )
         .await?;
+        let handle = Arc::new(handle);
+        if let Err(e) = self.table.add_route(&entry, Arc::clone(&handle)) {
+            // Never in the table: its loop ends at once (it holds no session).
+            let _ = handle
+                .commands
+                .send(driver::Command::Retire {
+                    move_sessions: false,
+                })
+                .await;
+            return Err(format!("route {name}: {e}"));
+        }
         self.metrics.set(
             "strata_model_resident",
             &[("model", &cluster.model_name), ("route", name)],
             1.0,
         );
-        self.table.add_route(&entry, Arc::new(handle));
         Ok(())
     }
 

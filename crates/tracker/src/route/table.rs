@@ -96,21 +96,39 @@ impl RouteTable {
     }
 
     /// Adds a route to its model, or the model with it (`entry`, whose routes are ignored)
-    /// when the table has none of that digest.
-    pub fn add_route(&self, entry: &ModelEntry, route: Arc<RouteHandle>) {
+    /// when the table has none of that digest. Sessions move between a model's routes and
+    /// must go on bitwise as they would have: a route computing under another numeric contract
+    /// than the model's routes is refused (naming one of them), not added.
+    pub fn add_route(&self, entry: &ModelEntry, route: Arc<RouteHandle>) -> Result<(), String> {
+        let mut result = Ok(());
         self.update(|models| {
             let mut m = match models.iter().position(|m| m.digest == entry.digest) {
-                Some(i) => models.remove(i).as_ref().clone(),
+                Some(i) => models[i].as_ref().clone(),
                 None => ModelEntry {
                     routes: Vec::new(),
                     ..entry.clone()
                 },
             };
+            let contract = route.cluster.numeric_contract();
+            if let Some(other) = m
+                .routes
+                .iter()
+                .find(|r| r.cluster.numeric_contract() != contract)
+            {
+                result = Err(format!(
+                    "its shards compute under numeric contract {contract} but route {} of the same model under {}: sessions moving between them would change tokens",
+                    other.name,
+                    other.cluster.numeric_contract()
+                ));
+                return;
+            }
+            models.retain(|x| x.digest != entry.digest);
             m.routes.push(route);
             m.n_ctx = context_of(&m);
             models.push(Arc::new(m));
             models.sort_by(|a, b| a.id.cmp(&b.id));
         });
+        result
     }
 
     /// Takes a route out of the table (its model stays known); the route, if it was there.
