@@ -160,29 +160,34 @@ impl ChatTemplate {
         vars: Vars<'_>,
         add_generation_prompt: bool,
     ) -> Result<String, Error> {
-        let contents: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
-        self.render_with(messages, &contents, vars, add_generation_prompt)
+        let texts: Vec<&str> = (0..2 * messages.len())
+            .map(|j| text_of(messages, j).unwrap_or(""))
+            .collect();
+        self.render_with(messages, &texts, vars, add_generation_prompt)
     }
 
+    /// Renders with `texts` in place of what the messages say: `texts[i]` as message `i`'s
+    /// content and `texts[n + i]` as its reasoning (where it has one).
     fn render_with(
         &self,
         messages: &[ChatMessage],
-        contents: &[&str],
+        texts: &[&str],
         vars: Vars<'_>,
         add_generation_prompt: bool,
     ) -> Result<String, Error> {
         let tools = vars.tools;
         let tmpl = self.env.get_template("chat").map_err(template_error)?;
+        let n = messages.len();
         let messages: Vec<minijinja::Value> = messages
             .iter()
-            .zip(contents)
-            .map(|(m, c)| {
-                let base = context! { role => m.role.clone(), content => *c };
+            .enumerate()
+            .map(|(i, m)| {
+                let base = context! { role => m.role.clone(), content => texts[i] };
                 let extra = context! {
                     tool_calls => m.tool_calls.as_ref().map(|v| minijinja::Value::from(minijinja::value::Serde(v))),
                     tool_call_id => m.tool_call_id.clone(),
                     name => m.name.clone(),
-                    reasoning_content => m.reasoning_content.clone(),
+                    reasoning_content => m.reasoning_content.as_ref().map(|_| texts[n + i]),
                 };
                 if m.tool_calls.is_none()
                     && m.tool_call_id.is_none()
@@ -240,12 +245,12 @@ impl ChatTemplate {
     }
 
     /// Renders the conversation and says which bytes of it came from what the messages say
-    /// (their content) rather than from the template: those must never be read as control
-    /// tokens. The template is rendered once as it is and once with every content replaced by
-    /// a marker; walking both side by side finds each content (as written, trimmed, or
-    /// JSON-escaped, the ways templates print it). A template that transforms content in any
-    /// other way gets the marked rendering with the contents put in as written: the markup is
-    /// still the template's own and the contents still plain.
+    /// (their content and reasoning) rather than from the template: those must never be read
+    /// as control tokens. The template is rendered once as it is and once with every content
+    /// and reasoning replaced by a marker; walking both side by side finds each text (as
+    /// written, trimmed, or JSON-escaped, the ways templates print it). A template that
+    /// transforms a text in any other way gets the marked rendering with the texts put in as
+    /// written: the markup is still the template's own and the texts still plain.
     pub fn render_parts(
         &self,
         messages: &[ChatMessage],
@@ -254,23 +259,21 @@ impl ChatTemplate {
     ) -> Result<Rendered, Error> {
         let real = self.render_vars(messages, vars, add_generation_prompt)?;
         let nonce = marker_nonce();
-        let markers: Vec<String> = (0..messages.len())
-            .map(|i| format!("{MARK}{nonce:x}.{i}{MARK}"))
+        // Marker `i` stands for message `i`'s content, marker `n + i` for its reasoning.
+        let markers: Vec<String> = (0..2 * messages.len())
+            .map(|j| format!("{MARK}{nonce:x}.{j}{MARK}"))
             .collect();
-        // An empty content stays empty: templates test content for emptiness (an assistant
-        // turn that only calls tools), and a marker would take the other branch.
-        let marked_contents: Vec<&str> = markers
+        // An empty text stays empty: templates test content for emptiness (an assistant turn
+        // that only calls tools), and a marker would take the other branch.
+        let marked_texts: Vec<&str> = markers
             .iter()
-            .zip(messages)
-            .map(|(m, msg)| {
-                if msg.content.is_empty() {
-                    ""
-                } else {
-                    m.as_str()
-                }
+            .enumerate()
+            .map(|(j, m)| match text_of(messages, j) {
+                Some(t) if !t.is_empty() => m.as_str(),
+                _ => "",
             })
             .collect();
-        let marked = self.render_with(messages, &marked_contents, vars, add_generation_prompt)?;
+        let marked = self.render_with(messages, &marked_texts, vars, add_generation_prompt)?;
         let pieces = split_marked(&marked, &markers);
         if let Some(content) = walk(&real, &pieces, messages) {
             return Ok(Rendered {
@@ -283,9 +286,9 @@ impl ChatTemplate {
         for piece in pieces {
             match piece {
                 Piece::Literal(l) => text.push_str(l),
-                Piece::Content(i) => {
+                Piece::Content(j) => {
                     let start = text.len();
-                    text.push_str(&messages[i].content);
+                    text.push_str(text_of(messages, j).unwrap_or(""));
                     content.push(start..text.len());
                 }
             }
@@ -335,7 +338,8 @@ fn python_json(value: &serde_json::Value, indent: Option<usize>, depth: usize, o
     }
 }
 
-/// A rendered conversation and the byte ranges of it that are message content.
+/// A rendered conversation and the byte ranges of it that are message text (content and
+/// reasoning).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rendered {
     pub text: String,
@@ -374,8 +378,19 @@ fn marker_nonce() -> u64 {
 
 enum Piece<'a> {
     Literal(&'a str),
-    /// The content of message `i`.
+    /// Text `j` of the messages ([`text_of`]).
     Content(usize),
+}
+
+/// Text `j` of `messages`: message `j`'s content for `j < n`, message `j - n`'s reasoning
+/// (if it has one) above.
+fn text_of(messages: &[ChatMessage], j: usize) -> Option<&str> {
+    let n = messages.len();
+    if j < n {
+        Some(&messages[j].content)
+    } else {
+        messages.get(j - n)?.reasoning_content.as_deref()
+    }
 }
 
 /// The marked rendering as template text and the contents' places, in order.
@@ -435,12 +450,12 @@ fn walk(real: &str, pieces: &[Piece<'_>], messages: &[ChatMessage]) -> Option<Ve
                 }
                 at += l.len();
             }
-            Piece::Content(i) => {
+            Piece::Content(j) => {
                 let next = match pieces.get(k + 1) {
                     Some(Piece::Literal(l)) => *l,
                     _ => "",
                 };
-                let c = messages[*i].content.as_str();
+                let c = text_of(messages, *j).unwrap_or("");
                 let escaped = serde_json::to_string(c).ok()?;
                 let escaped = &escaped[1..escaped.len() - 1];
                 let shown = [c, c.trim(), c.trim_start(), c.trim_end(), escaped]
