@@ -206,13 +206,14 @@ impl Build {
         m
     }
 
-    /// Stores the response and its conversation when the request asked to.
-    fn store(&mut self, s: &AppState, response: &Value) {
+    /// Stores the response and its conversation when the request asked to. One larger than
+    /// its key's share of the store is not kept, and says so: its `store` is false.
+    fn store(&mut self, s: &AppState, response: &mut Value) {
         let Some(mut conversation) = self.turn.conversation.take() else {
             return;
         };
         conversation.push(self.as_message());
-        s.stored_responses.put(
+        let kept = s.stored_responses.put(
             &self.turn.key,
             &self.id,
             Stored {
@@ -220,6 +221,9 @@ impl Build {
                 response: response.to_string(),
             },
         );
+        if !kept {
+            response["store"] = json!(false);
+        }
     }
 
     /// Adds `part` to the items: text and reasoning extend the last item of their kind when
@@ -275,8 +279,8 @@ pub async fn whole_response(
                 b.add(p, lp);
             }
             Some(Item::Done(e)) => {
-                let r = b.response(status_of(&e), Some(&e), None);
-                b.store(s, &r);
+                let mut r = b.response(status_of(&e), Some(&e), None);
+                b.store(s, &mut r);
                 return axum::Json(r).into_response();
             }
             Some(Item::Failed(e)) => return e.into_response(),
@@ -384,9 +388,9 @@ impl StreamState {
             Some(Item::Done(e)) => {
                 self.close();
                 let status = status_of(&e);
-                let r = self.b.response(status, Some(&e), None);
+                let mut r = self.b.response(status, Some(&e), None);
                 let s = Arc::clone(&self.s);
-                self.b.store(&s, &r);
+                self.b.store(&s, &mut r);
                 let kind = if status == "completed" {
                     "response.completed"
                 } else {

@@ -59,11 +59,12 @@ fn bytes_of(s: &Stored) -> usize {
 
 impl ResponseStore {
     /// A store of at most `max_entries` responses and `max_bytes` bytes, shared equally by
-    /// `tenants` API keys (1 without keys).
+    /// `tenants` API keys (1 without keys). Every key may keep at least its latest response,
+    /// so with more keys than entries the store holds one per key, its bytes still bounded.
     pub fn new(max_entries: usize, max_bytes: usize, tenants: usize) -> Self {
         let tenants = tenants.max(1);
         ResponseStore {
-            share_entries: max_entries / tenants,
+            share_entries: (max_entries / tenants).max(1),
             share_bytes: max_bytes / tenants,
             inner: Mutex::new(Inner::default()),
         }
@@ -74,11 +75,11 @@ impl ResponseStore {
     }
 
     /// Keeps `stored` under `id` for `key`, forgetting `key`'s oldest responses while it is
-    /// over its share; one larger than a share is not kept.
-    pub fn put(&self, key: &str, id: &str, stored: Stored) {
+    /// over its share; one larger than a share is not kept. Whether it was kept.
+    pub fn put(&self, key: &str, id: &str, stored: Stored) -> bool {
         let bytes = bytes_of(&stored);
-        if bytes > self.share_bytes || self.share_entries == 0 {
-            return;
+        if bytes > self.share_bytes {
+            return false;
         }
         let mut g = self.lock();
         let Inner { by_id, by_key } = &mut *g;
@@ -101,6 +102,7 @@ impl ResponseStore {
                 bytes,
             },
         );
+        true
     }
 
     /// The response `id` if `key` made it and it is still kept.
@@ -164,11 +166,11 @@ mod tests {
         }
         assert!(small.usage().1 <= 400);
         assert!(small.get("", "r49").is_some());
-        small.put("", "huge", stored(&"x".repeat(1000)));
         assert!(
-            small.get("", "huge").is_none(),
-            "larger than the store: not kept"
+            !small.put("", "huge", stored(&"x".repeat(1000))),
+            "larger than the store: not kept, and put says so"
         );
+        assert!(small.get("", "huge").is_none());
         assert!(!small.delete("other", "r49"));
         assert!(small.delete("", "r49"));
         assert!(small.get("", "r49").is_none());
@@ -190,5 +192,29 @@ mod tests {
         assert!(s.get("bob", "b0").is_none(), "bob forgot his own oldest");
         let (n, bytes) = s.usage();
         assert!(n <= 8 && bytes <= 4000, "{n} entries, {bytes} bytes");
+    }
+
+    /// More keys than entries: each key still keeps its latest response, and the bytes stay
+    /// within the bound.
+    #[test]
+    fn with_more_keys_than_entries_each_keeps_its_latest() {
+        let s = ResponseStore::new(4, 4000, 10);
+        for k in 0..10 {
+            for i in 0..3 {
+                assert!(s.put(&format!("k{k}"), &format!("k{k}-{i}"), stored("hello")));
+            }
+        }
+        for k in 0..10 {
+            assert!(
+                s.get(&format!("k{k}"), &format!("k{k}-2")).is_some(),
+                "key {k}"
+            );
+            assert!(
+                s.get(&format!("k{k}"), &format!("k{k}-1")).is_none(),
+                "key {k}"
+            );
+        }
+        let (n, bytes) = s.usage();
+        assert!(n == 10 && bytes <= 4000, "{n} entries, {bytes} bytes");
     }
 }
