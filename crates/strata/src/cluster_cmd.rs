@@ -22,7 +22,7 @@ pub struct ShardArgs {
     #[arg(long)]
     layers: String,
     /// Address to listen on (port 0 picks a free port; the chosen address is printed).
-    #[arg(long, default_value = "127.0.0.1:0")]
+    #[arg(long, default_value = "127.0.0.1:0", value_parser = listen_addr)]
     listen: String,
     /// File holding the shared cluster token (at least 16 characters) every connection must
     /// present.
@@ -252,7 +252,7 @@ pub struct TrackerArgs {
     routes: Vec<String>,
     /// Address the OpenAI-compatible API listens on (port 0 picks a free port; the chosen
     /// address is printed).
-    #[arg(long, default_value = "127.0.0.1:8080")]
+    #[arg(long, default_value = "127.0.0.1:8080", value_parser = listen_addr)]
     listen: String,
     /// File holding the shared cluster token the shards expect.
     #[arg(long)]
@@ -274,6 +274,25 @@ pub struct TrackerArgs {
     route: RouteArgs,
     #[command(flatten)]
     api: ApiArgs,
+}
+
+/// A `--listen` value: `HOST:PORT` (a name, an IPv4 address or a bracketed IPv6 one, and a
+/// port number), checked when the command line is read, before anything loads; the name is
+/// resolved when the address is bound.
+pub(crate) fn listen_addr(s: &str) -> Result<String, String> {
+    let bad = || format!("`{s}` is not HOST:PORT (for instance 127.0.0.1:8080 or [::1]:0)");
+    let (host, port) = s.rsplit_once(':').ok_or_else(bad)?;
+    port.parse::<u16>().map_err(|_| bad())?;
+    let bracketed = host.starts_with('[') && host.ends_with(']') && host.len() > 2;
+    let bare_v6 = host.parse::<std::net::Ipv6Addr>().is_ok();
+    if host.is_empty()
+        || (host.starts_with('[') && !bracketed)
+        || (host.contains(':') && !bracketed && !bare_v6)
+        || host.contains(char::is_whitespace)
+    {
+        return Err(bad());
+    }
+    Ok(s.to_string())
 }
 
 /// Route settings shared by `tracker` and `serve`.
@@ -880,4 +899,38 @@ pub fn tracker(a: TrackerArgs) -> Result<()> {
             .collect::<Result<Vec<_>>>()?;
         run_tracker(config, routes, &a.listen, std::future::pending(), |_| {}).await
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::listen_addr;
+
+    /// `--listen` is checked as the command line is read: `HOST:PORT`, nothing else.
+    #[test]
+    fn a_listen_address_is_host_and_port() {
+        for ok in [
+            "127.0.0.1:0",
+            "0.0.0.0:8080",
+            "localhost:9000",
+            "[::1]:0",
+            "[::]:443",
+            ":::8080",
+            "::1:80",
+        ] {
+            assert_eq!(listen_addr(ok).as_deref(), Ok(ok));
+        }
+        for bad in [
+            "nonsense",
+            "5",
+            ":80",
+            "127.0.0.1:",
+            "127.0.0.1:99999",
+            "1:2:80",
+            "a b:80",
+            "[]:80",
+        ] {
+            let e = listen_addr(bad).unwrap_err();
+            assert!(e.contains("is not HOST:PORT"), "{bad}: {e}");
+        }
+    }
 }

@@ -21,8 +21,11 @@
 //! ```
 //!
 //! Nothing in it is ignored: a key that is no flag of its command, a table that is no command,
-//! or a value its flag does not accept is an error naming it. Only the running command's
-//! table applies; the others are checked for keys their commands do not have.
+//! or a value its flag does not accept is an error naming it (in any command's table for plain
+//! values: numbers, switches, strings; a model path or an instruction set only in the running
+//! command's, as checking them looks for the file or at the CPU). Only the running command's
+//! table applies. The file is a regular file of at most 1 MiB: a device, a FIFO or a directory
+//! is refused without being read (a FIFO could block, a device never end).
 
 use std::path::{Path, PathBuf};
 
@@ -81,11 +84,45 @@ pub fn apply_file(root: Command, args: &[std::ffi::OsString]) -> Result<Command,
         running.push(name.to_string());
         m = sub;
     }
-    let text =
-        std::fs::read_to_string(&path).map_err(|e| format!("--config {}: {e}", path.display()))?;
+    let text = read_config(&path).map_err(|e| format!("--config {}: {e}", path.display()))?;
     let table: toml::Table =
         toml::from_str(&text).map_err(|e| format!("--config {}: {e}", path.display()))?;
     apply(root, &table, &running, &[], &path)
+}
+
+/// Most bytes a config file may hold.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// The text of a config file: a regular file (opened without blocking, so a FIFO named by
+/// mistake is refused, not waited on) of at most [`MAX_CONFIG_BYTES`].
+fn read_config(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let meta = file.metadata().map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err("not a regular file".into());
+    }
+    if meta.len() > MAX_CONFIG_BYTES {
+        return Err(format!(
+            "{} bytes, more than a config file may hold ({MAX_CONFIG_BYTES})",
+            meta.len()
+        ));
+    }
+    let mut text = String::new();
+    file.take(MAX_CONFIG_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| e.to_string())?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(format!(
+            "more than a config file may hold ({MAX_CONFIG_BYTES} bytes)"
+        ));
+    }
+    Ok(text)
 }
 
 /// Applies `table` to `cmd` (at `at`, the subcommand path from the root): its plain keys are
@@ -153,13 +190,18 @@ fn apply(
                 file.display()
             ));
         }
+        // Another command's values are checked too where their parser is plain (numbers,
+        // switches, strings): a model path would be looked for, or fetched, and an instruction
+        // set checked against this CPU, which only the command that runs may do.
+        if on_path || plain(&arg) {
+            check(&arg, key, &values).map_err(|e| {
+                let e = e.trim().trim_start_matches("error: ");
+                format!("--config {}: `{key}` (at {here}): {e}", file.display())
+            })?;
+        }
         if !on_path {
             continue;
         }
-        check(&arg, key, &values).map_err(|e| {
-            let e = e.trim().trim_start_matches("error: ");
-            format!("--config {}: `{key}` (at {here}): {e}", file.display())
-        })?;
         cmd = cmd.mut_arg(arg.get_id().clone(), |a| {
             a.default_values(values)
                 .required(false)
@@ -167,6 +209,26 @@ fn apply(
         });
     }
     Ok(cmd)
+}
+
+/// Whether `arg`'s values parse to a number, a switch or a string: checking them has no
+/// effect beyond the answer.
+fn plain(arg: &Arg) -> bool {
+    use std::any::TypeId;
+    let t = arg.get_value_parser().type_id();
+    [
+        TypeId::of::<bool>(),
+        TypeId::of::<String>(),
+        TypeId::of::<u16>(),
+        TypeId::of::<u32>(),
+        TypeId::of::<u64>(),
+        TypeId::of::<usize>(),
+        TypeId::of::<i64>(),
+        TypeId::of::<f32>(),
+        TypeId::of::<f64>(),
+    ]
+    .into_iter()
+    .any(|p| t == p)
 }
 
 /// Whether `arg` accepts `values` (its value parser says so, as for the command line; a
@@ -243,10 +305,17 @@ mod tests {
             quiet: bool,
             #[arg(long)]
             stop: Vec<String>,
+            #[arg(long, default_value = "127.0.0.1:0", value_parser = crate::cluster_cmd::listen_addr)]
+            listen: String,
         },
         Tracker {
             #[arg(long)]
             registry: Option<String>,
+            #[arg(long, default_value_t = 100)]
+            health_period_ms: u64,
+            /// Stands for a model path: checking it would have an effect.
+            #[arg(long, value_parser = |_: &str| Err::<PathBuf, _>("looked at".to_string()))]
+            model: Option<PathBuf>,
         },
     }
 
@@ -276,6 +345,7 @@ mod tests {
             threads,
             quiet,
             stop,
+            ..
         } = cli.command
         else {
             panic!("not shard")
@@ -320,12 +390,54 @@ mod tests {
                 "[shard]\nlayers = \"0..4\"\n[tracker]\nregistri = \"x\"\n",
                 "`registri` (at [tracker])",
             ),
+            // And their values, though only the running command's apply.
+            (
+                "[shard]\nlayers = \"0..4\"\n[tracker]\nhealth-period-ms = \"x\"\n",
+                "`health-period-ms` (at [tracker]): invalid value 'x'",
+            ),
+            (
+                "[shard]\nlayers = \"0..4\"\nlisten = 5\n",
+                "`listen` (at [shard]): invalid value '5'",
+            ),
             ("[shard\n", "TOML parse error"),
         ];
         for (file, want) in cases {
             let e = parse(file, &["shard"]).unwrap_err();
             assert!(e.contains(want), "{file:?}: {e}");
         }
+        // A value whose check would look for a file or at the CPU is left to its own command.
+        assert!(parse(
+            "[shard]\nlayers = \"0..4\"\n[tracker]\nmodel = \"m\"\n",
+            &["shard"]
+        )
+        .is_ok());
+        let e = parse("[tracker]\nmodel = \"m\"\n", &["tracker"]).unwrap_err();
+        assert!(e.contains("looked at"), "{e}");
+    }
+
+    /// A config file is a regular file of bounded size: a device, a FIFO or a directory is
+    /// refused without reading (a FIFO would block forever), and so is a file too large.
+    #[test]
+    fn only_a_bounded_regular_file_is_read() {
+        let dir = std::env::temp_dir().join(format!("strata-config-files-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo");
+        let _ = std::fs::remove_file(&fifo);
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let big = dir.join("big.toml");
+        std::fs::write(&big, "#".repeat(2 << 20)).unwrap();
+        for (path, want) in [
+            (Path::new("/dev/zero"), "not a regular file"),
+            (fifo.as_path(), "not a regular file"),
+            (dir.as_path(), "not a regular file"),
+            (big.as_path(), "more than a config file may hold"),
+        ] {
+            let e = read_config(path).unwrap_err();
+            assert!(e.contains(want), "{}: {e}", path.display());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -339,6 +451,7 @@ mod tests {
             [
                 "STRATA_CONFIG",
                 "STRATA_LAYERS",
+                "STRATA_LISTEN",
                 "STRATA_QUIET",
                 "STRATA_STOP",
                 "STRATA_THREADS"

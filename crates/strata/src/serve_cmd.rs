@@ -29,7 +29,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 2)]
     shards: usize,
     /// Address the OpenAI-compatible API listens on.
-    #[arg(long, default_value = "127.0.0.1:8080")]
+    #[arg(long, default_value = "127.0.0.1:8080", value_parser = crate::cluster_cmd::listen_addr)]
     listen: String,
     /// Ports of the shard processes on 127.0.0.1, comma separated, one per shard (default:
     /// free ports chosen at start; a restarted shard keeps its port either way).

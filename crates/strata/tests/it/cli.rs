@@ -346,8 +346,17 @@ fn settings_come_from_flags_then_variables_then_the_config_file() {
         ),
         ("[genrate]\n", "[genrate] is not a command of strata"),
         (
-            "[tracker]\nlisten = 7\nlistne = 8\n",
+            "[tracker]\nlisten = \"127.0.0.1:7\"\nlistne = 8\n",
             "`listne` (at [tracker])",
+        ),
+        // Another command's plain values are checked too, before anything loads.
+        (
+            "[tracker]\nlisten = 7\n",
+            "`listen` (at [tracker]): invalid value '7'",
+        ),
+        (
+            "[shard]\nthreads = \"x\"\n",
+            "`threads` (at [shard]): invalid value 'x'",
         ),
         ("[generate\n", "TOML parse error"),
     ] {
