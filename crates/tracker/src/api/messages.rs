@@ -111,6 +111,7 @@ fn field<'a>(b: &'a Value, key: &str, bp: &str) -> Result<&'a str, Refusal> {
 fn message(
     i: usize,
     m: &Value,
+    last: bool,
     names: &mut Vec<(String, String)>,
     out: &mut Vec<ChatMessage>,
 ) -> Result<(), Refusal> {
@@ -120,6 +121,16 @@ fn message(
     let content = m.get("content").unwrap_or(&Value::Null);
     let cp = format!("{p}.content");
     match (role, content) {
+        // As Anthropic: every turn says something, but the last one may be an empty
+        // assistant turn (the answer's start, prefilled with nothing).
+        ("user" | "assistant", Value::Array(blocks))
+            if blocks.is_empty() && !(last && role == "assistant") =>
+        {
+            return Err(Refusal::invalid(
+                &cp,
+                format!("`{cp}` is an empty list: a turn holds at least one block"),
+            ))
+        }
         ("system", c) => out.push(ChatMessage::new("system", &text_of(c, &cp)?)),
         ("user" | "assistant", Value::String(s)) => out.push(ChatMessage::new(role, s)),
         ("user" | "assistant", Value::Array(blocks)) => turn(role, blocks, &cp, names, out)?,
@@ -211,11 +222,19 @@ fn tool_result(b: &Value, bp: &str, names: &[(String, String)]) -> Result<ChatMe
     if boolean(b, "is_error")?.unwrap_or(false) {
         result = format!("Error: {result}");
     }
-    let name = names
+    // As Anthropic: a result answers a call made before it.
+    let Some(name) = names
         .iter()
         .rev()
         .find(|(c, _)| c == id)
-        .map(|(_, n)| n.clone());
+        .map(|(_, n)| n.clone())
+    else {
+        return Err(Refusal::invalid(
+            &format!("{bp}.tool_use_id"),
+            format!("`{bp}.tool_use_id` is `{id}`, which no earlier tool_use block names"),
+        ));
+    };
+    let name = Some(name);
     Ok(ChatMessage {
         tool_call_id: Some(id.to_string()),
         name,
@@ -236,7 +255,7 @@ pub fn conversation(body: &Value) -> Result<Vec<ChatMessage>, Refusal> {
         .ok_or_else(|| Refusal::invalid("messages", "`messages` must be a non-empty list"))?;
     let mut names = Vec::new();
     for (i, m) in msgs.iter().enumerate() {
-        message(i, m, &mut names, &mut out)?;
+        message(i, m, i + 1 == msgs.len(), &mut names, &mut out)?;
     }
     Ok(out)
 }
@@ -457,6 +476,18 @@ mod tests {
                 "stop_sequences",
             ),
             (json!({"messages": [], "max_tokens": 5}), "messages"),
+            (
+                json!({"messages": [{"role": "user", "content": []}], "max_tokens": 5}),
+                "messages[0].content",
+            ),
+            (
+                json!({"messages": [{"role": "assistant", "content": []}, {"role": "user", "content": "hi"}], "max_tokens": 5}),
+                "messages[0].content",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nobody", "content": "sunny"}]}], "max_tokens": 5}),
+                "messages[0].content[0].tool_use_id",
+            ),
         ] {
             let e = validate(body.clone(), 1, false).expect_err("refused");
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
@@ -464,6 +495,17 @@ mod tests {
         assert!(
             validate(json!({"messages": user}), 1, true).is_ok(),
             "count_tokens needs no max_tokens"
+        );
+        let prefilled_with_nothing =
+            json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}]);
+        assert!(
+            validate(
+                json!({"messages": prefilled_with_nothing, "max_tokens": 5}),
+                1,
+                false
+            )
+            .is_ok(),
+            "the last turn may be an empty assistant turn"
         );
     }
 
