@@ -4,8 +4,9 @@
 Two routes of SmolLM2-135M (two shards each) behind a tracker with an API key. The console page
 loads without a key, asks for one, and once given it shows both routes and every shard; a shard
 killed with SIGKILL shows as down within 3 s of the kill (the page polls; it is never reloaded),
-and up again after the shard restarts on its address. A screenshot of each state is saved under
-ARTIFACTS (default target/console-artifacts).
+and up again after the shard restarts on its address; with `--public-metrics` the panels show
+without a key and the page asks for one when the chat box's request answers 401. A screenshot of
+each state is saved under ARTIFACTS (default target/console-artifacts).
 
     cargo build --release -p strata && python3 tests/console/browser.py
 STRATA_BIN names the binary, CHROMIUM the browser; needs the `websockets` package (in
@@ -190,6 +191,21 @@ def main():
     page.eval("document.getElementById('prompt').value = 'What is the capital of France?'; document.getElementById('chat').requestSubmit(); true")
     wait_for("an answer in the chat box", 60, lambda: len(page.eval("document.getElementById('answer').textContent") or "") > 0)
     print("chat box:", repr(page.eval("document.getElementById('answer').textContent")[:80]))
+
+    # With --public-metrics the panels need no key, so the page does not ask for one until a
+    # request that needs it answers 401: the chat box's.
+    _, open_addr = spawn(
+        ["tracker", "--listen", "127.0.0.1:0", "--cluster-token-file", token, "--api-key", KEY,
+         "--public-metrics", "--health-period-ms", "200"] + routes,
+        "strata tracker listening on ",
+    )
+    page.eval("sessionStorage.clear(); true")
+    page.call("Page.navigate", url=f"http://{open_addr}/console")
+    wait_for("the panels without a key", 20, lambda: page.eval("document.querySelectorAll('.route').length") == 2)
+    assert page.eval("document.getElementById('keyform').hidden") is True
+    page.eval("document.getElementById('prompt').value = 'hi'; document.getElementById('chat').requestSubmit(); true")
+    wait_for("the key form after the chat's 401", 10, lambda: page.eval("!document.getElementById('keyform').hidden") is True)
+    assert page.eval("document.getElementById('answer').textContent").startswith("401"), page.eval("document.getElementById('answer').textContent")
     print("console browser test: ok")
 
 
