@@ -104,6 +104,9 @@ impl Tracker {
         let n_cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         // The stored responses are shared equally by the API keys (one share without keys).
         let tenants = config.ledger.as_ref().map_or(1, |l| l.n_keys());
+        let bodies = Arc::new(api::server::BodyBudget::for_bodies_of(
+            config.http.max_body_bytes,
+        ));
         let state = Arc::new(api::state::AppState {
             table,
             metrics,
@@ -113,7 +116,10 @@ impl Tracker {
             public_metrics: config.public_metrics,
             admin_token: config.admin_token,
             http: config.http,
-            tokenizing: tokio::sync::Semaphore::new(n_cores.saturating_sub(1).max(1)),
+            tokenizing: Arc::new(tokio::sync::Semaphore::new(
+                n_cores.saturating_sub(1).max(1),
+            )),
+            bodies,
             responses: std::sync::atomic::AtomicU64::new(0),
             failover_wait: config.failover_wait,
             stored_responses: api::store::ResponseStore::new(

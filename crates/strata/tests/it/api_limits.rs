@@ -464,3 +464,102 @@ fn every_request_leaves_a_log_line() {
     assert!(lines[0].contains("completion_tokens=8"), "{}", lines[0]);
     assert!(lines[1].contains("invalid_request"), "{}", lines[1]);
 }
+
+/// Forty clients each send all but the last bytes of a 3.9 MB body and hold their
+/// connections: the bodies in flight never take more than the tracker's budget for them (512
+/// MiB, each counted at 8x its size, so about 16 such bodies): the others are refused with a
+/// typed 503 `capacity` naming `body_memory`, the tracker's memory grows by less than 256 MiB,
+/// and once the clients go the budget is whole again (a request is answered).
+#[test]
+fn bodies_in_flight_stay_within_their_memory_budget() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let t = serve(&["--http-body-timeout-ms", "60000"]);
+    let idle_rss = rss(t.pid()).1;
+    let body = json!({"prompt": "x".repeat(3_900_000), "max_tokens": 1}).to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let sent = &body.as_bytes()[..body.len() - 100];
+    // Each client: the head and all but the last 100 bytes, in 64 KiB writes (a refused one
+    // stops being read, so its writes stop), then whatever answer comes within 5 s.
+    let clients: Vec<(TcpStream, u16, String)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..40)
+            .map(|_| {
+                let (addr, head) = (&t.addr, &head);
+                s.spawn(move || {
+                    let mut c = TcpStream::connect(addr).unwrap();
+                    c.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+                    let _ = c.write_all(head.as_bytes());
+                    for chunk in sent.chunks(64 << 10) {
+                        if c.write_all(chunk).is_err() {
+                            break;
+                        }
+                    }
+                    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                    let mut answer = vec![0u8; 4096];
+                    let n = c.read(&mut answer).unwrap_or(0);
+                    let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+                    let status = answer
+                        .split_whitespace()
+                        .nth(1)
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(0);
+                    (c, status, answer)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let peak_rss = rss(t.pid()).0;
+    let refused: Vec<&String> = clients
+        .iter()
+        .filter(|(_, status, _)| *status == 503)
+        .map(|(_, _, a)| a)
+        .collect();
+    let held = clients.iter().filter(|(_, status, _)| *status == 0).count();
+    eprintln!(
+        "{} bodies refused, {held} held; tracker rss {:.1} MiB idle, peak {:.1} MiB",
+        refused.len(),
+        idle_rss / 1048576.0,
+        peak_rss / 1048576.0
+    );
+    assert!(
+        refused.len() + held == clients.len(),
+        "every client is refused or still being read: {:?}",
+        clients.iter().map(|c| c.1).collect::<Vec<_>>()
+    );
+    assert!(
+        (1..=17).contains(&held),
+        "{held} bodies of 3.9 MB held at once"
+    );
+    for a in &refused {
+        assert!(
+            a.contains("\"reason\":\"capacity\"") && a.contains("\"limit\":\"body_memory\""),
+            "{a}"
+        );
+    }
+    assert!(
+        peak_rss - idle_rss < 256.0 * 1048576.0,
+        "tracker rss grew from {:.1} to {:.1} MiB",
+        idle_rss / 1048576.0,
+        peak_rss / 1048576.0
+    );
+    // The clients go: their shares come back, and a request of the largest size is read.
+    drop(clients);
+    let mut status = 0;
+    for _ in 0..100 {
+        let r = post_json(
+            &t.addr,
+            "/v1/completions",
+            &json!({"prompt": "x".repeat(3_900_000), "max_tokens": 1}),
+        );
+        status = r.status;
+        if status != 503 {
+            assert_eq!(r.json()["error"]["limit"], "n_ctx", "{}", r.body);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(status, 400, "a large body once the others left");
+}

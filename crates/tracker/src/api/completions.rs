@@ -111,20 +111,17 @@ async fn tokenize(
             }
             ids
         }
-        PromptInput::Text(t) => {
-            let _permit = s.tokenizing.acquire().await;
-            tokio::task::spawn_blocking(move || tokenizer.encode_within(&t, true, true, limit))
-                .await
-                .map_err(|_| Refusal::unavailable("tokenizing the prompt failed"))?
-                .map_err(|e| too_long(e.at_least))?
-        }
+        PromptInput::Text(t) => s
+            .run_blocking(move || tokenizer.encode_within(&t, true, true, limit))
+            .await
+            .ok_or_else(|| Refusal::unavailable("tokenizing the prompt failed"))?
+            .map_err(|e| too_long(e.at_least))?,
         PromptInput::Messages(m) => {
             let template = model
                 .template
                 .clone()
                 .ok_or_else(|| Refusal::invalid("messages", "this model has no chat template"))?;
-            let _permit = s.tokenizing.acquire().await;
-            tokio::task::spawn_blocking(move || {
+            s.run_blocking(move || {
                 // A template without a tool format is shown the tools in the system turn.
                 let (m, tools) = match tools {
                     Some(t) if template.tool_syntax() == text::ToolSyntax::None => {
@@ -139,7 +136,7 @@ async fn tokenize(
                 tokenizer.encode_chat_within(&template, &m, vars, limit)
             })
             .await
-            .map_err(|_| Refusal::unavailable("tokenizing the prompt failed"))?
+            .ok_or_else(|| Refusal::unavailable("tokenizing the prompt failed"))?
             .map_err(|e| match e {
                 text::Error::TooManyTokens(t) => too_long(t.at_least),
                 other => Refusal::invalid("messages", other.to_string()),
@@ -500,14 +497,18 @@ pub async fn read_json<T: Send + 'static>(
     body: axum::body::Body,
     check: impl FnOnce(Value) -> Result<T, Refusal> + Send + 'static,
 ) -> Result<T, Refusal> {
-    let body = read_body(body, &s.http).await?;
+    // The body's share of the memory for bodies is held until it is parsed and checked, also
+    // when the client has gone meanwhile.
+    let (body, hold) = read_body(body, &s.http, &s.bodies).await?;
     if body.len() <= INLINE_BODY_BYTES {
         return check(parse_body(&body)?);
     }
-    let _permit = s.tokenizing.acquire().await;
-    tokio::task::spawn_blocking(move || check(parse_body(&body)?))
-        .await
-        .map_err(|_| Refusal::unavailable("parsing the request failed"))?
+    s.run_blocking(move || {
+        let _hold = hold;
+        check(parse_body(&body)?)
+    })
+    .await
+    .ok_or_else(|| Refusal::unavailable("parsing the request failed"))?
 }
 
 /// `echo`: the prompt's text, put before each choice's answer.

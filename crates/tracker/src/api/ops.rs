@@ -183,7 +183,7 @@ pub async fn tokenize(
 ) -> Response {
     let run = async {
         s.key(&headers)?;
-        let body = read_body(body, &s.http).await?;
+        let (body, _hold) = read_body(body, &s.http, &s.bodies).await?;
         let (v, model) = text_body(
             &s,
             &body,
@@ -200,8 +200,7 @@ pub async fn tokenize(
             flag(&v, "with_pieces", false)?,
         );
         let tok = Arc::clone(&model.tokenizer);
-        let _permit = s.tokenizing.acquire().await;
-        tokio::task::spawn_blocking(move || {
+        s.run_blocking(move || {
             let ids = tok.encode(&content, add, parse);
             let tokens: Vec<Value> = if pieces {
                 ids.iter()
@@ -220,7 +219,7 @@ pub async fn tokenize(
             json!({"tokens": tokens})
         })
         .await
-        .map_err(|_| Refusal::unavailable("tokenizing failed"))
+        .ok_or_else(|| Refusal::unavailable("tokenizing failed"))
     };
     json_or_error(run.await)
 }
@@ -233,7 +232,7 @@ pub async fn detokenize(
 ) -> Response {
     let run = async {
         s.key(&headers)?;
-        let body = read_body(body, &s.http).await?;
+        let (body, _hold) = read_body(body, &s.http, &s.bodies).await?;
         let (v, model) = text_body(&s, &body, &["tokens"])?;
         let ids = v
             .get("tokens")
@@ -245,10 +244,10 @@ pub async fn detokenize(
             })
             .ok_or_else(|| Refusal::invalid("tokens", "`tokens` must be a list of token ids"))?;
         let tok = Arc::clone(&model.tokenizer);
-        let _permit = s.tokenizing.acquire().await;
-        let content = tokio::task::spawn_blocking(move || tok.decode(&ids, false))
+        let content = s
+            .run_blocking(move || tok.decode(&ids, false))
             .await
-            .map_err(|_| Refusal::unavailable("detokenizing failed"))?
+            .ok_or_else(|| Refusal::unavailable("detokenizing failed"))?
             .map_err(|e| Refusal::invalid("tokens", e.to_string()))?;
         Ok::<_, Refusal>(json!({"content": content}))
     };

@@ -236,16 +236,94 @@ const OVERFLOW_DRAIN_BYTES: usize = 16 << 20;
 /// How long an over-limit body is drained at most.
 const OVERFLOW_DRAIN_TIME: Duration = Duration::from_secs(1);
 
+/// Memory for request bodies being read and parsed, all requests together: a body holds
+/// [`PARSED_FACTOR`] times its bytes (its JSON tree can take that much more than its text) from
+/// its first byte until it has been parsed and checked. Past the budget a request is refused
+/// `capacity` (503, limit `body_memory`, retryable), so a flood of large bodies never outgrows
+/// the tracker's memory, however many connections send them.
+pub struct BodyBudget {
+    kib: Semaphore,
+    total_kib: usize,
+}
+
+/// Bodies of the largest size the budget always holds at once, whatever `max_body_bytes`.
+const LARGEST_BODIES: usize = 4;
+
+/// What a body is counted at, per byte of its text.
+pub const PARSED_FACTOR: usize = 8;
+
+/// The tracker's budget for request bodies in flight: 512 MiB, sixteen bodies of the largest
+/// size (4 MiB) at once, or thousands of an agent's usual size.
+pub const BODY_MEMORY_BYTES: usize = 512 << 20;
+
+impl BodyBudget {
+    /// [`BODY_MEMORY_BYTES`], or room for [`LARGEST_BODIES`] bodies of `max_body_bytes` if that
+    /// is more (so a body the size limit admits always fits an idle tracker's budget).
+    pub fn for_bodies_of(max_body_bytes: usize) -> Self {
+        let bytes = BODY_MEMORY_BYTES.max(LARGEST_BODIES * PARSED_FACTOR * max_body_bytes);
+        let total_kib = bytes.div_ceil(1024);
+        BodyBudget {
+            kib: Semaphore::new(total_kib),
+            total_kib,
+        }
+    }
+}
+
+/// A body's share of the [`BodyBudget`], given back when dropped (it may move to the thread
+/// that parses the body, so it owns its budget's handle).
+pub struct BodyHold {
+    budget: Arc<BodyBudget>,
+    kib: usize,
+}
+
+impl BodyHold {
+    /// Grows the hold to cover a body of `bytes`, or refuses.
+    fn cover(&mut self, bytes: usize) -> Result<(), Refusal> {
+        let want = (bytes * PARSED_FACTOR).div_ceil(1024);
+        if want <= self.kib {
+            return Ok(());
+        }
+        let more = u32::try_from(want - self.kib).unwrap_or(u32::MAX);
+        match self.budget.kib.try_acquire_many(more) {
+            Ok(p) => {
+                p.forget();
+                self.kib += more as usize;
+                Ok(())
+            }
+            Err(_) => Err(Refusal::capacity(
+                "body_memory",
+                format!(
+                    "request bodies in flight hold the tracker's {} MiB for them (each counted at {PARSED_FACTOR}x its size while it is read and parsed)",
+                    self.budget.total_kib / 1024
+                ),
+            )),
+        }
+    }
+}
+
+impl Drop for BodyHold {
+    fn drop(&mut self) {
+        self.budget.kib.add_permits(self.kib);
+    }
+}
+
 /// Reads a request body within the limits: 413 past `max_body_bytes`, 408 when it does not
-/// arrive within `body_timeout`. Past the limit the rest is read and dropped, bounded in bytes
-/// and time, before the 413 is answered.
+/// arrive within `body_timeout`, 503 `capacity` when the bodies in flight hold the whole
+/// `budget`. Past the size limit the rest is read and dropped, bounded in bytes and time,
+/// before the 413 is answered. The body's share of the budget is held until the hold returned
+/// with it is dropped (once the body is parsed).
 pub async fn read_body(
     body: axum::body::Body,
     config: &HttpConfig,
-) -> Result<axum::body::Bytes, Refusal> {
+    budget: &Arc<BodyBudget>,
+) -> Result<(axum::body::Bytes, BodyHold), Refusal> {
     use http_body_util::BodyExt;
     let mut body = body;
     let mut bytes = Vec::new();
+    let mut hold = BodyHold {
+        budget: Arc::clone(budget),
+        kib: 0,
+    };
     let read = async {
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| {
@@ -255,13 +333,14 @@ pub async fn read_body(
                 if bytes.len() + data.len() > config.max_body_bytes {
                     return Ok(false);
                 }
+                hold.cover(bytes.len() + data.len())?;
                 bytes.extend_from_slice(&data);
             }
         }
         Ok::<_, Refusal>(true)
     };
     match tokio::time::timeout(config.body_timeout, read).await {
-        Ok(Ok(true)) => Ok(bytes.into()),
+        Ok(Ok(true)) => Ok((bytes.into(), hold)),
         Ok(Ok(false)) => {
             let mut drained = 0usize;
             let drain = async {

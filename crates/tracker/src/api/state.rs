@@ -29,10 +29,12 @@ pub struct AppState {
     /// Bearer token of the admin API (`None`: no admin API).
     pub admin_token: Option<String>,
     pub http: HttpConfig,
+    /// Memory for request bodies being read and parsed, all requests together.
+    pub bodies: Arc<super::server::BodyBudget>,
     /// Long bodies parsed and prompts tokenized at once (each on a blocking thread): all cores
     /// but one, so a flood of long prompts waits here instead of taking the cores that shards
     /// and other requests need.
-    pub tokenizing: Semaphore,
+    pub tokenizing: Arc<Semaphore>,
     /// Numbers the responses (ids unique across routes: each route numbers its sessions).
     pub responses: std::sync::atomic::AtomicU64,
     /// How long a request of a replicated model waits for one of its routes to take it while
@@ -43,6 +45,22 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// Runs `f` on a blocking thread under one of the [`AppState::tokenizing`] permits, held
+    /// until `f` returns even when the request that asked is gone (a cancelled request's work
+    /// still takes its place); `None` if the thread panicked.
+    pub async fn run_blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Option<T> {
+        let permit = Arc::clone(&self.tokenizing).acquire_owned().await.ok()?;
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            f()
+        })
+        .await
+        .ok()
+    }
+
     /// [`AppState::model`], waiting until `deadline` while the answer is `no_route`: a request
     /// that comes in the moment its model's routes leave and rejoin the table (a registry
     /// blip, the last route failing over) waits for them as a moved session does; past the
