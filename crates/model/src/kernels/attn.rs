@@ -110,6 +110,8 @@ pub mod fused {
 
     use half::f16;
 
+    use super::tiled::reduce8;
+
     /// Converts `8 * CH` f16 values to `CH` registers of f32.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
@@ -133,26 +135,6 @@ pub mod fused {
             // SAFETY: prefetching is a hint; every address is within or at the end of the row.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * line)) };
         }
-    }
-
-    /// The sums of eight vectors of eight partial sums (one vector per position), each as
-    /// [`super::dot_f16`] reduces it: `((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7))`.
-    /// Lane `p` of the result is vector `p`'s sum.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-    fn reduce8(a: [__m256; 8]) -> __m256 {
-        // b[p] = [a[p] lanes 0-3 + 4-7 | a[p + 4] lanes 0-3 + 4-7], for p < 4.
-        let b: [__m256; 4] = std::array::from_fn(|p| {
-            _mm256_add_ps(
-                _mm256_permute2f128_ps::<0x20>(a[p], a[p + 4]),
-                _mm256_permute2f128_ps::<0x31>(a[p], a[p + 4]),
-            )
-        });
-        // Pairwise sums within each 128-bit half (positions 0, 1 | 4, 5 and 2, 3 | 6, 7),
-        // then the final sums, in position order.
-        let c = _mm256_hadd_ps(b[0], b[1]);
-        let d = _mm256_hadd_ps(b[2], b[3]);
-        _mm256_hadd_ps(c, d)
     }
 
     /// `q` holds the `G` query rows (rounded to f16 values here); `k(t)` and `v(t)` are this
@@ -316,13 +298,16 @@ pub mod tiled {
     /// Lane `p` of the result is vector `p`'s sum.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn reduce8(a: [__m256; 8]) -> __m256 {
+    pub(super) fn reduce8(a: [__m256; 8]) -> __m256 {
+        // b[p] = [a[p] lanes 0-3 + 4-7 | a[p + 4] lanes 0-3 + 4-7], for p < 4.
         let b: [__m256; 4] = std::array::from_fn(|p| {
             _mm256_add_ps(
                 _mm256_permute2f128_ps::<0x20>(a[p], a[p + 4]),
                 _mm256_permute2f128_ps::<0x31>(a[p], a[p + 4]),
             )
         });
+        // Pairwise sums within each 128-bit half (positions 0, 1 | 4, 5 and 2, 3 | 6, 7),
+        // then the final sums, in position order.
         let c = _mm256_hadd_ps(b[0], b[1]);
         let d = _mm256_hadd_ps(b[2], b[3]);
         _mm256_hadd_ps(c, d)
