@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use engine::{Reason, Refusal};
 use futures::{Stream, StreamExt};
 use proto::v1::{
-    route_msg, CacheRecipe, HopTiming, Progress, RouteMsg, RouteReply, RouteSetup, SeamDtype,
-    SessionError, SessionOutput, Step,
+    route_msg, CacheRecipe, CachedPrefix, HopTiming, Progress, RouteMsg, RouteReply, RouteSetup,
+    SeamDtype, SessionError, SessionOutput, Step,
 };
 use proto::{ReplyStream, ShardTransport};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -507,7 +507,18 @@ impl RouteTask {
             ..Default::default()
         };
         match &self.downstream {
-            None => self.answer(step, out.outputs, hop, received).await,
+            None => {
+                let cached = out
+                    .accepted
+                    .iter()
+                    .filter(|f| !f.prefix.is_empty())
+                    .map(|f| CachedPrefix {
+                        session_id: f.session_id,
+                        positions: f.prefix.len() as u32,
+                    })
+                    .collect();
+                self.answer(step, out.outputs, cached, hop, received).await
+            }
             Some(down) => self.forward(down, step, out, hop, received, liveness).await,
         }
     }
@@ -520,6 +531,7 @@ impl RouteTask {
         &self,
         mut step: Step,
         outputs: Vec<SessionOutput>,
+        cached: Vec<CachedPrefix>,
         mut hop: HopTiming,
         received: Instant,
     ) -> ControlFlow<()> {
@@ -546,6 +558,7 @@ impl RouteTask {
             outputs,
             errors: step.errors,
             hops: step.hops,
+            cached,
             ..Default::default()
         };
         let answered = match &self.sink {

@@ -308,6 +308,11 @@ pub fn declare(m: &Metrics) {
             "prompt tokens computed",
         ),
         ("strata_decode_tokens_total", "counter", "tokens decoded"),
+        (
+            "strata_prompt_cached_tokens_total",
+            "counter",
+            "prompt tokens a route took from its shards' prefix cache instead of computing them",
+        ),
         ("strata_ttft_seconds", "histogram", "time to first token"),
         (
             "strata_migrations_total",

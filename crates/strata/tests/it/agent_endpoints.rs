@@ -222,8 +222,20 @@ fn a_message_is_the_chat_answer_as_content_blocks_whole_and_streamed() {
     );
     assert_eq!(v["content"][0], json!({"type": "text", "text": want}));
     assert_eq!(v["stop_reason"], "max_tokens");
+    // As Anthropic counts: the prompt is the input tokens and those read from the cache (the
+    // chat request above computed the same prompt, so its full 16-token blocks are cached).
     let counted = post_json(a, "/v1/messages/count_tokens", &body).json();
-    assert_eq!(counted["input_tokens"], v["usage"]["input_tokens"]);
+    let (input, cached) = (
+        v["usage"]["input_tokens"].as_u64().unwrap(),
+        v["usage"]["cache_read_input_tokens"].as_u64().unwrap(),
+    );
+    assert_eq!(
+        counted["input_tokens"],
+        json!(input + cached),
+        "{}",
+        v["usage"]
+    );
+    assert!(cached > 0 && cached % 16 == 0, "{}", v["usage"]);
 
     let mut sb = body.clone();
     sb["stream"] = json!(true);
@@ -241,9 +253,20 @@ fn a_message_is_the_chat_answer_as_content_blocks_whole_and_streamed() {
         .collect();
     assert_eq!(text, want);
     assert_eq!(evs[t.len() - 2]["delta"]["stop_reason"], "max_tokens");
+    // The stream starts before the cache is looked at: its start counts the whole prompt as
+    // input, and its end says what came from the cache, as the whole answer does.
     assert_eq!(
         evs[0]["message"]["usage"]["input_tokens"],
-        v["usage"]["input_tokens"]
+        json!(input + cached)
+    );
+    let end = &evs[t.len() - 2]["usage"];
+    assert_eq!(
+        (&end["input_tokens"], &end["cache_read_input_tokens"]),
+        (
+            &v["usage"]["input_tokens"],
+            &v["usage"]["cache_read_input_tokens"]
+        ),
+        "{end}"
     );
 }
 

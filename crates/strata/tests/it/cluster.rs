@@ -611,7 +611,8 @@ fn cached_prefix_blocks_are_shared_within_a_key_and_never_across_keys() {
         ],
     );
     let t = tracker.addr.clone();
-    let ask = |secret: &str| -> Vec<u64> {
+    // The answer's token ids and the prompt tokens its usage says came from the cache.
+    let ask = |secret: &str| -> (Vec<u64>, u64) {
         let auth = format!("Bearer {secret}");
         let body =
             json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true});
@@ -624,12 +625,19 @@ fn cached_prefix_blocks_are_shared_within_a_key_and_never_across_keys() {
         )
         .unwrap();
         assert_eq!(r.status, 200, "{}", r.body);
-        r.json()["choices"][0]["token_ids"]
+        let v = r.json();
+        let ids = v["choices"][0]["token_ids"]
             .as_array()
             .unwrap()
             .iter()
             .map(|x| x.as_u64().unwrap())
-            .collect()
+            .collect();
+        (
+            ids,
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+        )
     };
     let reused = || -> Vec<u64> {
         shards
@@ -638,23 +646,30 @@ fn cached_prefix_blocks_are_shared_within_a_key_and_never_across_keys() {
             .collect()
     };
     let blocks = ((prompt.len() - 1) / 16 * 16) as u64;
-    let want = ask("sk-alice-0123");
-    assert_eq!(ask("sk-alice-0123"), want);
+    let (want, cached) = ask("sk-alice-0123");
+    assert_eq!(cached, 0, "nothing cached before the first request");
+    assert_eq!(
+        ask("sk-alice-0123"),
+        (want.clone(), blocks),
+        "usage says what was reused"
+    );
     assert!(
         wait_until(Duration::from_secs(10), || reused() == vec![blocks; 2]).is_some(),
         "alice's repeat starts on her cached blocks on both shards: {:?}",
         reused()
     );
-    assert_eq!(ask("sk-bob-4567"), want, "bob gets the same answer");
-    assert_eq!(ask("sk-alice-0123"), want);
-    assert!(
-        wait_until(Duration::from_secs(10), || reused() != vec![blocks; 2]).is_some(),
-        "alice's third request reuses her blocks again"
-    );
     assert_eq!(
-        reused(),
-        vec![2 * blocks; 2],
-        "alice's second and third requests reused her prefix, bob's nothing"
+        ask("sk-bob-4567"),
+        (want.clone(), 0),
+        "bob gets the same answer, computed"
+    );
+    assert_eq!(ask("sk-alice-0123"), (want.clone(), blocks));
+    // The counters are the tracker's scrape of each shard (every health period): wait until
+    // both have counted alice's third request, then nothing more may come.
+    assert!(
+        wait_until(Duration::from_secs(10), || reused() == vec![2 * blocks; 2]).is_some(),
+        "alice's second and third requests reused her prefix, bob's nothing: {:?}",
+        reused()
     );
     // Another tracker on the same shards whose key is also named alice, with another secret:
     // another tenant (the partition follows the secret, not the name).
@@ -683,6 +698,10 @@ fn cached_prefix_blocks_are_shared_within_a_key_and_never_across_keys() {
     )
     .unwrap();
     assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0
+    );
     let got: Vec<u64> = r.json()["choices"][0]["token_ids"]
         .as_array()
         .unwrap()

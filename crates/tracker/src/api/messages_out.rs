@@ -135,10 +135,12 @@ impl Build {
             "content": if ended.is_some() { self.blocks.iter().map(Block::json).collect::<Vec<_>>() } else { Vec::new() },
             "stop_reason": ended.map(stop_reason),
             "stop_sequence": ended.and_then(|e| e.stop_sequence.clone()),
+            // As Anthropic counts: `input_tokens` are those not read from the cache.
             "usage": {
-                "input_tokens": input_tokens,
+                "input_tokens": input_tokens - ended.map_or(0, |e| e.cached_tokens),
                 "output_tokens": ended.map_or(0, |e| e.completion_tokens),
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": ended.map_or(0, |e| e.cached_tokens),
             },
         })
     }
@@ -218,7 +220,9 @@ impl StreamState {
                 self.event(
                     "message_delta",
                     json!({"delta": {"stop_reason": stop_reason(&e), "stop_sequence": e.stop_sequence},
-                           "usage": {"output_tokens": e.completion_tokens}}),
+                           "usage": {"output_tokens": e.completion_tokens,
+                                     "input_tokens": e.prompt_tokens - e.cached_tokens,
+                                     "cache_read_input_tokens": e.cached_tokens}}),
                 );
                 self.event("message_stop", json!({}));
                 self.finished = true;

@@ -23,6 +23,8 @@ pub struct Ended {
     pub finish: FinishReason,
     pub stop_sequence: Option<String>,
     pub prompt_tokens: usize,
+    /// Of the prompt tokens, those taken from the prefix cache.
+    pub cached_tokens: usize,
     pub completion_tokens: usize,
     /// Of the completion tokens, those of the thinking section.
     pub reasoning_tokens: usize,
@@ -124,6 +126,7 @@ impl PartStream {
                 stop_sequence,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
             }) => {
                 self.choice.guard.armed = false;
                 for p in self.splitter.finish() {
@@ -138,6 +141,7 @@ impl PartStream {
                     finish,
                     stop_sequence,
                     prompt_tokens,
+                    cached_tokens,
                     completion_tokens,
                     reasoning_tokens: self.reasoning_tokens,
                 }));

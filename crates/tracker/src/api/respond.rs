@@ -101,14 +101,18 @@ fn logprob_json(endpoint: Endpoint, lps: &[TokenLogprob]) -> Value {
     }
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// Usage as OpenAI reports it: the prompt tokens (those taken from the prefix cache among
+/// them, `cached`), the completion tokens.
+fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
 /// How a choice ended.
 struct Ended {
     finish: FinishReason,
     prompt_tokens: usize,
+    cached_tokens: usize,
     completion_tokens: usize,
 }
 
@@ -121,6 +125,9 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
     let mut out = Vec::with_capacity(a.choices.len());
     let mut prompt_tokens = 0;
     let mut completion_tokens = 0;
+    // The prompt's cached tokens: what every choice took from the cache (each choice is a
+    // session of its own).
+    let mut cached_tokens = usize::MAX;
     let mut first_finish = None;
     for (index, c) in a.choices.iter_mut().enumerate() {
         let mut text = a.echo.clone().unwrap_or_default();
@@ -143,11 +150,13 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
                     finish_reason,
                     prompt_tokens,
                     completion_tokens,
+                    cached_tokens,
                     ..
                 }) => {
                     break Ended {
                         finish: finish_reason,
                         prompt_tokens,
+                        cached_tokens,
                         completion_tokens,
                     }
                 }
@@ -166,6 +175,7 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
         };
         c.guard.armed = false;
         prompt_tokens = ended.prompt_tokens;
+        cached_tokens = cached_tokens.min(ended.cached_tokens);
         completion_tokens += ended.completion_tokens;
         let (choice, finish) = choice_json(
             (&a.req, &a.id, &a.shape),
@@ -189,7 +199,7 @@ pub async fn whole_response(mut a: Accepted, mut record: RequestRecord) -> Respo
     let body = json!({
         "id": a.id, "object": object, "created": now_secs(), "model": a.model_id,
         "choices": out,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens.min(prompt_tokens)),
     });
     (StatusCode::OK, Json(body)).into_response()
 }
@@ -287,6 +297,8 @@ struct StreamState {
     record: RequestRecord,
     running: usize,
     prompt_tokens: usize,
+    /// What every choice ended so far took from the prefix cache.
+    cached_tokens: usize,
     completion_tokens: usize,
     /// SSE data lines ready to send, in order.
     ready: std::collections::VecDeque<String>,
@@ -391,6 +403,7 @@ impl StreamState {
                 finish_reason,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
                 ..
             } => {
                 if let Some(mut s) = self.choices[index].splitter.take() {
@@ -401,12 +414,17 @@ impl StreamState {
                 let c = self.chunk(index, None, None, Some(finish.name()), None);
                 self.ready.push_back(c);
                 self.prompt_tokens = prompt_tokens;
+                self.cached_tokens = self.cached_tokens.min(cached_tokens);
                 self.completion_tokens += completion_tokens;
                 self.running -= 1;
                 if self.running == 0 {
                     if self.req.include_usage {
                         let mut u = self.envelope(json!([]));
-                        u["usage"] = usage(self.prompt_tokens, self.completion_tokens);
+                        u["usage"] = usage(
+                            self.prompt_tokens,
+                            self.completion_tokens,
+                            self.cached_tokens.min(self.prompt_tokens),
+                        );
                         self.ready.push_back(u.to_string());
                     }
                     self.record.finish(Outcome::Done {
@@ -453,6 +471,7 @@ pub fn stream_response(
         record,
         running,
         prompt_tokens: 0,
+        cached_tokens: usize::MAX,
         completion_tokens: 0,
         ready: Default::default(),
         finished: false,

@@ -171,7 +171,7 @@ impl Build {
         if let Some(e) = ended {
             let reasoning_tokens = e.reasoning_tokens;
             r["usage"] = json!({
-                "input_tokens": e.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens": e.prompt_tokens, "input_tokens_details": {"cached_tokens": e.cached_tokens},
                 "output_tokens": e.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": e.prompt_tokens + e.completion_tokens,

@@ -68,6 +68,8 @@ pub enum SessionEvent {
         stop_sequence: Option<String>,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// Of the prompt tokens, those the route took from its prefix cache.
+        cached_tokens: usize,
     },
     Error(Refusal),
 }
@@ -215,6 +217,9 @@ struct Live {
     decoder: StreamDecoder,
     stops: StopMatcher,
     n_prompt: usize,
+    /// Prompt positions taken from the prefix cache instead of computed, on every route it
+    /// was on (usage reports at most `n_prompt`).
+    n_cached: usize,
     n_generated: usize,
     started: Instant,
     last_token: Option<Instant>,
@@ -773,6 +778,7 @@ impl Runner {
                 decoder: StreamDecoder::new(),
                 stops: StopMatcher::new(job.stop),
                 n_prompt: job.prompt_ids.len(),
+                n_cached: 0,
                 n_generated: 0,
                 started: Instant::now(),
                 last_token: None,
@@ -1008,6 +1014,15 @@ impl Runner {
                 let _ = l.events.send(SessionEvent::Error(err));
             }
         }
+        let mut n_cached = 0;
+        for c in &reply.cached {
+            if let Some(l) = self.live.get_mut(&SessionId(c.session_id)) {
+                l.n_cached += c.positions as usize;
+                n_cached += c.positions as usize;
+            }
+        }
+        self.metrics
+            .inc("strata_prompt_cached_tokens_total", &[], n_cached as f64);
         let outputs: Vec<(SessionId, u32)> = reply
             .outputs
             .iter()
@@ -1170,6 +1185,7 @@ impl Runner {
             stop_sequence: live.stops.matched().map(str::to_string),
             prompt_tokens: live.n_prompt,
             completion_tokens: live.n_generated,
+            cached_tokens: live.n_cached.min(live.n_prompt),
         });
     }
 
