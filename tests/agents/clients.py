@@ -236,9 +236,16 @@ def case_anthropic(s):
         }
     ]
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    t = client.messages.create(model=s.model, max_tokens=128, tools=tools, tool_choice={"type": "any"}, messages=ask)
+    # Greedy: sampled at the API's default temperature the small model sometimes calls the tool
+    # for city after city until max_tokens cuts the last call (a CI run saw four calls and a cut
+    # fifth). A cut answer is still read: its complete calls are tool_use blocks.
+    t = client.messages.create(
+        model=s.model, max_tokens=128, tools=tools, tool_choice={"type": "any"}, messages=ask,
+        extra_body={"temperature": 0},  # this SDK release takes no temperature argument
+    )
     uses = [b for b in t.content if b.type == "tool_use"]
-    assert t.stop_reason == "tool_use" and uses and isinstance(uses[0].input, dict), t
+    assert t.stop_reason in ("tool_use", "max_tokens") and uses, t
+    assert all(b.name == "get_weather" and isinstance(b.input, dict) for b in uses), t
     follow = client.messages.create(
         model=s.model,
         max_tokens=64,
