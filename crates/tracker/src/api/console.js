@@ -240,8 +240,8 @@ document.getElementById("chat").addEventListener("submit", async (e) => {
   if (!r.ok) {
     // Any request that needs a key asks for one (with --public-metrics the panels need none,
     // and the chat box is the first to learn that a key is wanted).
-    if (r.status === 401) document.getElementById("keyform").hidden = false;
     out.textContent = r.status + ": " + (await r.text());
+    if (r.status === 401) document.getElementById("keyform").hidden = false;
     return;
   }
   const reader = r.body.getReader();
