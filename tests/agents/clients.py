@@ -317,6 +317,11 @@ def case_claude_code(s):
         ANTHROPIC_BASE_URL=f"http://{s.addr}",
         ANTHROPIC_AUTH_TOKEN=KEY,
         CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        # Greedy and bounded, so the case ends the same way every run: sampled at Claude
+        # Code's default temperature the small model once rambled on for minutes
+        # (Claude Code asks for up to 32000 tokens).
+        CLAUDE_CODE_EXTRA_BODY=json.dumps({"temperature": 0}),
+        CLAUDE_CODE_MAX_OUTPUT_TOKENS="400",
         HOME=tempfile.mkdtemp(prefix="strata-claude-home-"),
     )
     argv = [os.path.join(NPM, "node_modules", ".bin", "claude"), "-p", "What does calc.py do?",
