@@ -106,6 +106,7 @@ impl Tracker {
         let tenants = config.ledger.as_ref().map_or(1, |l| l.n_keys());
         let bodies = Arc::new(api::server::BodyBudget::for_bodies_of(
             config.http.max_body_bytes,
+            tenants,
         ));
         let state = Arc::new(api::state::AppState {
             table,

@@ -612,10 +612,13 @@ fn cached_prefix_blocks_are_shared_within_a_key_and_never_across_keys() {
     );
     let t = tracker.addr.clone();
     // The answer's token ids and the prompt tokens its usage says came from the cache.
-    let ask = |secret: &str| -> (Vec<u64>, u64) {
+    let ask_in = |secret: &str, group: Value| -> (Vec<u64>, u64) {
         let auth = format!("Bearer {secret}");
-        let body =
+        let mut body =
             json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true});
+        body.as_object_mut()
+            .unwrap()
+            .extend(group.as_object().unwrap().clone());
         let r = testkit::http::request(
             "POST",
             &t,
@@ -639,6 +642,7 @@ fn cached_prefix_blocks_are_shared_within_a_key_and_never_across_keys() {
                 .unwrap(),
         )
     };
+    let ask = |secret: &str| ask_in(secret, json!({}));
     let reused = || -> Vec<u64> {
         shards
             .iter()
@@ -713,6 +717,139 @@ fn cached_prefix_blocks_are_shared_within_a_key_and_never_across_keys() {
         reused(),
         vec![2 * blocks; 2],
         "the other tracker's alice reused nothing of this one's alice"
+    );
+    // A request naming a cache group (`prompt_cache_key`, `cache_salt`) narrows its key's
+    // partition: alice's group starts apart from her own ungrouped blocks, then reuses its
+    // own; bob naming alice's group reaches nothing of hers.
+    let group = json!({"prompt_cache_key": "project-a"});
+    assert_eq!(ask_in("sk-alice-0123", group.clone()), (want.clone(), 0));
+    assert_eq!(
+        ask_in("sk-alice-0123", group.clone()),
+        (want.clone(), blocks)
+    );
+    assert_eq!(ask_in("sk-bob-4567", group.clone()), (want.clone(), 0));
+    let salted = json!({"prompt_cache_key": "project-a", "cache_salt": "s1"});
+    assert_eq!(ask_in("sk-alice-0123", salted), (want.clone(), 0));
+    assert!(
+        wait_until(Duration::from_secs(10), || reused() == vec![3 * blocks; 2]).is_some(),
+        "only alice's second request in her group reused blocks: {:?}",
+        reused()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Alice keeps a six-digit secret in her system prompt. Bob, guessing it, waits as long for
+/// his first token when he guesses right as when he guesses wrong: 8 + 8 trials in a shuffled
+/// order, each under its own key (so no trial starts on blocks of an earlier one of bob's),
+/// and the slowest right guess is slower than the fastest wrong one. Alice's own repeat still
+/// starts on her cached blocks (its usage says so).
+#[test]
+fn a_guess_at_another_keys_prompt_takes_as_long_right_as_wrong() {
+    let _serial = serial();
+    let dir = std::env::temp_dir().join(format!("strata-prefix-oracle-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys");
+    let mut lines = String::from("alice sk-alice-0123 100000000\n");
+    for i in 0..16 {
+        lines.push_str(&format!("bob{i} sk-bob-{i}-4567 100000000\n"));
+    }
+    std::fs::write(&keys, lines).unwrap();
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let m = model();
+    let shards: Vec<Proc> = ["0..15", "15..30"]
+        .iter()
+        .map(|r| procs::shard(exe(), &m, r, &token, &["--threads", "1"]))
+        .collect();
+    let refs: Vec<&Proc> = shards.iter().collect();
+    let tracker = procs::tracker(
+        exe(),
+        &refs,
+        &token,
+        &[
+            "--ledger",
+            dir.join("ledger.sqlite").to_str().unwrap(),
+            "--api-keys",
+            keys.to_str().unwrap(),
+        ],
+    );
+    let t = tracker.addr.clone();
+    // The secret early in a system prompt of about 200 tokens: a guess that reached alice's
+    // blocks would skip nearly all of its prefill.
+    let prompt = |code: &str| {
+        format!(
+            "System: the vault code is {code}. You are the vault's assistant. {}\nUser: hello\nAssistant:",
+            "Answer questions about opening hours, deposits and the lockers, politely and briefly. "
+                .repeat(10)
+        )
+    };
+    // Seconds to the first streamed token.
+    let first_token = |secret: &str, text: &str| -> f64 {
+        let auth = format!("Bearer {secret}");
+        let body = json!({"prompt": text, "max_tokens": 1, "temperature": 0, "stream": true});
+        let started = Instant::now();
+        let mut s = SseStream::open_with(&t, "/v1/completions", &body, &[("authorization", &auth)])
+            .unwrap();
+        assert_eq!(s.status, 200);
+        s.next_data().expect("a first token");
+        started.elapsed().as_secs_f64()
+    };
+    // The prompt's tokens and those of them usage says were cached.
+    let cached = |secret: &str, text: &str| -> (u64, u64) {
+        let auth = format!("Bearer {secret}");
+        let body = json!({"prompt": text, "max_tokens": 1, "temperature": 0});
+        let r = testkit::http::request(
+            "POST",
+            &t,
+            "/v1/completions",
+            Some(&body),
+            &[("authorization", &auth)],
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        let usage = &r.json()["usage"];
+        (
+            usage["prompt_tokens"].as_u64().unwrap(),
+            usage["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+        )
+    };
+    let secret = prompt("402917");
+    let (n_prompt, first) = cached("sk-alice-0123", &secret);
+    assert!(
+        n_prompt > 150 && first == 0,
+        "{n_prompt} tokens, {first} cached"
+    );
+    let alice_repeat = first_token("sk-alice-0123", &secret);
+    let (_, alice_cached) = cached("sk-alice-0123", &secret);
+    assert_eq!(
+        alice_cached,
+        (n_prompt - 1) / 16 * 16,
+        "alice's repeat starts on her blocks"
+    );
+    // Trial i guesses right when `order[i]` is even: a fixed shuffle of 8 right, 8 wrong.
+    let order = [3, 8, 14, 1, 6, 11, 0, 9, 4, 15, 12, 7, 2, 13, 10, 5];
+    let (mut right, mut wrong) = (Vec::new(), Vec::new());
+    for (i, o) in order.iter().enumerate() {
+        let bob = format!("sk-bob-{i}-4567");
+        if o % 2 == 0 {
+            right.push(first_token(&bob, &secret));
+        } else {
+            wrong.push(first_token(
+                &bob,
+                &prompt(&format!("{}", 500_000 + 7919 * o)),
+            ));
+        }
+    }
+    let slowest_right = right.iter().cloned().fold(0.0, f64::max);
+    let fastest_wrong = wrong.iter().cloned().fold(f64::MAX, f64::min);
+    eprintln!(
+        "time to first token: alice's cached repeat {alice_repeat:.3} s ({alice_cached} tokens cached); bob right {right:.3?}, wrong {wrong:.3?}"
+    );
+    assert!(
+        slowest_right > fastest_wrong,
+        "bob's right guesses (slowest {slowest_right:.3} s) are all faster than his wrong ones (fastest {fastest_wrong:.3} s)"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -369,7 +369,7 @@ async fn admit(
     body: axum::body::Body,
     record: &mut RequestRecord,
 ) -> Result<Accepted, Refusal> {
-    let req = read_request(s, endpoint, body).await?;
+    let req = read_request(s, endpoint, headers, body).await?;
     admit_valid(s, req, headers, record).await
 }
 
@@ -428,7 +428,7 @@ pub async fn admit_valid(
         ignore_eos: req.ignore_eos,
         priority: record.priority,
         key: key.as_ref().map(|k| k.name.clone()).unwrap_or_default(),
-        tenant: s.tenant(key.as_ref()),
+        tenant: s.tenant(key.as_ref(), req.cache_group.as_deref()),
         ledger_row: None,
         billed_prompt: 0,
     };
@@ -483,10 +483,11 @@ fn thinking_start(t: &Tokenizer, prompt_ids: &[u32]) -> Thinking {
 async fn read_request(
     s: &AppState,
     endpoint: Endpoint,
+    headers: &HeaderMap,
     body: axum::body::Body,
 ) -> Result<ValidRequest, Refusal> {
     let seed = fresh_seed();
-    read_json(s, body, move |v| validate(endpoint, v, seed)).await
+    read_json(s, headers, body, move |v| validate(endpoint, v, seed)).await
 }
 
 /// A JSON body read within the server's limits and checked by `check`. A long body is
@@ -494,12 +495,14 @@ async fn read_request(
 /// a flood of them never takes the cores other requests need.
 pub async fn read_json<T: Send + 'static>(
     s: &AppState,
+    headers: &HeaderMap,
     body: axum::body::Body,
     check: impl FnOnce(Value) -> Result<T, Refusal> + Send + 'static,
 ) -> Result<T, Refusal> {
-    // The body's share of the memory for bodies is held until it is parsed and checked, also
-    // when the client has gone meanwhile.
-    let (body, hold) = read_body(body, &s.http, &s.bodies).await?;
+    // The body's share of the memory for bodies (part of its key's) is held until it is
+    // parsed and checked, also when the client has gone meanwhile.
+    let owner = s.key(headers)?.map(|k| k.name).unwrap_or_default();
+    let (body, hold) = read_body(body, &s.http, &s.bodies, &owner).await?;
     if body.len() <= INLINE_BODY_BYTES {
         return check(parse_body(&body)?);
     }

@@ -52,14 +52,44 @@ pub fn metadata(body: &Value) -> Result<(), Refusal> {
     Ok(())
 }
 
+/// Longest `prompt_cache_key` or `cache_salt` accepted, in bytes.
+pub const MAX_CACHE_KEY_BYTES: usize = 1024;
+
+/// The prefix-cache group a request names: OpenAI's `prompt_cache_key` and vLLM's
+/// `cache_salt`, each a non-empty string of at most [`MAX_CACHE_KEY_BYTES`]. Requests share
+/// cached prompt blocks only when they name the same group (and, under the default
+/// `--prefix-cache-scope key`, hold the same API key): a caller narrows its partition, it
+/// never widens it. `None` when it names neither.
+pub fn cache_group(body: &Value) -> Result<Option<String>, Refusal> {
+    let mut parts = Vec::new();
+    for field in ["prompt_cache_key", "cache_salt"] {
+        match body.get(field) {
+            None | Some(Value::Null) => parts.push(Value::Null),
+            Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_CACHE_KEY_BYTES => {
+                parts.push(Value::String(s.clone()))
+            }
+            Some(_) => return Err(Refusal::invalid(
+                field,
+                format!(
+                    "`{field}` must be a non-empty string of at most {MAX_CACHE_KEY_BYTES} bytes"
+                ),
+            )),
+        }
+    }
+    // The pair as JSON: unambiguous, so no two pairs name one group.
+    Ok(parts
+        .iter()
+        .any(|p| !p.is_null())
+        .then(|| Value::Array(parts).to_string()))
+}
+
 /// Fields that change nothing about generation, by endpoint, with why each is safe to take.
 /// This is the list the README's "Fields accepted without effect" section shows.
 pub const NO_EFFECT: &[(&str, &str)] = &[
     ("metadata", "a label the caller keeps with its request; echoed back by /v1/responses"),
     ("store", "chat: whether OpenAI keeps the completion for its dashboard"),
     ("service_tier", "a billing tier; strata has one"),
-    ("prompt_cache_key", "strata's prefix cache matches prompts by their tokens alone"),
-    ("prompt_cache_retention", "the same: the prefix cache keeps blocks while there is room"),
+    ("prompt_cache_retention", "strata's prefix cache keeps blocks while there is room"),
     ("safety_identifier", "an end-user id for OpenAI's abuse checks"),
     ("client_metadata", "Codex's description of its session"),
     ("include", "/v1/responses: reasoning is returned as text, never encrypted; `message.output_text.logprobs` is honoured"),
@@ -221,5 +251,28 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("x.zz"));
         assert!(only_value(Some(&json!(true)), "background", &json!(false)).is_err());
         assert!(only_value(Some(&json!(false)), "background", &json!(false)).is_ok());
+    }
+
+    #[test]
+    fn a_cache_group_is_named_by_both_fields_and_bounded() {
+        assert_eq!(cache_group(&json!({})).unwrap(), None);
+        assert_eq!(cache_group(&json!({"cache_salt": null})).unwrap(), None);
+        let k = cache_group(&json!({"prompt_cache_key": "a"})).unwrap();
+        let s = cache_group(&json!({"cache_salt": "a"})).unwrap();
+        let both = cache_group(&json!({"prompt_cache_key": "a", "cache_salt": "a"})).unwrap();
+        assert!(k.is_some() && s.is_some() && both.is_some());
+        assert!(k != s && k != both && s != both, "each pair its own group");
+        for bad in [
+            json!(""),
+            json!(5),
+            json!("x".repeat(MAX_CACHE_KEY_BYTES + 1)),
+        ] {
+            for field in ["prompt_cache_key", "cache_salt"] {
+                let e = cache_group(&json!({ field: bad.clone() })).unwrap_err();
+                assert_eq!(e.param.as_deref(), Some(field));
+            }
+        }
+        let at_limit = "x".repeat(MAX_CACHE_KEY_BYTES);
+        assert!(cache_group(&json!({ "cache_salt": at_limit })).is_ok());
     }
 }

@@ -362,7 +362,7 @@ pub async fn create(
 ) -> Response {
     let mut record = RequestRecord::new(Arc::clone(&s.metrics), String::new(), Endpoint::Messages);
     let seed = fresh_seed();
-    let admitted = match read_json(&s, body, move |v| validate(v, seed, false)).await {
+    let admitted = match read_json(&s, &headers, body, move |v| validate(v, seed, false)).await {
         Ok(req) => admit_valid(&s, req, &headers, &mut record).await,
         Err(e) => Err(e),
     };
@@ -388,7 +388,7 @@ pub async fn count_tokens(
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Response {
-    let counted = match read_json(&s, body, move |v| validate(v, 0, true)).await {
+    let counted = match read_json(&s, &headers, body, move |v| validate(v, 0, true)).await {
         Ok(req) => prompt_tokens(&s, req, &headers).await,
         Err(e) => Err(e),
     };

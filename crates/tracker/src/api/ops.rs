@@ -182,8 +182,8 @@ pub async fn tokenize(
     body: axum::body::Body,
 ) -> Response {
     let run = async {
-        s.key(&headers)?;
-        let (body, _hold) = read_body(body, &s.http, &s.bodies).await?;
+        let owner = s.key(&headers)?.map(|k| k.name).unwrap_or_default();
+        let (body, _hold) = read_body(body, &s.http, &s.bodies, &owner).await?;
         let (v, model) = text_body(
             &s,
             &body,
@@ -231,8 +231,8 @@ pub async fn detokenize(
     body: axum::body::Body,
 ) -> Response {
     let run = async {
-        s.key(&headers)?;
-        let (body, _hold) = read_body(body, &s.http, &s.bodies).await?;
+        let owner = s.key(&headers)?.map(|k| k.name).unwrap_or_default();
+        let (body, _hold) = read_body(body, &s.http, &s.bodies, &owner).await?;
         let (v, model) = text_body(&s, &body, &["tokens"])?;
         let ids = v
             .get("tokens")

@@ -124,6 +124,9 @@ pub struct ValidRequest {
     pub template_kwargs: serde_json::Map<String, Value>,
     /// What a `max_tokens` over the context left after the prompt does.
     pub fit: ContextFit,
+    /// The prefix-cache group it names (`prompt_cache_key`, `cache_salt`; see
+    /// [`super::fields::cache_group`]).
+    pub cache_group: Option<String>,
 }
 
 impl ValidRequest {
@@ -157,6 +160,7 @@ impl ValidRequest {
             thinking: None,
             template_kwargs: Default::default(),
             fit: ContextFit::Cut,
+            cache_group: None,
         }
     }
 }
@@ -195,7 +199,14 @@ const COMMON_FIELDS: &[&str] = &[
     "return_token_ids",
     "ignore_eos",
 ];
-const COMPLETION_FIELDS: &[&str] = &["prompt", "echo", "suffix", "best_of"];
+const COMPLETION_FIELDS: &[&str] = &[
+    "prompt",
+    "echo",
+    "suffix",
+    "best_of",
+    "prompt_cache_key",
+    "cache_salt",
+];
 const CHAT_FIELDS: &[&str] = &[
     "messages",
     "max_completion_tokens",
@@ -205,11 +216,12 @@ const CHAT_FIELDS: &[&str] = &[
     "parallel_tool_calls",
     "chat_template_kwargs",
     "reasoning_effort",
+    "prompt_cache_key",
+    "cache_salt",
     // On the no-effect list (`fields::NO_EFFECT`).
     "metadata",
     "store",
     "service_tier",
-    "prompt_cache_key",
     "prompt_cache_retention",
     "safety_identifier",
 ];
@@ -323,6 +335,7 @@ pub fn validate(
         thinking: reasoning_effort(&body)?,
         template_kwargs: template_kwargs(&body)?,
         fit: ContextFit::Refuse,
+        cache_group: super::fields::cache_group(&body)?,
     })
 }
 

@@ -52,10 +52,11 @@ const FIELDS: &[&str] = &[
     "min_p",
     "priority",
     "chat_template_kwargs",
+    "prompt_cache_key",
+    "cache_salt",
     // On the no-effect list (`fields::NO_EFFECT`).
     "metadata",
     "safety_identifier",
-    "prompt_cache_key",
     "prompt_cache_retention",
     "service_tier",
     "client_metadata",
@@ -86,6 +87,7 @@ const ECHOED: &[&str] = &[
     "top_p",
     "max_output_tokens",
     "metadata",
+    "prompt_cache_key",
     "previous_response_id",
     "text",
     "reasoning",
@@ -408,6 +410,7 @@ pub fn validate(mut body: Value, fresh_seed: u64) -> Result<ResponsesRequest, Re
         user: user(&body)?,
         thinking: reasoning(&body)?,
         template_kwargs: template_kwargs(&body)?,
+        cache_group: super::fields::cache_group(&body)?,
         ..ValidRequest::session(Endpoint::Responses, Vec::new(), sampling)
     };
     if req.sampling.top_p == 0.0 {
@@ -466,7 +469,7 @@ async fn start(
     record: &mut RequestRecord,
 ) -> Result<(super::respond::Accepted, Turn), Refusal> {
     let seed = super::completions::fresh_seed();
-    let r = read_json(s, body, move |v| validate(v, seed)).await?;
+    let r = read_json(s, headers, body, move |v| validate(v, seed)).await?;
     let key = key_name(s, headers)?;
     let mut conversation = match &r.previous {
         None => Vec::new(),

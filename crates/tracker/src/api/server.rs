@@ -240,10 +240,16 @@ const OVERFLOW_DRAIN_TIME: Duration = Duration::from_secs(1);
 /// [`PARSED_FACTOR`] times its bytes (its JSON tree can take that much more than its text) from
 /// its first byte until it has been parsed and checked. Past the budget a request is refused
 /// `capacity` (503, limit `body_memory`, retryable), so a flood of large bodies never outgrows
-/// the tracker's memory, however many connections send them.
+/// the tracker's memory, however many connections send them. With several API keys each key
+/// holds at most its share ([`BodyBudget::share_kib`]): one key's slow bodies never take the
+/// room another key's requests need.
 pub struct BodyBudget {
     kib: Semaphore,
     total_kib: usize,
+    /// The most one key's bodies hold at once.
+    share_kib: usize,
+    /// What each key's bodies hold now (keys holding nothing are absent).
+    held: std::sync::Mutex<std::collections::HashMap<String, usize>>,
 }
 
 /// Bodies of the largest size the budget always holds at once, whatever `max_body_bytes`.
@@ -256,16 +262,65 @@ pub const PARSED_FACTOR: usize = 8;
 /// size (4 MiB) at once, or thousands of an agent's usual size.
 pub const BODY_MEMORY_BYTES: usize = 512 << 20;
 
+/// The fewest keys the budget is shared by: with `n` API keys each holds at most `1/n` of it,
+/// and with more, a quarter (at least one body of the largest size).
+const MAX_SHARES: usize = LARGEST_BODIES;
+
 impl BodyBudget {
     /// [`BODY_MEMORY_BYTES`], or room for [`LARGEST_BODIES`] bodies of `max_body_bytes` if that
-    /// is more (so a body the size limit admits always fits an idle tracker's budget).
-    pub fn for_bodies_of(max_body_bytes: usize) -> Self {
+    /// is more (so a body the size limit admits always fits an idle tracker's budget), shared
+    /// by `keys` API keys (0 or 1: one owner holds it all).
+    pub fn for_bodies_of(max_body_bytes: usize, keys: usize) -> Self {
         let bytes = BODY_MEMORY_BYTES.max(LARGEST_BODIES * PARSED_FACTOR * max_body_bytes);
         let total_kib = bytes.div_ceil(1024);
         BodyBudget {
             kib: Semaphore::new(total_kib),
             total_kib,
+            share_kib: total_kib / keys.clamp(1, MAX_SHARES),
+            held: Default::default(),
         }
+    }
+
+    /// Takes `kib` more for `owner`'s body, within its share and the whole budget.
+    fn take(&self, owner: &str, kib: usize) -> Result<(), Refusal> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let has = held.get(owner).copied().unwrap_or(0);
+        if has + kib > self.share_kib {
+            return Err(Refusal::capacity(
+                "body_memory",
+                format!(
+                    "this key's request bodies in flight hold its {} MiB share of the tracker's {} MiB for them (each counted at {PARSED_FACTOR}x its size while it is read and parsed)",
+                    self.share_kib / 1024,
+                    self.total_kib / 1024
+                ),
+            ));
+        }
+        let more = u32::try_from(kib).unwrap_or(u32::MAX);
+        match self.kib.try_acquire_many(more) {
+            Ok(p) => {
+                p.forget();
+                held.insert(owner.to_string(), has + kib);
+                Ok(())
+            }
+            Err(_) => Err(Refusal::capacity(
+                "body_memory",
+                format!(
+                    "request bodies in flight hold the tracker's {} MiB for them (each counted at {PARSED_FACTOR}x its size while it is read and parsed)",
+                    self.total_kib / 1024
+                ),
+            )),
+        }
+    }
+
+    fn give_back(&self, owner: &str, kib: usize) {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(has) = held.get_mut(owner) {
+            *has -= kib.min(*has);
+            if *has == 0 {
+                held.remove(owner);
+            }
+        }
+        self.kib.add_permits(kib);
     }
 }
 
@@ -273,6 +328,8 @@ impl BodyBudget {
 /// that parses the body, so it owns its budget's handle).
 pub struct BodyHold {
     budget: Arc<BodyBudget>,
+    /// The API key whose share it is part of ("" without keys).
+    owner: String,
     kib: usize,
 }
 
@@ -283,45 +340,35 @@ impl BodyHold {
         if want <= self.kib {
             return Ok(());
         }
-        let more = u32::try_from(want - self.kib).unwrap_or(u32::MAX);
-        match self.budget.kib.try_acquire_many(more) {
-            Ok(p) => {
-                p.forget();
-                self.kib += more as usize;
-                Ok(())
-            }
-            Err(_) => Err(Refusal::capacity(
-                "body_memory",
-                format!(
-                    "request bodies in flight hold the tracker's {} MiB for them (each counted at {PARSED_FACTOR}x its size while it is read and parsed)",
-                    self.budget.total_kib / 1024
-                ),
-            )),
-        }
+        self.budget.take(&self.owner, want - self.kib)?;
+        self.kib = want;
+        Ok(())
     }
 }
 
 impl Drop for BodyHold {
     fn drop(&mut self) {
-        self.budget.kib.add_permits(self.kib);
+        self.budget.give_back(&self.owner, self.kib);
     }
 }
 
 /// Reads a request body within the limits: 413 past `max_body_bytes`, 408 when it does not
 /// arrive within `body_timeout`, 503 `capacity` when the bodies in flight hold the whole
 /// `budget`. Past the size limit the rest is read and dropped, bounded in bytes and time,
-/// before the 413 is answered. The body's share of the budget is held until the hold returned
-/// with it is dropped (once the body is parsed).
+/// before the 413 is answered. The body's share of the budget (part of `owner`'s, the API
+/// key's name) is held until the hold returned with it is dropped (once the body is parsed).
 pub async fn read_body(
     body: axum::body::Body,
     config: &HttpConfig,
     budget: &Arc<BodyBudget>,
+    owner: &str,
 ) -> Result<(axum::body::Bytes, BodyHold), Refusal> {
     use http_body_util::BodyExt;
     let mut body = body;
     let mut bytes = Vec::new();
     let mut hold = BodyHold {
         budget: Arc::clone(budget),
+        owner: owner.to_string(),
         kib: 0,
     };
     let read = async {
@@ -356,5 +403,56 @@ pub async fn read_body(
         }
         Ok(Err(e)) => Err(e),
         Err(_) => Err(Refusal::body_timeout(config.body_timeout)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hold(budget: &Arc<BodyBudget>, owner: &str, bytes: usize) -> Result<BodyHold, Refusal> {
+        let mut h = BodyHold {
+            budget: Arc::clone(budget),
+            owner: owner.to_string(),
+            kib: 0,
+        };
+        h.cover(bytes)?;
+        Ok(h)
+    }
+
+    /// With two keys each holds at most half the budget: alice's bodies filling her half
+    /// leave bob's whole, and hers come back when they are dropped. Without keys one owner
+    /// holds it all.
+    #[test]
+    fn each_key_holds_at_most_its_share_of_the_body_budget() {
+        let max_body = 4 << 20;
+        let budget = Arc::new(BodyBudget::for_bodies_of(max_body, 2));
+        let body = max_body - 1024;
+        // 512 MiB at 8x: 16 bodies of 4 MiB in all, 8 per key.
+        let alice: Vec<BodyHold> = (0..8)
+            .map(|_| hold(&budget, "alice", body).unwrap())
+            .collect();
+        let e = hold(&budget, "alice", body)
+            .err()
+            .expect("alice's share is full");
+        assert_eq!(e.limit.as_deref(), Some("body_memory"));
+        assert!(e.message.contains("this key's"), "{}", e.message);
+        let bob: Vec<BodyHold> = (0..8)
+            .map(|_| hold(&budget, "bob", body).unwrap())
+            .collect();
+        let e = hold(&budget, "carol", body)
+            .err()
+            .expect("the whole budget is held");
+        assert!(e.message.contains("the tracker's"), "{}", e.message);
+        drop(alice);
+        assert!(hold(&budget, "alice", body).is_ok(), "her share came back");
+        drop(bob);
+        assert!(budget.held.lock().unwrap().is_empty());
+        assert_eq!(budget.kib.available_permits(), budget.total_kib);
+
+        let open = Arc::new(BodyBudget::for_bodies_of(max_body, 0));
+        let all: Vec<BodyHold> = (0..16).map(|_| hold(&open, "", body).unwrap()).collect();
+        assert!(hold(&open, "", body).is_err());
+        drop(all);
     }
 }

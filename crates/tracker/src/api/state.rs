@@ -11,6 +11,7 @@ use super::auth::bearer;
 use super::server::HttpConfig;
 use crate::ledger::{ApiKey, Ledger};
 use crate::metrics::Metrics;
+use crate::route::driver::CacheTenant;
 use crate::route::table::{ModelEntry, RouteTable};
 
 /// What the handlers share (all immutable or internally synchronized).
@@ -163,18 +164,23 @@ impl AppState {
             .transpose()
     }
 
-    /// The tenant of a caller with `key` ([`AppState::key`]'s answer): a hash of the secret
-    /// it presented (its ledger key's, else `--api-key`, else the empty secret of an open
-    /// tracker), so callers share cached prompt prefixes only when they hold the same secret,
-    /// also across trackers on the same shards; never 0 (the partition of
-    /// `--prefix-cache-scope global`).
-    pub fn tenant(&self, key: Option<&ApiKey>) -> u64 {
+    /// The prefix-cache partitions of a caller with `key` ([`AppState::key`]'s answer) whose
+    /// request names the cache group `group` ([`super::fields::cache_group`]): under the
+    /// default scope a hash of the secret it presented (its ledger key's, else `--api-key`,
+    /// else the empty secret of an open tracker) and of the group, so callers share cached
+    /// prompt prefixes only when they hold the same secret and name the same group, also
+    /// across trackers on the same shards; under `--prefix-cache-scope global` a hash of the
+    /// group alone (0, shared by all, when it names none).
+    pub fn tenant(&self, key: Option<&ApiKey>, group: Option<&str>) -> CacheTenant {
         let secret = match (key, &self.api_key) {
             (Some(k), _) if !k.secret.is_empty() => k.secret.as_str(),
             (_, Some(s)) => s.as_str(),
             _ => "",
         };
-        tenant_of(secret)
+        CacheTenant {
+            key: partition_of(Some(secret), group),
+            group: group.map_or(0, |g| partition_of(None, Some(g))),
+        }
     }
 
     /// `/health` and `/metrics` tell an operator about the cluster: with API keys on they
@@ -187,27 +193,47 @@ impl AppState {
     }
 }
 
-/// The tenant of `secret`: SHA-256 of it under this use's own prefix, as a nonzero u64. A
-/// shard sees only this value; it does not reveal the secret.
-fn tenant_of(secret: &str) -> u64 {
+/// The partition of a caller holding `secret` (`None`: any caller) naming cache group
+/// `group`: SHA-256 of them under this use's own prefix, each part length-prefixed so no two
+/// pairs hash alike, as a nonzero u64. A shard sees only this value; it reveals neither.
+fn partition_of(secret: Option<&str>, group: Option<&str>) -> u64 {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     h.update(b"strata prefix-cache tenant\0");
-    h.update(secret.as_bytes());
+    for part in [secret, group] {
+        match part {
+            None => h.update([0u8]),
+            Some(p) => {
+                h.update([1u8]);
+                h.update((p.len() as u64).to_le_bytes());
+                h.update(p.as_bytes());
+            }
+        }
+    }
     let d = h.finalize();
     u64::from_le_bytes(d[..8].try_into().expect("8 bytes")).max(1)
 }
 
 #[cfg(test)]
 mod tenant_tests {
-    use super::tenant_of;
+    use super::partition_of;
 
     #[test]
-    fn tenants_are_nonzero_stable_and_apart() {
-        let (a, b, open) = (tenant_of("sk-alice"), tenant_of("sk-bob"), tenant_of(""));
+    fn partitions_are_nonzero_stable_and_apart() {
+        let p = |secret: &str, group: Option<&str>| partition_of(Some(secret), group);
+        let (a, b, open) = (p("sk-alice", None), p("sk-bob", None), p("", None));
         assert!(a != 0 && b != 0 && open != 0);
         assert_ne!(a, b);
         assert_ne!(a, open);
-        assert_eq!(a, tenant_of("sk-alice"), "the same secret, the same tenant");
+        assert_eq!(a, p("sk-alice", None), "the same secret, the same tenant");
+        // A group narrows a key's partition; it never reaches another key's.
+        let ag = p("sk-alice", Some("g"));
+        assert!(ag != a && ag != p("sk-bob", Some("g")));
+        assert_eq!(ag, p("sk-alice", Some("g")));
+        // Parts are length-prefixed: moving bytes between secret and group changes it.
+        assert_ne!(p("ab", Some("c")), p("a", Some("bc")));
+        // A group alone (the global scope's) is none of the keys' partitions.
+        let g = partition_of(None, Some("g"));
+        assert!(g != 0 && g != ag && g != p("", Some("g")));
     }
 }

@@ -32,9 +32,8 @@ pub struct Job {
     pub priority: Priority,
     /// The caller's API key name ("" when there is no ledger).
     pub key: String,
-    /// The caller's tenant: its prefix-cache partition under [`PrefixScope::Key`]
-    /// (`AppState::tenant`: a hash of the secret it presented, never 0).
-    pub tenant: u64,
+    /// The caller's prefix-cache partitions (`AppState::tenant`).
+    pub tenant: CacheTenant,
     /// The request's row in the usage ledger, settled when the session ends.
     pub ledger_row: Option<i64>,
     /// Prompt tokens its ledger row is charged (the first of `n` choices carries the prompt,
@@ -145,6 +144,18 @@ pub struct RunnerConfig {
     pub prefix_scope: PrefixScope,
 }
 
+/// A session's prefix-cache partitions, of which the route's [`PrefixScope`] picks one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheTenant {
+    /// Under [`PrefixScope::Key`]: a hash of the secret the caller presented and of the
+    /// group its request named, never 0.
+    pub key: u64,
+    /// Under [`PrefixScope::Global`]: a hash of the group the request named
+    /// (`prompt_cache_key`, `cache_salt`), 0 (the partition every session shares) when it
+    /// named none.
+    pub group: u64,
+}
+
 /// Whose sessions share cached prefix blocks on the shards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefixScope {
@@ -183,12 +194,12 @@ pub struct RunnerParts {
     pub load: Arc<std::sync::atomic::AtomicUsize>,
 }
 
-/// The prefix-cache partition of a session of tenant `tenant` (nonzero; 0 is the partition
-/// every session shares).
-fn cache_salt(scope: PrefixScope, tenant: u64) -> u64 {
+/// The prefix-cache partition of a session of tenant `tenant` (0 is the partition every
+/// session shares).
+fn cache_salt(scope: PrefixScope, tenant: CacheTenant) -> u64 {
     match scope {
-        PrefixScope::Key => tenant,
-        PrefixScope::Global => 0,
+        PrefixScope::Key => tenant.key,
+        PrefixScope::Global => tenant.group,
     }
 }
 
@@ -211,8 +222,8 @@ struct Live {
     moved_at: Option<Instant>,
     /// The API key's name, for admission on another route.
     key: String,
-    /// Its prefix-cache partition ([`Job::tenant`]).
-    tenant: u64,
+    /// Its prefix-cache partitions ([`Job::tenant`]).
+    tenant: CacheTenant,
     events: mpsc::UnboundedSender<SessionEvent>,
     decoder: StreamDecoder,
     stops: StopMatcher,

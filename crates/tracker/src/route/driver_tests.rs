@@ -122,7 +122,7 @@ fn job(max_tokens: usize, stop: Vec<String>) -> Job {
         ignore_eos: true,
         priority: Priority::Agent,
         key: String::new(),
-        tenant: 1,
+        tenant: CacheTenant { key: 1, group: 0 },
         ledger_row: None,
         billed_prompt: 0,
     }
