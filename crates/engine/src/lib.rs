@@ -18,4 +18,5 @@ pub use refusal::{Class, Reason, Refusal};
 
 pub use scheduler::{
     Event, FinishReason, PlanItem, Priority, Scheduler, SchedulerConfig, SessionId, StepPlan,
+    KV_BLOCK_POSITIONS,
 };

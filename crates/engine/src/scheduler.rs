@@ -3,6 +3,11 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+/// Positions of a shard's KV block: the unit its prefix cache shares (`model::BLOCK_POSITIONS`;
+/// the shard checks that they agree). A prefill chunk that stops before the prompt's end stops
+/// on a multiple of it, so the next chunk starts where cached blocks can continue the session.
+pub const KV_BLOCK_POSITIONS: usize = 16;
+
 /// A session's id (unique per tracker).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct SessionId(pub u64);
@@ -444,10 +449,17 @@ impl Scheduler {
                 } else {
                     usize::MAX
                 };
-                let n = (e.tokens.len() - e.n_computed)
+                let mut n = (e.tokens.len() - e.n_computed)
                     .min(*budget)
                     .min(self.config.max_prefill_chunk)
                     .min(room);
+                // A chunk short of the prompt's end ends on a KV block's boundary where it
+                // can (a cached prefix is taken block by block, and only from a boundary:
+                // a chunk ending inside a block would cut the next chunk off the cache).
+                let aligned = (e.n_computed + n) / KV_BLOCK_POSITIONS * KV_BLOCK_POSITIONS;
+                if e.n_computed + n < e.tokens.len() && aligned > e.n_computed {
+                    n = aligned - e.n_computed;
+                }
                 if n == 0 {
                     continue;
                 }
@@ -691,6 +703,32 @@ mod tests {
             }
             in_flight.push_back(next);
         }
+    }
+
+    /// With 392-token steps (a shard's scratch budget allows no more) a 1000-token prompt goes
+    /// in chunks that end on KV block boundaries (384, 768), the last at the prompt's end;
+    /// beside a decode token the chunk still ends on a boundary.
+    #[test]
+    fn prefill_chunks_short_of_the_end_stop_on_kv_block_boundaries() {
+        let mut s = Scheduler::new(cfg(392, 392));
+        s.add(SessionId(1), (0..1000).collect(), 2, Priority::Agent, 0);
+        let mut ends = Vec::new();
+        for _ in 0..3 {
+            let (p, _) = run(&mut s);
+            ends.push(p.items[0].start_pos + p.items[0].tokens.len());
+        }
+        assert_eq!(ends, vec![384, 768, 1000]);
+        // Session 2 decodes (one token of the step) while session 3 prefills.
+        s.add(SessionId(3), (0..500).collect(), 2, Priority::Agent, 0);
+        let (p, _) = run(&mut s);
+        let chunk = p.items.iter().find(|i| i.session == SessionId(3)).unwrap();
+        assert_eq!(p.items.len(), 2, "a decode and a chunk");
+        assert_eq!(chunk.start_pos + chunk.tokens.len(), 384);
+        // A step of fewer positions than a block still moves on.
+        let mut s = Scheduler::new(cfg(5, 5));
+        s.add(SessionId(1), (0..12).collect(), 1, Priority::Agent, 0);
+        let (p, _) = run(&mut s);
+        assert_eq!(p.items[0].tokens.len(), 5);
     }
 
     #[test]

@@ -13,6 +13,9 @@ use constrain::LazyVocabulary;
 use engine::{Reason, Refusal};
 use model::sampling::{log_probs, top_k, Sampler, SamplingParams};
 use model::{Batch, KvCache, KvPool, Model, Row, BLOCK_POSITIONS};
+
+// The tracker cuts prefill chunks on the blocks the prefix cache shares.
+const _: () = assert!(engine::KV_BLOCK_POSITIONS == BLOCK_POSITIONS);
 use proto::v1::{Fragment, SessionError, SessionOutput, TopLogprob};
 
 use crate::grammar::{Done, Grammar, GrammarThreads, Pending};
@@ -681,9 +684,22 @@ impl Worker {
                 .fetch_add(out.errors.len() as u64, Ordering::Relaxed);
         }
         if !accepted.is_empty() {
-            self.run_accepted(&job, &accepted, &keys, root, &mut out);
+            self.run_accepted(&job, &accepted, &keys, &mut out);
             if !early {
                 self.counters.count_step(&out.accepted);
+            }
+        }
+        if self.config.prefix_cache && !early {
+            // Full blocks become shareable as soon as a step of the tracker's wrote them. An
+            // early step's positions wait for the tracker's next step of the session (they
+            // are registered with it): only this first shard computed them, and a block the
+            // later shards lack would make the next prompt that starts on it a cache miss
+            // there, recomputed whole.
+            for key in &keys {
+                if let Some(s) = self.sessions.get_mut(key) {
+                    let root = s.prefix_root(root);
+                    self.kv_pool.register(&mut s.kv, &s.tokens, root);
+                }
             }
         }
         self.publish_gauges();
@@ -703,7 +719,6 @@ impl Worker {
         job: &StepJob,
         accepted: &[usize],
         keys: &[SessionKey],
-        root: u64,
         out: &mut StepOutcome,
     ) {
         let (rows, hidden) = self.rows_of(job, accepted);
@@ -765,15 +780,6 @@ impl Worker {
             out.hidden = computed;
         }
         out.accepted = accepted.iter().map(|&i| job.fragments[i].clone()).collect();
-        if self.config.prefix_cache {
-            // Full blocks become shareable as soon as they are written.
-            for key in keys {
-                if let Some(s) = self.sessions.get_mut(key) {
-                    let root = s.prefix_root(root);
-                    self.kv_pool.register(&mut s.kv, &s.tokens, root);
-                }
-            }
-        }
     }
 
     /// Hands the grammar of every accepted constrained fragment that asks for a token to the

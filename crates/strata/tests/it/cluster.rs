@@ -293,6 +293,81 @@ fn concurrent_sessions_match_alone_and_cancellation_frees_kv_everywhere() {
     assert!(zero.is_some(), "KV in use did not return to zero");
 }
 
+/// A client that hangs up while its long prompt is being prefilled (in 32-token steps, a
+/// request that is not streamed): the tracker cancels the session with its next step and the
+/// shards drop it, having computed a small part of the prompt instead of all of it.
+#[test]
+fn a_client_that_hangs_up_mid_prefill_stops_the_work_on_every_shard() {
+    use std::io::Write;
+    let _serial = serial();
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let m = model();
+    let shards: Vec<Proc> = ["0..15", "15..30"]
+        .iter()
+        .map(|r| procs::shard(exe(), &m, r, &token, &["--threads", "1"]))
+        .collect();
+    let refs: Vec<&Proc> = shards.iter().collect();
+    let tracker = procs::tracker(
+        exe(),
+        &refs,
+        &token,
+        &[
+            "--health-period-ms",
+            "100",
+            "--max-step-tokens",
+            "32",
+            "--prefill-chunk",
+            "32",
+        ],
+    );
+    let t = tracker.addr.clone();
+    let prompt: Vec<u32> = eight_prompts()
+        .concat()
+        .into_iter()
+        .cycle()
+        .take(1600)
+        .collect();
+    let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}).to_string();
+    let prefilled = |s: &Proc| metric(&t, "strata_shard_prefill_tokens_total", &s.addr) as u64;
+    let mut client = std::net::TcpStream::connect(&t).unwrap();
+    write!(
+        client,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(20), || prefilled(&shards[1]) > 0).is_some(),
+        "the prompt's prefill reached the last shard"
+    );
+    let at_hangup: Vec<u64> = shards.iter().map(prefilled).collect();
+    drop(client);
+    let gone = wait_until(Duration::from_secs(5), || {
+        tracker_metric(&t, "strata_cancelled_total") == 1.0
+            && shards
+                .iter()
+                .all(|s| shard_stat(&t, &s.addr, "sessions") == 0)
+    });
+    assert!(
+        gone.is_some(),
+        "the session was cancelled and dropped on every shard"
+    );
+    // The scrape that saw the session gone carries its last count.
+    let done: Vec<u64> = shards.iter().map(prefilled).collect();
+    eprintln!(
+        "{} prompt tokens; computed per shard at the hang-up {at_hangup:?}, in the end {done:?}; dropped {:?} after it",
+        prompt.len(),
+        gone.unwrap()
+    );
+    for d in done {
+        assert!(
+            d < prompt.len() as u64 / 2,
+            "a shard went on computing the prompt of a client that had gone: {d} of {} tokens",
+            prompt.len()
+        );
+    }
+}
+
 #[test]
 fn api_surface_validation_streaming_and_errors() {
     let _serial = serial();
@@ -852,6 +927,59 @@ fn a_guess_at_another_keys_prompt_takes_as_long_right_as_wrong() {
         "bob's right guesses (slowest {slowest_right:.3} s) are all faster than his wrong ones (fastest {fastest_wrong:.3} s)"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A conversation continued link by link with `previous_response_id` (each link's prompt is
+/// the last one's, its answer and a new note) reuses, at every link, every full block of the
+/// last link's prompt, also when steps carry 40 tokens so long prompts go in chunks: a chunk
+/// short of the prompt's end stops on a block boundary, where the next one continues on the
+/// cache (a chunk ending inside a block cut every later one off it, and a long chain
+/// recomputed most of its prompt at every link).
+#[test]
+fn every_link_of_a_long_response_chain_reuses_the_last_links_prompt() {
+    let _serial = serial();
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let m = model();
+    let shards: Vec<Proc> = ["0..15", "15..30"]
+        .iter()
+        .map(|r| procs::shard(exe(), &m, r, &token, &["--threads", "1"]))
+        .collect();
+    let refs: Vec<&Proc> = shards.iter().collect();
+    let tracker = procs::tracker(exe(), &refs, &token, &["--max-step-tokens", "40"]);
+    let mut previous: Option<(String, u64)> = None;
+    let mut cached_per_link = Vec::new();
+    for i in 0..40 {
+        let mut body = json!({
+            "input": format!("Note {i}: the quick brown fox jumps over the lazy dog."),
+            "max_output_tokens": 1,
+            "temperature": 0,
+            "store": true,
+        });
+        if let Some((id, _)) = &previous {
+            body["previous_response_id"] = json!(id);
+        }
+        let r = post_json(&tracker.addr, "/v1/responses", &body);
+        assert_eq!(r.status, 200, "link {i}: {}", r.body);
+        let v = r.json();
+        let n_in = v["usage"]["input_tokens"].as_u64().unwrap();
+        let cached = v["usage"]["input_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        cached_per_link.push(cached);
+        if let Some((_, last_in)) = &previous {
+            assert_eq!(
+                cached,
+                last_in / 16 * 16,
+                "link {i} ({n_in} prompt tokens) reuses every full block of the last link's {last_in}; per link so far {cached_per_link:?}"
+            );
+        }
+        previous = Some((v["id"].as_str().unwrap().to_string(), n_in));
+    }
+    let (_, last_in) = previous.unwrap();
+    assert!(
+        last_in > 400,
+        "the chain's prompt grew past ten steps: {last_in}"
+    );
 }
 
 /// A prompt seen before starts on the cached KV blocks of its full 16-position blocks on every

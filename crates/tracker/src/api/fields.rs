@@ -68,12 +68,14 @@ pub fn cache_group(body: &Value) -> Result<Option<String>, Refusal> {
             Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_CACHE_KEY_BYTES => {
                 parts.push(Value::String(s.clone()))
             }
-            Some(_) => return Err(Refusal::invalid(
-                field,
-                format!(
+            Some(_) => {
+                return Err(Refusal::invalid(
+                    field,
+                    format!(
                     "`{field}` must be a non-empty string of at most {MAX_CACHE_KEY_BYTES} bytes"
                 ),
-            )),
+                ))
+            }
         }
     }
     // The pair as JSON: unambiguous, so no two pairs name one group.
