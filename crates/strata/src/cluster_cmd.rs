@@ -338,6 +338,17 @@ pub struct RouteArgs {
     /// shares them across every key, for a deployment with one tenant only.
     #[arg(long, default_value = "key", value_parser = ["key", "global"])]
     prefix_cache_scope: String,
+    /// How a new session's route is picked among its model's replica routes: `cache` offers it
+    /// first to the route whose shards hold the longest cached prefix of its prompt (as far as
+    /// this tracker sent them; an agent's next turn finds its last turn's blocks), unless that
+    /// route holds more than --cache-route-slack sessions over the least loaded; `load` always
+    /// to the least loaded.
+    #[arg(long, default_value = "cache", value_parser = ["cache", "load"])]
+    route_by: String,
+    /// Sessions the route holding a prompt's cached prefix may hold over the least loaded
+    /// route and still be offered the session first (`--route-by cache`).
+    #[arg(long, default_value_t = 8)]
+    cache_route_slack: usize,
     /// Active sessions grading work may hold (the rest of --max-active stays for agent work).
     #[arg(long, default_value_t = 48)]
     grading_max_active: usize,
@@ -492,6 +503,14 @@ pub fn tracker_config(route: &RouteArgs, api: &ApiArgs) -> Result<tracker::Track
             "key" => tracker::PrefixScope::Key,
             "global" => tracker::PrefixScope::Global,
             other => bail!("`--prefix-cache-scope` must be `key` or `global`, not `{other}`"),
+        },
+        route_choice: tracker::RouteChoice {
+            by_cache: match route.route_by.as_str() {
+                "cache" => true,
+                "load" => false,
+                other => bail!("`--route-by` must be `cache` or `load`, not `{other}`"),
+            },
+            slack: route.cache_route_slack,
         },
         ledger,
         admin_token: match &api.admin_token_file {

@@ -44,6 +44,8 @@ pub struct TrackerConfig {
     pub stored_response_bytes: usize,
     /// Whose sessions share cached prefix blocks (`--prefix-cache-scope`).
     pub prefix_scope: crate::route::driver::PrefixScope,
+    /// How a new session's route is picked (`--route-by`, `--cache-route-slack`).
+    pub route_choice: crate::route::prefixes::RouteChoice,
 }
 
 /// Following a registry: where it is, this cluster's prefix in it, and how to reach the shards
@@ -78,6 +80,7 @@ impl Default for TrackerConfig {
             stored_responses: 1024,
             stored_response_bytes: 64 << 20,
             prefix_scope: crate::route::driver::PrefixScope::Key,
+            route_choice: crate::route::prefixes::RouteChoice::default(),
         }
     }
 }

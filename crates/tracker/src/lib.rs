@@ -24,6 +24,7 @@ pub use config::{RegistryConfig, TrackerConfig};
 pub use metrics::Metrics;
 pub use route::cluster::{validate_route, Cluster, Health};
 pub use route::driver::PrefixScope;
+pub use route::prefixes::RouteChoice;
 
 /// A tracker whose routes were validated, ready to serve HTTP.
 pub struct Tracker {
@@ -73,7 +74,10 @@ impl Tracker {
             ),
             None => None,
         };
-        let table = Arc::new(route::table::RouteTable::new(members.clone()));
+        let table = Arc::new(route::table::RouteTable::new(
+            members.clone(),
+            config.route_choice,
+        ));
         // Sessions of a failed route go to another route of their model (none: they fail).
         let (moved_tx, moved_rx) = mpsc::unbounded_channel();
         tokio::spawn(route::failover::dispatch(

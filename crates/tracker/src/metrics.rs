@@ -313,6 +313,11 @@ pub fn declare(m: &Metrics) {
             "counter",
             "prompt tokens a route took from its shards' prefix cache instead of computing them",
         ),
+        (
+            "strata_prefix_lookups_total",
+            "counter",
+            "finished sessions whose prompt held a whole KV block, by whether they started on cached blocks (hit) or computed every one (miss)",
+        ),
         ("strata_ttft_seconds", "histogram", "time to first token"),
         (
             "strata_migrations_total",

@@ -20,3 +20,4 @@ mod residency;
 mod serve;
 mod swarm_hygiene;
 mod tls;
+mod warm_routes;

@@ -86,6 +86,15 @@ function drawModels(health, samples) {
     );
     if (count && count.value > 0) perToken.set(s.labels.model + "/" + s.labels.route, s.value / count.value);
   }
+  // Prefix-cache hit rate per route: finished sessions that started on cached blocks.
+  const lookups = new Map();
+  for (const s of samples.filter((s) => s.name === "strata_prefix_lookups_total")) {
+    const key = s.labels.model + "/" + s.labels.route;
+    const l = lookups.get(key) || { hit: 0, all: 0 };
+    l.all += s.value;
+    if (s.labels.outcome === "hit") l.hit += s.value;
+    lookups.set(key, l);
+  }
   for (const m of health.models || []) {
     const n = m.n_layers || 1;
     const shards = (health.shards || []).filter((s) => s.model === m.id);
@@ -104,11 +113,16 @@ function drawModels(health, samples) {
     for (const r of m.routes || []) {
       const row = el("div", { class: "route " + r.status, "data-route": r.name });
       const tpt = perToken.get(m.id + "/" + r.name);
+      const hits = lookups.get(m.id + "/" + r.name);
       row.append(
         el("div", { class: "routehead" },
           el("b", {}, "route " + r.name), " ",
           el("span", { class: "pill " + r.status }, r.status), " ",
-          r.sessions + " sessions", tpt ? " · " + (tpt * 1000).toFixed(1) + " ms/token" : ""),
+          r.sessions + " sessions", tpt ? " · " + (tpt * 1000).toFixed(1) + " ms/token" : "",
+          hits && hits.all > 0
+            ? el("span", { class: "hitrate", title: hits.hit + " of " + hits.all + " sessions started on cached prefix blocks" },
+              " · prefix cache hits " + Math.round((100 * hits.hit) / hits.all) + "%")
+            : ""),
       );
       const bar = el("div", { class: "bar" });
       for (const s of shards.filter((s) => s.route === r.name)) {

@@ -112,6 +112,12 @@ pub struct Moved {
 }
 
 impl Moved {
+    /// The chain keys of the full blocks of its tokens in its key's partition
+    /// ([`super::prefixes::chain`]): where it would find them cached.
+    pub fn prefix_keys(&self) -> Vec<u64> {
+        super::prefixes::chain(self.live.tenant.key, &self.tokens)
+    }
+
     /// No route took it: the client gets the error the route failed with.
     pub fn fail(self, ledger: Option<&crate::ledger::Ledger>) {
         if let (Some(l), Some(row)) = (ledger, self.live.ledger_row) {
@@ -1191,6 +1197,12 @@ impl Runner {
     }
 
     fn done(&self, live: Live, reason: FinishReason) {
+        // A prompt holding a whole block either started on cached blocks or computed them all.
+        if live.n_prompt > engine::KV_BLOCK_POSITIONS {
+            let outcome = if live.n_cached > 0 { "hit" } else { "miss" };
+            self.metrics
+                .inc("strata_prefix_lookups_total", &[("outcome", outcome)], 1.0);
+        }
         let _ = live.events.send(SessionEvent::Done {
             finish_reason: reason,
             stop_sequence: live.stops.matched().map(str::to_string),

@@ -50,9 +50,16 @@ async fn place(
             m.fail(ledger.as_deref());
             return;
         }
-        // The other routes of the model first; the one it left too, once it is back.
+        // The other routes of the model first, the one holding most of its tokens' blocks
+        // (as far as this tracker saw) first among them; the one it left too, once it is back.
+        let keys = m.prefix_keys();
         let mut routes = table.routes_of(&m.digest);
-        routes.sort_by_key(|r| r.name == m.from);
+        routes.sort_by_key(|r| {
+            (
+                r.name == m.from,
+                std::cmp::Reverse(r.prefixes.matched(&keys)),
+            )
+        });
         let replicas = routes.iter().filter(|r| r.name != m.from).count();
         for r in routes.iter().filter(|r| r.takes_work()) {
             let (tx, rx) = oneshot::channel();
@@ -72,7 +79,10 @@ async fn place(
                 continue;
             }
             match rx.await {
-                Ok(Ok(_)) => return,
+                Ok(Ok(_)) => {
+                    r.prefixes.record(&keys);
+                    return;
+                }
                 Ok(Err(back)) => m = back,
                 // The runner stopped holding it: the tracker is shutting down.
                 Err(_) => return,

@@ -5,6 +5,7 @@
 //! - [`driver`]: one route's loop (the scheduler's plans down the route, replies back);
 //! - [`table`]: the resident models and the routes holding each;
 //! - [`offer`]: a new job offered to the model's routes in turn;
+//! - [`prefixes`]: what each route's prefix caches hold, as the tracker saw it, for choosing;
 //! - [`failover`]: sessions of a failed route placed on another;
 //! - [`membership`]: routes built from the registry's shards as they come and go;
 //! - [`start`]: starting a route (validation, model, monitor, driver).
@@ -14,5 +15,6 @@ pub mod driver;
 pub mod failover;
 pub mod membership;
 pub mod offer;
+pub mod prefixes;
 pub mod start;
 pub mod table;

@@ -1,4 +1,5 @@
-//! Offering a job to a model's routes: the least loaded first, the next when one refuses for
+//! Offering a job to a model's routes: the one holding the longest cached prefix of its prompt
+//! or the least loaded first ([`RouteChoice`]), the next when one refuses for
 //! a reason another route may not have; when all refuse for a reason that passes (failing
 //! over, draining, restarting, rejoining), again until one takes it or a bounded wait is over.
 
@@ -9,6 +10,7 @@ use engine::{Reason, Refusal};
 use tokio::sync::{mpsc, oneshot};
 
 use super::driver::{Command, Job, SessionEvent};
+use super::prefixes::{self, RouteChoice};
 use super::table::{ModelEntry, RouteHandle, RouteTable};
 
 /// Whether a route's refusal leaves the job to the model's next route: this route is full,
@@ -71,7 +73,7 @@ pub async fn submit_within(
         // has left since (its loop stopped), and never one that joined.
         let entry = table.model(&model.digest);
         let m = entry.as_deref().unwrap_or(model);
-        match submit(m, job.clone()).await {
+        match submit(m, job.clone(), table.choice).await {
             // A model that left the table altogether is not a moment of change.
             Err(e) if passes(&e) && entry.is_some() && Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -83,25 +85,35 @@ pub async fn submit_within(
 
 /// Offers the job to the model's routes in turn; the first that admits it runs it. When every
 /// route refuses for capacity the last refusal is returned; any other refusal is final.
-pub async fn submit(model: &ModelEntry, job: Job) -> Result<Admitted, Refusal> {
+pub async fn submit(
+    model: &ModelEntry,
+    job: Job,
+    choice: RouteChoice,
+) -> Result<Admitted, Refusal> {
     use std::sync::atomic::Ordering::Relaxed;
     let mut last = Refusal::no_route("the model has no route now; retry shortly");
     // The least loaded route first (sessions held and requests on their way; between equals,
-    // the one whose tightest shard has the most free KV); the others in turn when it refuses
-    // for capacity.
+    // the one whose tightest shard has the most free KV), unless a route holding a cached
+    // prefix of the prompt is within the choice's slack of it; the others in turn when it
+    // refuses for capacity.
     let mut routes: Vec<&Arc<RouteHandle>> = model.routes.iter().filter(|r| r.resident()).collect();
-    routes.sort_by_key(|r| {
-        (
-            r.load.load(Relaxed) + r.submitting.load(Relaxed),
-            std::cmp::Reverse(r.health.borrow().kv_headroom()),
-        )
-    });
-    for route in routes {
+    routes.sort_by_key(|r| std::cmp::Reverse(r.health.borrow().kv_headroom()));
+    let keys = prefixes::chain(job.tenant.key, &job.prompt_ids);
+    let load: Vec<usize> = routes
+        .iter()
+        .map(|r| r.load.load(Relaxed) + r.submitting.load(Relaxed))
+        .collect();
+    let matched: Vec<usize> = routes.iter().map(|r| r.prefixes.matched(&keys)).collect();
+    for i in choice.order(&load, &matched) {
+        let route = routes[i];
         route.submitting.fetch_add(1, Relaxed);
         let answer = offer(route, &job).await;
         route.submitting.fetch_sub(1, Relaxed);
         match answer {
-            Ok((id, events)) => return Ok((Arc::clone(route), id, events)),
+            Ok((id, events)) => {
+                route.prefixes.record(&keys);
+                return Ok((Arc::clone(route), id, events));
+            }
             Err(e) if another_may_take(&e) => last = e,
             Err(e) => return Err(e),
         }

@@ -280,5 +280,6 @@ async fn start_route(
         evicted: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         load,
         submitting: std::sync::atomic::AtomicUsize::new(0),
+        prefixes: super::prefixes::PrefixIndex::new(super::prefixes::DEFAULT_CAPACITY),
     })
 }

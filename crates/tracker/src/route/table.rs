@@ -45,6 +45,8 @@ pub struct RouteHandle {
     /// goes to the route with the fewest.
     pub load: Arc<std::sync::atomic::AtomicUsize>,
     pub submitting: std::sync::atomic::AtomicUsize,
+    /// The prompt prefixes its shards' caches hold, as far as this tracker saw.
+    pub prefixes: super::prefixes::PrefixIndex,
 }
 
 impl RouteHandle {
@@ -68,13 +70,19 @@ pub struct RouteTable {
     models: RwLock<Arc<Vec<Arc<ModelEntry>>>>,
     /// The registry's membership as last seen, when the tracker follows one.
     pub registry: Option<watch::Receiver<registry::Members>>,
+    /// How a new session's route is picked among its model's.
+    pub choice: super::prefixes::RouteChoice,
 }
 
 impl RouteTable {
-    pub fn new(registry: Option<watch::Receiver<registry::Members>>) -> RouteTable {
+    pub fn new(
+        registry: Option<watch::Receiver<registry::Members>>,
+        choice: super::prefixes::RouteChoice,
+    ) -> RouteTable {
         RouteTable {
             models: RwLock::new(Arc::new(Vec::new())),
             registry,
+            choice,
         }
     }
 

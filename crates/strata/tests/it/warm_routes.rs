@@ -1,0 +1,241 @@
+//! An agent's conversation stays warm over replica routes (issue 46): each turn goes to the
+//! route whose shards hold the last turn's prompt in their prefix cache, so it computes only
+//! what is new; conversations still spread over the routes, a route's loss costs one cold
+//! turn, and a key is routed by its own blocks only.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+use testkit::http::request;
+use testkit::observe::tracker_metric_with;
+use testkit::procs::{self, Proc};
+
+fn exe() -> &'static Path {
+    procs::strata_bin(env!("CARGO_BIN_EXE_strata"))
+}
+
+fn model() -> PathBuf {
+    testkit::real_model()
+}
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// `n` whole-model shards, one route each (`r0`, `r1`, ...), one tracker over them with
+/// API keys alice and bob.
+struct Replicas {
+    shards: Vec<Proc>,
+    tracker: Proc,
+    _dir: tempdir::Dir,
+}
+
+mod tempdir {
+    pub struct Dir(pub std::path::PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+fn replicas(n: usize, extra: &[&str]) -> Replicas {
+    let dir = std::env::temp_dir().join(format!("strata-warm-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys");
+    std::fs::write(
+        &keys,
+        "alice sk-alice-0123 100000000\nbob sk-bob-4567 100000000\n",
+    )
+    .unwrap();
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let m = model();
+    let shards: Vec<Proc> = (0..n)
+        .map(|_| procs::shard(exe(), &m, "0..30", &token, &["--threads", "1"]))
+        .collect();
+    let names: Vec<String> = (0..n).map(|i| format!("r{i}")).collect();
+    let routes: Vec<(&str, Vec<&Proc>)> = names
+        .iter()
+        .zip(&shards)
+        .map(|(name, s)| (name.as_str(), vec![s]))
+        .collect();
+    let routes: Vec<(&str, &[&Proc])> = routes.iter().map(|(n, s)| (*n, s.as_slice())).collect();
+    let ledger = dir.join("ledger.sqlite");
+    let mut flags = vec![
+        "--health-period-ms",
+        "100",
+        "--public-metrics",
+        "--ledger",
+        ledger.to_str().unwrap(),
+        "--api-keys",
+        keys.to_str().unwrap(),
+    ];
+    flags.extend_from_slice(extra);
+    let tracker = procs::tracker_routes(exe(), &routes, &token, &flags);
+    Replicas {
+        shards,
+        tracker,
+        _dir: tempdir::Dir(dir),
+    }
+}
+
+/// One conversation: a system prompt of about 150 tokens, then turns of a user message and
+/// the model's greedy answer.
+struct Conversation {
+    secret: &'static str,
+    messages: Vec<Value>,
+    /// The last turn's prompt tokens.
+    last_prompt: u64,
+}
+
+/// One turn's prompt tokens and those usage says came from the cache.
+struct Turn {
+    prompt: u64,
+    cached: u64,
+}
+
+impl Conversation {
+    fn new(secret: &'static str, topic: usize) -> Conversation {
+        let system = format!(
+            "You are the assistant of project {topic}. {}",
+            "Answer briefly and precisely, quoting the files you read and the commands you ran. "
+                .repeat(8)
+        );
+        Conversation {
+            secret,
+            messages: vec![json!({"role": "system", "content": system})],
+            last_prompt: 0,
+        }
+    }
+
+    fn turn(&mut self, addr: &str, i: usize) -> Turn {
+        self.messages.push(json!({"role": "user", "content": format!("Step {i}: list what is left to do and why.")}));
+        let body = json!({"messages": self.messages, "max_tokens": 8, "temperature": 0});
+        let auth = format!("Bearer {}", self.secret);
+        let r = request(
+            "POST",
+            addr,
+            "/v1/chat/completions",
+            Some(&body),
+            &[("authorization", &auth)],
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        self.messages
+            .push(json!({"role": "assistant", "content": v["choices"][0]["message"]["content"]}));
+        let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        self.last_prompt = prompt;
+        Turn { prompt, cached }
+    }
+
+    /// Runs turn `i` and checks that it started on every full block of the last turn's
+    /// prompt (which its own prompt begins with).
+    fn warm_turn(&mut self, addr: &str, i: usize) -> Turn {
+        let shared = self.last_prompt / 16 * 16;
+        let t = self.turn(addr, i);
+        assert!(
+            t.cached >= shared,
+            "turn {i} ({} prompt tokens) took {} from the cache; the last turn's prompt had {shared} in full blocks",
+            t.prompt,
+            t.cached
+        );
+        t
+    }
+}
+
+/// Finished sessions of route `route` (every prompt here holds whole blocks).
+fn sessions_of(addr: &str, route: &str) -> f64 {
+    tracker_metric_with(
+        addr,
+        "strata_prefix_lookups_total",
+        &format!("route=\"{route}\""),
+    )
+}
+
+/// Three replica routes, one conversation of six turns: every turn after the first starts on
+/// the cached blocks of the last one's prompt (by load alone the second turn would go to a
+/// route that never saw it). A key is routed by its own blocks only: bob sending alice's first
+/// prompt finds nothing cached, wherever he goes.
+#[test]
+fn a_conversation_s_turns_follow_its_cached_prefix_over_three_replicas() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let r = replicas(3, &[]);
+    let t = &r.tracker.addr;
+    let mut alice = Conversation::new("sk-alice-0123", 1);
+    let first = alice.turn(t, 0);
+    assert_eq!(first.cached, 0);
+    let mut bob = Conversation::new("sk-bob-4567", 1);
+    for i in 1..6 {
+        alice.warm_turn(t, i);
+    }
+    let bobs = bob.turn(t, 0);
+    assert_eq!(
+        bobs.cached, 0,
+        "bob's identical first prompt reused none of alice's"
+    );
+    let per_route: Vec<f64> = (0..3).map(|i| sessions_of(t, &format!("r{i}"))).collect();
+    eprintln!("sessions per route {per_route:?}");
+    assert_eq!(
+        per_route.iter().filter(|&&n| n >= 6.0).count(),
+        1,
+        "alice's six turns on one route: {per_route:?}"
+    );
+}
+
+/// Eight conversations at once over two routes spread over both (neither takes over 60% of
+/// the sessions) and every turn after the first starts on the last one's blocks. Then the
+/// route of one conversation is killed: its next turn goes to the other route, cold, and the
+/// turns after it are warm there.
+#[test]
+fn eight_conversations_spread_over_two_routes_and_a_lost_route_costs_one_cold_turn() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let r = replicas(2, &[]);
+    let t = r.tracker.addr.clone();
+    let conversations: Vec<Conversation> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|c| {
+                let t = t.clone();
+                s.spawn(move || {
+                    let mut conv = Conversation::new("sk-alice-0123", c);
+                    conv.turn(&t, 0);
+                    for i in 1..4 {
+                        conv.warm_turn(&t, i);
+                    }
+                    conv
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let per_route: Vec<f64> = (0..2).map(|i| sessions_of(&t, &format!("r{i}"))).collect();
+    eprintln!("sessions per route {per_route:?}");
+    let total: f64 = per_route.iter().sum();
+    assert_eq!(total, 32.0, "8 conversations of 4 turns");
+    for n in &per_route {
+        assert!(
+            (0.4..=0.6).contains(&(n / total)),
+            "sessions per route {per_route:?}"
+        );
+    }
+    // The route conversation 0 is on loses its shard.
+    let mut conv = conversations.into_iter().next().unwrap();
+    let before: Vec<f64> = (0..2).map(|i| sessions_of(&t, &format!("r{i}"))).collect();
+    let probe = conv.warm_turn(&t, 4);
+    let after: Vec<f64> = (0..2).map(|i| sessions_of(&t, &format!("r{i}"))).collect();
+    let home = (0..2).find(|&i| after[i] > before[i]).unwrap();
+    assert!(probe.cached > 0);
+    // Whether or not the tracker has seen the route go down when the next turn comes, the
+    // turn ends on the other route (offered there, or moved there when the dead route fails).
+    r.shards[home].signal(9);
+    let cold = conv.turn(&t, 5);
+    assert_eq!(
+        cold.cached, 0,
+        "the other route never saw this conversation"
+    );
+    for i in 6..8 {
+        conv.warm_turn(&t, i);
+    }
+}
