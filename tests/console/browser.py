@@ -192,6 +192,15 @@ def main():
     wait_for("an answer in the chat box", 60, lambda: len(page.eval("document.getElementById('answer').textContent") or "") > 0)
     print("chat box:", repr(page.eval("document.getElementById('answer').textContent")[:80]))
 
+    # The route that answered shows its prefix-cache hit rate; the same question again goes to
+    # that route and starts on its cached blocks: one of its two sessions hit.
+    def models_text():
+        return page.eval("document.getElementById('models').textContent") or ""
+    wait_for("a route's prefix-cache hit rate", 10, lambda: "prefix cache hits 0%" in models_text())
+    page.eval("document.getElementById('prompt').value = 'What is the capital of France?'; document.getElementById('chat').requestSubmit(); true")
+    wait_for("the hit rate after the same question", 60, lambda: "prefix cache hits 50%" in models_text())
+    page.screenshot("console-hit-rate.png")
+
     # With --public-metrics the panels need no key, so the page does not ask for one until a
     # request that needs it answers 401: the chat box's.
     _, open_addr = spawn(
