@@ -198,6 +198,9 @@ pub struct RunnerParts {
     pub replicas: Arc<dyn Replicas>,
     /// Sessions it holds, published for choosing routes.
     pub load: Arc<std::sync::atomic::AtomicUsize>,
+    /// The prompt prefixes its shards cache, for choosing routes: a session's prompt blocks
+    /// go in once its prefill is done.
+    pub prefixes: Arc<super::prefixes::PrefixIndex>,
 }
 
 /// The prefix-cache partition of a session of tenant `tenant` (0 is the partition every
@@ -230,6 +233,9 @@ struct Live {
     key: String,
     /// Its prefix-cache partitions ([`Job::tenant`]).
     tenant: CacheTenant,
+    /// The chain keys of its prompt's full blocks, recorded in the route's prefix index once
+    /// its prefill is done (then empty).
+    prefix_keys: Vec<u64>,
     events: mpsc::UnboundedSender<SessionEvent>,
     decoder: StreamDecoder,
     stops: StopMatcher,
@@ -271,6 +277,8 @@ pub struct Runner {
     table: Arc<dyn Replicas>,
     /// Sessions it holds, published for choosing routes (new work goes to the least loaded).
     load: Arc<std::sync::atomic::AtomicUsize>,
+    /// The prompt prefixes its shards cache ([`RunnerParts::prefixes`]).
+    prefixes: Arc<super::prefixes::PrefixIndex>,
     /// Retired: no new session; the loop ends once it holds none.
     retired: bool,
     /// Nothing can send it commands any more (the route left the table and every handle
@@ -359,6 +367,7 @@ impl Runner {
             name: p.name,
             failover: p.failover,
             load: p.load,
+            prefixes: p.prefixes,
             route_up: p.route_up,
             admission: p.admission,
             ledger: p.ledger,
@@ -791,6 +800,7 @@ impl Runner {
                 moved_at: None,
                 key: job.key.clone(),
                 tenant: job.tenant,
+                prefix_keys: super::prefixes::chain(job.tenant.key, &job.prompt_ids),
                 events,
                 decoder: StreamDecoder::new(),
                 stops: StopMatcher::new(job.stop),
@@ -1064,8 +1074,12 @@ impl Runner {
                 n_prefill += item.tokens.len();
             }
         }
-        self.metrics
-            .inc("strata_prefill_tokens_total", &[], n_prefill as f64);
+        // Positions taken from the prefix cache were planned but not computed.
+        self.metrics.inc(
+            "strata_prefill_tokens_total",
+            &[],
+            n_prefill.saturating_sub(n_cached) as f64,
+        );
         self.metrics
             .inc("strata_decode_tokens_total", &[], n_decode as f64);
         let events = self
@@ -1118,6 +1132,10 @@ impl Runner {
             return;
         };
         let is_end = self.tokenizer.is_end(token) && !live.ignore_eos;
+        // Its prompt is in the route's caches now: later prompts starting with it may come here.
+        if !live.prefix_keys.is_empty() {
+            self.prefixes.record(&std::mem::take(&mut live.prefix_keys));
+        }
         match live.last_token {
             None => self.metrics.observe(
                 "strata_ttft_seconds",

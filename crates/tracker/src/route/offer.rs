@@ -110,10 +110,7 @@ pub async fn submit(
         let answer = offer(route, &job).await;
         route.submitting.fetch_sub(1, Relaxed);
         match answer {
-            Ok((id, events)) => {
-                route.prefixes.record(&keys);
-                return Ok((Arc::clone(route), id, events));
-            }
+            Ok((id, events)) => return Ok((Arc::clone(route), id, events)),
             Err(e) if another_may_take(&e) => last = e,
             Err(e) => return Err(e),
         }

@@ -1,5 +1,5 @@
 //! What a route's shards hold in their prefix caches, as far as the tracker can tell: the
-//! chain keys of the full 16-position blocks of the prompts it gave the route, the most
+//! chain keys of the full 16-position blocks of the prompts the route prefilled, the most
 //! recently used kept, at most [`PrefixIndex::capacity`] of them. A request goes first to
 //! the route holding the longest prefix of its prompt ([`super::offer::submit`]), so an
 //! agent's next turn finds the blocks its last turn left.

@@ -245,6 +245,9 @@ async fn start_route(
     let (cmd_tx, cmd_rx) = mpsc::channel(1024);
     let (route_tx, mut route_rx) = watch::channel(false);
     let load = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let prefixes = Arc::new(super::prefixes::PrefixIndex::new(
+        super::prefixes::DEFAULT_CAPACITY,
+    ));
     let runner = driver::Runner::new(driver::RunnerParts {
         config: driver::RunnerConfig {
             scheduler,
@@ -263,6 +266,7 @@ async fn start_route(
         failover: Some(moved),
         replicas: table,
         load: Arc::clone(&load),
+        prefixes: Arc::clone(&prefixes),
     });
     tokio::spawn(runner.run(cmd_rx));
     // Ready means the route is open end to end, not just that the shards answered.
@@ -280,6 +284,6 @@ async fn start_route(
         evicted: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         load,
         submitting: std::sync::atomic::AtomicUsize::new(0),
-        prefixes: super::prefixes::PrefixIndex::new(super::prefixes::DEFAULT_CAPACITY),
+        prefixes,
     })
 }

@@ -46,7 +46,7 @@ pub struct RouteHandle {
     pub load: Arc<std::sync::atomic::AtomicUsize>,
     pub submitting: std::sync::atomic::AtomicUsize,
     /// The prompt prefixes its shards' caches hold, as far as this tracker saw.
-    pub prefixes: super::prefixes::PrefixIndex,
+    pub prefixes: Arc<super::prefixes::PrefixIndex>,
 }
 
 impl RouteHandle {
