@@ -133,6 +133,45 @@ pub fn token_file(token: &str) -> PathBuf {
     p
 }
 
+/// API keys and a usage ledger for a tracker, in a fresh folder that goes when this is
+/// dropped: [`ApiKeys::flags`] are the tracker's `--ledger` and `--api-keys`.
+pub struct ApiKeys {
+    dir: PathBuf,
+    ledger: String,
+    keys: String,
+}
+
+impl ApiKeys {
+    /// `keys` as (name, secret) pairs, each with a budget no test spends; `tag` names the
+    /// folder (unique per test and process).
+    pub fn new(tag: &str, keys: &[(&str, &str)]) -> ApiKeys {
+        let dir = std::env::temp_dir().join(format!("strata-keys-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("keys dir");
+        let lines: String = keys
+            .iter()
+            .map(|(name, secret)| format!("{name} {secret} 100000000\n"))
+            .collect();
+        let path = dir.join("keys");
+        std::fs::write(&path, lines).expect("write keys");
+        ApiKeys {
+            ledger: dir.join("ledger.sqlite").display().to_string(),
+            keys: path.display().to_string(),
+            dir,
+        }
+    }
+
+    pub fn flags(&self) -> [&str; 4] {
+        ["--ledger", &self.ledger, "--api-keys", &self.keys]
+    }
+}
+
+impl Drop for ApiKeys {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// Starts a shard for `layers` ("A..B") of `model`.
 pub fn shard(exe: &Path, model: &Path, layers: &str, token: &Path, extra: &[&str]) -> Proc {
     shard_on(exe, model, layers, token, "127.0.0.1:0", extra)

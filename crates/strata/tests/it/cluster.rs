@@ -95,6 +95,11 @@ struct Cluster {
 }
 
 fn cluster(ranges: &[&str]) -> Cluster {
+    cluster_with(ranges, &["--health-period-ms", "100"])
+}
+
+/// Shards of `ranges` (one kernel thread each) and a tracker over them started with `flags`.
+fn cluster_with(ranges: &[&str], flags: &[&str]) -> Cluster {
     let token = procs::token_file("test-cluster-token-0123456789");
     let m = model();
     let shards: Vec<Proc> = ranges
@@ -102,7 +107,7 @@ fn cluster(ranges: &[&str]) -> Cluster {
         .map(|r| procs::shard(exe(), &m, r, &token, &["--threads", "1"]))
         .collect();
     let refs: Vec<&Proc> = shards.iter().collect();
-    let tracker = procs::tracker(exe(), &refs, &token, &["--health-period-ms", "100"]);
+    let tracker = procs::tracker(exe(), &refs, &token, flags);
     Cluster { shards, tracker }
 }
 
@@ -300,17 +305,8 @@ fn concurrent_sessions_match_alone_and_cancellation_frees_kv_everywhere() {
 fn a_client_that_hangs_up_mid_prefill_stops_the_work_on_every_shard() {
     use std::io::Write;
     let _serial = serial();
-    let token = procs::token_file("test-cluster-token-0123456789");
-    let m = model();
-    let shards: Vec<Proc> = ["0..15", "15..30"]
-        .iter()
-        .map(|r| procs::shard(exe(), &m, r, &token, &["--threads", "1"]))
-        .collect();
-    let refs: Vec<&Proc> = shards.iter().collect();
-    let tracker = procs::tracker(
-        exe(),
-        &refs,
-        &token,
+    let Cluster { shards, tracker } = cluster_with(
+        &["0..15", "15..30"],
         &[
             "--health-period-ms",
             "100",
@@ -653,38 +649,15 @@ fn cached_prefix_blocks_are_shared_within_a_key_and_never_across_keys() {
     let _serial = serial();
     let prompt: Vec<u32> = eight_prompts()[4..].concat();
     assert!(prompt.len() > 32, "two full blocks and more");
-    let dir = std::env::temp_dir().join(format!("strata-prefix-keys-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let keys = dir.join("keys");
-    std::fs::write(
-        &keys,
-        "alice sk-alice-0123 100000000\nbob sk-bob-4567 100000000\n",
-    )
-    .unwrap();
-    let ledger = dir.join("ledger.sqlite");
-    let token = procs::token_file("test-cluster-token-0123456789");
-    let m = model();
-    let shards: Vec<Proc> = ["0..15", "15..30"]
-        .iter()
-        .map(|r| procs::shard(exe(), &m, r, &token, &["--threads", "1"]))
-        .collect();
-    let refs: Vec<&Proc> = shards.iter().collect();
-    let tracker = procs::tracker(
-        exe(),
-        &refs,
-        &token,
-        &[
-            "--health-period-ms",
-            "100",
-            "--ledger",
-            ledger.to_str().unwrap(),
-            "--api-keys",
-            keys.to_str().unwrap(),
-            // The shards' counters are read without a key.
-            "--public-metrics",
-        ],
+    let keys = procs::ApiKeys::new(
+        "prefix",
+        &[("alice", "sk-alice-0123"), ("bob", "sk-bob-4567")],
     );
+    let mut flags = vec!["--health-period-ms", "100"];
+    flags.extend(keys.flags());
+    // The shards' counters are read without a key.
+    flags.push("--public-metrics");
+    let Cluster { shards, tracker } = cluster_with(&["0..15", "15..30"], &flags);
     let t = tracker.addr.clone();
     // The answer's token ids and the prompt tokens its usage says came from the cache.
     let ask_in = |secret: &str, group: Value| -> (Vec<u64>, u64) {
@@ -752,19 +725,10 @@ fn cached_prefix_blocks_are_shared_within_a_key_and_never_across_keys() {
     );
     // Another tracker on the same shards whose key is also named alice, with another secret:
     // another tenant (the partition follows the secret, not the name).
-    let other_keys = dir.join("other-keys");
-    std::fs::write(&other_keys, "alice sk-other-alice-89 100000000\n").unwrap();
-    let other = procs::tracker(
-        exe(),
-        &refs,
-        &token,
-        &[
-            "--ledger",
-            dir.join("other-ledger.sqlite").to_str().unwrap(),
-            "--api-keys",
-            other_keys.to_str().unwrap(),
-        ],
-    );
+    let other_keys = procs::ApiKeys::new("prefix-other", &[("alice", "sk-other-alice-89")]);
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let refs: Vec<&Proc> = shards.iter().collect();
+    let other = procs::tracker(exe(), &refs, &token, &other_keys.flags());
     let auth = "Bearer sk-other-alice-89";
     let body =
         json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true});
@@ -810,7 +774,6 @@ fn cached_prefix_blocks_are_shared_within_a_key_and_never_across_keys() {
         "only alice's second request in her group reused blocks: {:?}",
         reused()
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Alice keeps a six-digit secret in her system prompt. Bob, guessing it, waits as long for
@@ -821,33 +784,16 @@ fn cached_prefix_blocks_are_shared_within_a_key_and_never_across_keys() {
 #[test]
 fn a_guess_at_another_keys_prompt_takes_as_long_right_as_wrong() {
     let _serial = serial();
-    let dir = std::env::temp_dir().join(format!("strata-prefix-oracle-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let keys = dir.join("keys");
-    let mut lines = String::from("alice sk-alice-0123 100000000\n");
-    for i in 0..16 {
-        lines.push_str(&format!("bob{i} sk-bob-{i}-4567 100000000\n"));
-    }
-    std::fs::write(&keys, lines).unwrap();
-    let token = procs::token_file("test-cluster-token-0123456789");
-    let m = model();
-    let shards: Vec<Proc> = ["0..15", "15..30"]
-        .iter()
-        .map(|r| procs::shard(exe(), &m, r, &token, &["--threads", "1"]))
+    let bobs: Vec<(String, String)> = (0..16)
+        .map(|i| (format!("bob{i}"), format!("sk-bob-{i}-4567")))
         .collect();
-    let refs: Vec<&Proc> = shards.iter().collect();
-    let tracker = procs::tracker(
-        exe(),
-        &refs,
-        &token,
-        &[
-            "--ledger",
-            dir.join("ledger.sqlite").to_str().unwrap(),
-            "--api-keys",
-            keys.to_str().unwrap(),
-        ],
-    );
+    let mut pairs = vec![("alice", "sk-alice-0123")];
+    pairs.extend(bobs.iter().map(|(n, s)| (n.as_str(), s.as_str())));
+    let keys = procs::ApiKeys::new("oracle", &pairs);
+    let Cluster {
+        shards: _shards,
+        tracker,
+    } = cluster_with(&["0..15", "15..30"], &keys.flags());
     let t = tracker.addr.clone();
     // The secret early in a system prompt of about 200 tokens: a guess that reached alice's
     // blocks would skip nearly all of its prefill.
@@ -926,7 +872,6 @@ fn a_guess_at_another_keys_prompt_takes_as_long_right_as_wrong() {
         slowest_right > fastest_wrong,
         "bob's right guesses (slowest {slowest_right:.3} s) are all faster than his wrong ones (fastest {fastest_wrong:.3} s)"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A conversation continued link by link with `previous_response_id` (each link's prompt is
@@ -938,14 +883,10 @@ fn a_guess_at_another_keys_prompt_takes_as_long_right_as_wrong() {
 #[test]
 fn every_link_of_a_long_response_chain_reuses_the_last_links_prompt() {
     let _serial = serial();
-    let token = procs::token_file("test-cluster-token-0123456789");
-    let m = model();
-    let shards: Vec<Proc> = ["0..15", "15..30"]
-        .iter()
-        .map(|r| procs::shard(exe(), &m, r, &token, &["--threads", "1"]))
-        .collect();
-    let refs: Vec<&Proc> = shards.iter().collect();
-    let tracker = procs::tracker(exe(), &refs, &token, &["--max-step-tokens", "40"]);
+    let Cluster {
+        shards: _shards,
+        tracker,
+    } = cluster_with(&["0..15", "15..30"], &["--max-step-tokens", "40"]);
     let mut previous: Option<(String, u64)> = None;
     let mut cached_per_link = Vec::new();
     for i in 0..40 {

@@ -25,28 +25,14 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 struct Replicas {
     shards: Vec<Proc>,
     tracker: Proc,
-    _dir: tempdir::Dir,
-}
-
-mod tempdir {
-    pub struct Dir(pub std::path::PathBuf);
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    _keys: procs::ApiKeys,
 }
 
 fn replicas(n: usize, extra: &[&str]) -> Replicas {
-    let dir = std::env::temp_dir().join(format!("strata-warm-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let keys = dir.join("keys");
-    std::fs::write(
-        &keys,
-        "alice sk-alice-0123 100000000\nbob sk-bob-4567 100000000\n",
-    )
-    .unwrap();
+    let keys = procs::ApiKeys::new(
+        &format!("warm-{n}"),
+        &[("alice", "sk-alice-0123"), ("bob", "sk-bob-4567")],
+    );
     let token = procs::token_file("test-cluster-token-0123456789");
     let m = model();
     let shards: Vec<Proc> = (0..n)
@@ -59,22 +45,14 @@ fn replicas(n: usize, extra: &[&str]) -> Replicas {
         .map(|(name, s)| (name.as_str(), vec![s]))
         .collect();
     let routes: Vec<(&str, &[&Proc])> = routes.iter().map(|(n, s)| (*n, s.as_slice())).collect();
-    let ledger = dir.join("ledger.sqlite");
-    let mut flags = vec![
-        "--health-period-ms",
-        "100",
-        "--public-metrics",
-        "--ledger",
-        ledger.to_str().unwrap(),
-        "--api-keys",
-        keys.to_str().unwrap(),
-    ];
+    let mut flags = vec!["--health-period-ms", "100", "--public-metrics"];
+    flags.extend(keys.flags());
     flags.extend_from_slice(extra);
     let tracker = procs::tracker_routes(exe(), &routes, &token, &flags);
     Replicas {
         shards,
         tracker,
-        _dir: tempdir::Dir(dir),
+        _keys: keys,
     }
 }
 

@@ -286,30 +286,30 @@ impl BodyBudget {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         let has = held.get(owner).copied().unwrap_or(0);
         if has + kib > self.share_kib {
-            return Err(Refusal::capacity(
-                "body_memory",
-                format!(
-                    "this key's request bodies in flight hold its {} MiB share of the tracker's {} MiB for them (each counted at {PARSED_FACTOR}x its size while it is read and parsed)",
-                    self.share_kib / 1024,
-                    self.total_kib / 1024
-                ),
-            ));
+            return Err(self.full(format!(
+                "this key's request bodies in flight hold its {} MiB share of",
+                self.share_kib / 1024
+            )));
         }
         let more = u32::try_from(kib).unwrap_or(u32::MAX);
-        match self.kib.try_acquire_many(more) {
-            Ok(p) => {
-                p.forget();
-                held.insert(owner.to_string(), has + kib);
-                Ok(())
-            }
-            Err(_) => Err(Refusal::capacity(
-                "body_memory",
-                format!(
-                    "request bodies in flight hold the tracker's {} MiB for them (each counted at {PARSED_FACTOR}x its size while it is read and parsed)",
-                    self.total_kib / 1024
-                ),
-            )),
-        }
+        let permits = self
+            .kib
+            .try_acquire_many(more)
+            .map_err(|_| self.full("request bodies in flight hold".to_string()))?;
+        permits.forget();
+        held.insert(owner.to_string(), has + kib);
+        Ok(())
+    }
+
+    /// The refusal of a body past the budget: `what` holds the tracker's memory for bodies.
+    fn full(&self, what: String) -> Refusal {
+        Refusal::capacity(
+            "body_memory",
+            format!(
+                "{what} the tracker's {} MiB for them (each counted at {PARSED_FACTOR}x its size while it is read and parsed)",
+                self.total_kib / 1024
+            ),
+        )
     }
 
     fn give_back(&self, owner: &str, kib: usize) {

@@ -76,6 +76,9 @@ pub enum SessionEvent {
 pub enum Command {
     Submit {
         job: Box<Job>,
+        /// The chain keys of its prompt's full blocks ([`super::prefixes::chain`], computed
+        /// once to choose the route), recorded in the route's prefix index once it prefilled.
+        prefix_keys: Vec<u64>,
         events: mpsc::UnboundedSender<SessionEvent>,
         accepted: oneshot::Sender<Result<SessionId, Refusal>>,
     },
@@ -720,9 +723,10 @@ impl Runner {
         match cmd {
             Command::Submit {
                 job,
+                prefix_keys,
                 events,
                 accepted,
-            } => self.submit(*job, events, accepted),
+            } => self.submit(*job, prefix_keys, events, accepted),
             Command::Resume { moved, accepted } => self.resume(moved, accepted),
             Command::Cancel(id) => self.cancel(id),
             Command::Retire { move_sessions } => {
@@ -748,6 +752,7 @@ impl Runner {
     fn submit(
         &mut self,
         job: Job,
+        prefix_keys: Vec<u64>,
         events: mpsc::UnboundedSender<SessionEvent>,
         accepted: oneshot::Sender<Result<SessionId, Refusal>>,
     ) {
@@ -800,7 +805,7 @@ impl Runner {
                 moved_at: None,
                 key: job.key.clone(),
                 tenant: job.tenant,
-                prefix_keys: super::prefixes::chain(job.tenant.key, &job.prompt_ids),
+                prefix_keys,
                 events,
                 decoder: StreamDecoder::new(),
                 stops: StopMatcher::new(job.stop),
@@ -1215,7 +1220,8 @@ impl Runner {
     }
 
     fn done(&self, live: Live, reason: FinishReason) {
-        // A prompt holding a whole block either started on cached blocks or computed them all.
+        // A prompt longer than a block could start on cached blocks (its last position is
+        // always computed): it either did or computed them all.
         if live.n_prompt > engine::KV_BLOCK_POSITIONS {
             let outcome = if live.n_cached > 0 { "hit" } else { "miss" };
             self.metrics

@@ -135,6 +135,7 @@ async fn submit(r: &Route, job: Job) -> (SessionId, mpsc::UnboundedReceiver<Sess
     let (accepted, answer) = oneshot::channel();
     r.commands
         .send(Command::Submit {
+            prefix_keys: Vec::new(),
             job: Box::new(job),
             events,
             accepted,
@@ -287,6 +288,7 @@ async fn a_lost_shard_moves_its_sessions_and_a_changed_one_fails_them() {
         let job = Box::new(job(200, Vec::new()));
         r.commands
             .send(Command::Submit {
+                prefix_keys: Vec::new(),
                 job,
                 events,
                 accepted,

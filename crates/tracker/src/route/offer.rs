@@ -107,7 +107,7 @@ pub async fn submit(
     for i in choice.order(&load, &matched) {
         let route = routes[i];
         route.submitting.fetch_add(1, Relaxed);
-        let answer = offer(route, &job).await;
+        let answer = offer(route, &job, &keys).await;
         route.submitting.fetch_sub(1, Relaxed);
         match answer {
             Ok((id, events)) => return Ok((Arc::clone(route), id, events)),
@@ -122,6 +122,7 @@ pub async fn submit(
 async fn offer(
     route: &RouteHandle,
     job: &Job,
+    prefix_keys: &[u64],
 ) -> Result<(engine::SessionId, mpsc::UnboundedReceiver<SessionEvent>), Refusal> {
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (acc_tx, acc_rx) = oneshot::channel();
@@ -129,6 +130,7 @@ async fn offer(
         .commands
         .send(Command::Submit {
             job: Box::new(job.clone()),
+            prefix_keys: prefix_keys.to_vec(),
             events: events_tx,
             accepted: acc_tx,
         })
