@@ -8,11 +8,13 @@
 //! plan, sends the plan down the route, and feeds the result back.
 
 mod admission;
+mod draft;
 mod kv;
 mod refusal;
 mod scheduler;
 
 pub use admission::{Admission, AdmissionConfig, Demand, ShardBudget};
+pub use draft::{DraftConfig, DraftLength, NgramIndex};
 pub use kv::{EvictionPolicy, Resident};
 pub use refusal::{Class, Reason, Refusal};
 

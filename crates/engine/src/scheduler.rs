@@ -3,6 +3,8 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use crate::draft::{DraftConfig, DraftLength, NgramIndex};
+
 /// Positions of a shard's KV block: the unit its prefix cache shares (`model::BLOCK_POSITIONS`;
 /// the shard checks that they agree). A prefill chunk that stops before the prompt's end stops
 /// on a multiple of it, so the next chunk starts where cached blocks can continue the session.
@@ -41,6 +43,9 @@ pub struct SchedulerConfig {
     /// While several owners (API keys) have prompts to prefill, one owner's prompts take at
     /// most this share of a step's tokens; what is left is then open to anyone.
     pub owner_step_share: f64,
+    /// Speculation: decode steps carry tokens drafted from a session's own tokens, which the
+    /// last shard verifies (see [`crate::draft`]).
+    pub draft: DraftConfig,
 }
 
 impl Default for SchedulerConfig {
@@ -56,6 +61,7 @@ impl Default for SchedulerConfig {
             agent_gap: Duration::from_millis(50),
             grading_max_wait: Duration::from_secs(2),
             owner_step_share: 0.5,
+            draft: DraftConfig::OFF,
         }
     }
 }
@@ -98,6 +104,17 @@ pub struct PlanItem {
     pub tokens: Vec<u32>,
     /// The step ends this session's known tokens: sample the next one.
     pub want_output: bool,
+    /// The last `n_draft` tokens are drafted, not known: the last shard samples after every
+    /// position from the session's last known token on and keeps each drafted token only
+    /// while it equals its own sample (a verification step).
+    pub n_draft: usize,
+}
+
+impl PlanItem {
+    /// The drafted tokens this item carries for verification.
+    pub fn drafts(&self) -> &[u32] {
+        &self.tokens[self.tokens.len() - self.n_draft.min(self.tokens.len())..]
+    }
 }
 
 /// What to send down the route.
@@ -158,6 +175,13 @@ pub enum Event {
         session: SessionId,
         reason: FinishReason,
     },
+    /// A verification step kept `accepted` of the `drafted` tokens it carried (its tokens
+    /// follow as `Token` events).
+    Verified {
+        session: SessionId,
+        drafted: usize,
+        accepted: usize,
+    },
 }
 
 #[derive(Debug)]
@@ -170,11 +194,41 @@ struct Entry {
     priority: Priority,
     /// Who asked (an API key's id), for per-owner fairness.
     owner: u64,
+    /// Its drafting state while it speculates.
+    draft: Option<Drafting>,
+}
+
+/// A speculating session's n-gram index over its tokens and its next draft length.
+#[derive(Debug)]
+struct Drafting {
+    index: NgramIndex,
+    length: DraftLength,
+}
+
+impl Drafting {
+    fn new(config: &DraftConfig) -> Option<Drafting> {
+        config.is_on().then(|| Drafting {
+            index: NgramIndex::new(config),
+            length: DraftLength::new(config.max_draft),
+        })
+    }
 }
 
 impl Entry {
     fn n_generated(&self) -> usize {
         self.tokens.len() - self.n_prompt
+    }
+
+    /// Tokens drafted to follow its last known token in its next decode step: at most
+    /// `room` (what the step has left), and never past what it may still generate (its
+    /// admission reserved that many positions).
+    fn drafts(&mut self, room: usize) -> Vec<u32> {
+        let left = self.max_new.saturating_sub(self.n_generated() + 1);
+        let Some(d) = &mut self.draft else {
+            return Vec::new();
+        };
+        let k = d.length.take().min(room).min(left);
+        d.index.draft(&self.tokens, k)
     }
 
     /// Its last known token awaits its one-position decode step.
@@ -190,6 +244,15 @@ impl Entry {
     fn prefills(&self) -> bool {
         self.in_flight.is_none() && self.n_computed < self.tokens.len() && !self.decodes()
     }
+}
+
+/// What every class's share of one step is held to.
+#[derive(Debug, Clone, Copy)]
+struct StepLimits {
+    step_id: u64,
+    max_sessions: usize,
+    /// Decode items may carry drafted tokens (speculation is on and the batch is not full).
+    draft: bool,
 }
 
 /// The scheduler: waiting sessions in arrival order per priority class, active sessions, steps
@@ -245,6 +308,7 @@ impl Scheduler {
                 in_flight: None,
                 priority,
                 owner,
+                draft: Drafting::new(&self.config.draft),
             },
         );
         self.waiting[priority.index()].push_back(session);
@@ -323,13 +387,16 @@ impl Scheduler {
             .len()
             .div_ceil(self.config.pipeline_depth.max(1))
             .max(1);
-        self.take(
-            Priority::Agent,
+        // A step whose decode work fills more than `max_batch` sessions drafts for none: a
+        // full batch keeps the weights busy already.
+        let n_decoding = self.active.values().filter(|e| e.decodes()).count();
+        let limits = StepLimits {
             step_id,
-            &mut budget,
             max_sessions,
-            &mut items,
-        );
+            draft: self.config.draft.is_on()
+                && n_decoding.min(max_sessions) <= self.config.draft.max_batch,
+        };
+        self.take(Priority::Agent, limits, &mut budget, &mut items);
         let with_agent = !items.is_empty();
         if with_agent {
             self.last_agent = Some(now);
@@ -352,13 +419,7 @@ impl Scheduler {
             } else {
                 budget
             };
-            self.take(
-                Priority::Grading,
-                step_id,
-                &mut grading_budget,
-                max_sessions,
-                &mut items,
-            );
+            self.take(Priority::Grading, limits, &mut grading_budget, &mut items);
         }
         let grading_runnable = self
             .active
@@ -383,30 +444,40 @@ impl Scheduler {
         })
     }
 
-    /// Adds one class's work to a step: decode tokens first, then prefill chunks oldest first,
-    /// within `budget` tokens and `max_sessions` items in all.
+    /// Adds one class's work to a step: decode tokens first (with drafted tokens when the
+    /// step drafts), then prefill chunks oldest first, within `budget` tokens and the limits'
+    /// `max_sessions` items in all.
     fn take(
         &mut self,
         priority: Priority,
-        step_id: u64,
+        limits: StepLimits,
         budget: &mut usize,
-        max_sessions: usize,
         items: &mut Vec<PlanItem>,
     ) {
+        let StepLimits {
+            step_id,
+            max_sessions,
+            draft,
+        } = limits;
         // Decode: sessions whose prompt is computed and whose last token awaits computing.
         for (&id, e) in self.active.iter_mut() {
             if *budget == 0 || items.len() >= max_sessions {
                 break;
             }
             if e.priority == priority && e.decodes() {
+                let mut tokens = vec![e.tokens[e.n_computed]];
+                if draft {
+                    tokens.extend(e.drafts(*budget - 1));
+                }
+                *budget -= tokens.len();
                 items.push(PlanItem {
                     session: id,
                     start_pos: e.n_computed,
-                    tokens: vec![e.tokens[e.n_computed]],
+                    n_draft: tokens.len() - 1,
+                    tokens,
                     want_output: true,
                 });
                 e.in_flight = Some(step_id);
-                *budget -= 1;
             }
         }
         // Prefill, oldest first (ids grow with arrival). While several owners have prompts
@@ -469,6 +540,7 @@ impl Scheduler {
                     start_pos: e.n_computed,
                     tokens: e.tokens[e.n_computed..end].to_vec(),
                     want_output: end == e.tokens.len(),
+                    n_draft: 0,
                 });
                 e.in_flight = Some(step_id);
                 *used.entry(e.owner).or_default() += n;
@@ -477,8 +549,10 @@ impl Scheduler {
         }
     }
 
-    /// Applies a step's result: `outputs` are sampled tokens, `failed` the sessions whose
-    /// fragment was refused (they are removed; the caller reports why). Returns the events.
+    /// Applies a step's result: `outputs` are sampled tokens in the order they were sampled
+    /// (a verification step's session has one per position sampled), `failed` the sessions
+    /// whose fragment was refused (they are removed; the caller reports why). Returns the
+    /// events.
     pub fn update_from_output(
         &mut self,
         step_id: u64,
@@ -501,27 +575,64 @@ impl Scheduler {
                 continue;
             }
             e.in_flight = None;
-            e.n_computed = item.start_pos + item.tokens.len();
-            if !item.want_output {
+            let drafts = item.drafts();
+            let sampled: Vec<u32> = outputs
+                .iter()
+                .filter(|(s, _)| *s == item.session)
+                .map(|&(_, t)| t)
+                .collect();
+            // Drafted positions count while their token equals the sample before it; the
+            // samples past the first that differs mean nothing.
+            let accepted = sampled
+                .iter()
+                .zip(drafts)
+                .take_while(|(s, d)| s == d)
+                .count();
+            e.n_computed = item.start_pos + item.tokens.len() - drafts.len() + accepted;
+            if !item.want_output || sampled.is_empty() {
                 continue;
             }
-            let Some(&(_, token)) = outputs.iter().find(|(s, _)| *s == item.session) else {
-                continue;
-            };
-            e.tokens.push(token);
-            events.push(Event::Token {
-                session: item.session,
-                token,
-            });
-            if e.n_generated() >= e.max_new {
-                events.push(Event::Finished {
+            if !drafts.is_empty() {
+                if let Some(d) = &mut e.draft {
+                    d.length.verified(drafts.len(), accepted);
+                }
+                events.push(Event::Verified {
                     session: item.session,
-                    reason: FinishReason::Length,
+                    drafted: drafts.len(),
+                    accepted,
                 });
-                self.finish(item.session);
+            }
+            for &token in &sampled[..=accepted.min(sampled.len() - 1)] {
+                e.tokens.push(token);
+                events.push(Event::Token {
+                    session: item.session,
+                    token,
+                });
+                if e.n_generated() >= e.max_new {
+                    events.push(Event::Finished {
+                        session: item.session,
+                        reason: FinishReason::Length,
+                    });
+                    self.finish(item.session);
+                    break;
+                }
             }
         }
         events
+    }
+
+    /// Stops drafting for one session (it opted out, or its sampling needs what a
+    /// verification step cannot do).
+    pub fn no_drafts(&mut self, session: SessionId) {
+        for e in [
+            self.active.get_mut(&session),
+            self.pending_new.get_mut(&session),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            e.draft = None;
+        }
     }
 
     /// Recomputes a session from position 0: its known tokens (prompt and output so far) are
@@ -1013,6 +1124,154 @@ mod tests {
         alone.add(SessionId(2), vec![1; 100], 1, Priority::Agent, 7);
         let plan = alone.schedule(Instant::now()).unwrap();
         assert_eq!(plan.n_tokens(), 64, "alone, an owner uses the whole step");
+    }
+
+    /// A fake model whose next token is a function of the history alone: mostly it repeats
+    /// what came 5 tokens before (so n-gram drafts often hold), and now and then it does not
+    /// (so they are rejected too).
+    fn next_of(history: &[u32]) -> u32 {
+        let n = history.len();
+        if n % 7 == 3 {
+            return (n as u32 * 31 + 5) % 11;
+        }
+        history[n.saturating_sub(5)]
+    }
+
+    /// Runs steps to the end with the fake model of [`next_of`], verifying drafted tokens as
+    /// the last shard does (a sample after the last known token and after every drafted one,
+    /// drafts kept while they equal the sample before them); `known` holds every session's
+    /// prompt and gets its output. Returns the drafted and accepted totals.
+    fn run_to_end(s: &mut Scheduler, known: &mut BTreeMap<SessionId, Vec<u32>>) -> (usize, usize) {
+        let (mut drafted, mut accepted) = (0, 0);
+        while let Some(plan) = s.schedule(Instant::now()) {
+            let mut outputs = Vec::new();
+            for item in plan.items.iter().filter(|i| i.want_output) {
+                let mut h = known[&item.session].clone();
+                assert_eq!(h.len(), item.start_pos + item.tokens.len() - item.n_draft);
+                for i in 0..=item.n_draft {
+                    let t = next_of(&h);
+                    outputs.push((item.session, t));
+                    match item.drafts().get(i) {
+                        Some(&d) if d == t => h.push(d),
+                        _ => break,
+                    }
+                }
+            }
+            for e in s.update_from_output(plan.step_id, &outputs, &[]) {
+                match e {
+                    Event::Token { session, token } => known.get_mut(&session).unwrap().push(token),
+                    Event::Verified {
+                        drafted: d,
+                        accepted: a,
+                        ..
+                    } => {
+                        assert!(a <= d);
+                        drafted += d;
+                        accepted += a;
+                    }
+                    Event::Finished { .. } => {}
+                }
+            }
+        }
+        (drafted, accepted)
+    }
+
+    /// Sessions decoded with n-gram drafts verified step by step end with exactly the tokens
+    /// plain decoding gives, at 1, 4 and 16 sessions; drafts were carried, some kept, some
+    /// not.
+    #[test]
+    fn drafted_decoding_gives_exactly_the_tokens_of_plain_decoding() {
+        for n_sessions in [1, 4, 16] {
+            let mut results = Vec::new();
+            for draft in [DraftConfig::OFF, DraftConfig::ngram(8)] {
+                let mut s = Scheduler::new(SchedulerConfig {
+                    draft: DraftConfig {
+                        max_batch: 16,
+                        ..draft
+                    },
+                    ..cfg(64, 16)
+                });
+                let mut known = BTreeMap::new();
+                for i in 0..n_sessions {
+                    let prompt: Vec<u32> = (0..9).map(|j| (i * 3 + j) % 7).collect();
+                    s.add(SessionId(i as u64), prompt.clone(), 40, Priority::Agent, 0);
+                    known.insert(SessionId(i as u64), prompt);
+                }
+                let (drafted, accepted) = run_to_end(&mut s, &mut known);
+                assert!(known.values().all(|t| t.len() == 9 + 40));
+                if draft.is_on() {
+                    assert!(
+                        drafted > 0 && accepted > 0 && accepted < drafted,
+                        "drafted {drafted}, accepted {accepted}"
+                    );
+                } else {
+                    assert_eq!(drafted, 0);
+                }
+                results.push(known);
+            }
+            assert_eq!(results[0], results[1], "{n_sessions} sessions");
+        }
+    }
+
+    /// A draft never reaches past the positions a session may still generate (its admission
+    /// reserved no more), nor past what the step has room for.
+    #[test]
+    fn drafts_stay_within_what_a_session_may_generate_and_the_step_budget() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            draft: DraftConfig::ngram(8),
+            ..cfg(3, 16)
+        });
+        // A prompt that repeats: the drafter always has a long continuation to offer.
+        let prompt: Vec<u32> = (0..40).map(|i| i % 4).collect();
+        s.add(SessionId(1), prompt.clone(), 5, Priority::Agent, 0);
+        let mut known = BTreeMap::from([(SessionId(1), prompt)]);
+        let mut max_end = 0;
+        while let Some(plan) = s.schedule(Instant::now()) {
+            for i in &plan.items {
+                assert!(i.tokens.len() <= 3, "step budget");
+                max_end = max_end.max(i.start_pos + i.tokens.len());
+            }
+            let outputs: Vec<(SessionId, u32)> = plan
+                .items
+                .iter()
+                .filter(|i| i.want_output)
+                .flat_map(|i| {
+                    let h = &known[&i.session];
+                    // The model continues the period: every draft is kept.
+                    (0..=i.n_draft).map(move |k| (i.session, ((h.len() + k) % 4) as u32))
+                })
+                .collect();
+            for e in s.update_from_output(plan.step_id, &outputs, &[]) {
+                if let Event::Token { session, token } = e {
+                    known.get_mut(&session).unwrap().push(token);
+                }
+            }
+        }
+        assert_eq!(known[&SessionId(1)].len(), 45);
+        assert!(
+            max_end <= 44,
+            "positions up to prompt + max_new - 1, got {max_end}"
+        );
+    }
+
+    /// A step whose decode work holds more sessions than `max_batch` drafts for none.
+    #[test]
+    fn a_full_batch_drafts_nothing() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            draft: DraftConfig {
+                max_batch: 4,
+                ..DraftConfig::ngram(8)
+            },
+            ..cfg(64, 16)
+        });
+        let mut known = BTreeMap::new();
+        for i in 0..8 {
+            let prompt: Vec<u32> = (0..12).map(|j| j % 3).collect();
+            s.add(SessionId(i), prompt.clone(), 10, Priority::Agent, 0);
+            known.insert(SessionId(i), prompt);
+        }
+        let (drafted, _) = run_to_end(&mut s, &mut known);
+        assert_eq!(drafted, 0);
     }
 
     proptest::proptest! {
