@@ -222,3 +222,28 @@ impl SseStream {
         }
     }
 }
+
+/// The token ids a streamed request's first choice received (`return_token_ids`), read to
+/// `[DONE]`; an error event, an unparsable event or a stream cut before `[DONE]` is an error
+/// naming it.
+pub fn stream_token_ids(
+    addr: &str,
+    path: &str,
+    body: &serde_json::Value,
+) -> Result<Vec<u64>, String> {
+    let mut s = SseStream::open(addr, path, body).map_err(|e| e.to_string())?;
+    let mut ids = Vec::new();
+    while let Some(d) = s.next_data() {
+        if d == "[DONE]" {
+            return Ok(ids);
+        }
+        let v: serde_json::Value = serde_json::from_str(&d).map_err(|e| format!("{e}: {d}"))?;
+        if v.get("error").is_some() {
+            return Err(d);
+        }
+        if let Some(t) = v["choices"][0]["token_ids"].as_array() {
+            ids.extend(t.iter().filter_map(serde_json::Value::as_u64));
+        }
+    }
+    Err("the stream ended without [DONE]".into())
+}

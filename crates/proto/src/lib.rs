@@ -25,7 +25,7 @@ pub use transport::{
 };
 
 /// Bumped on any incompatible change of the messages.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// The metadata key every connection carries the cluster token in.
 pub const TOKEN_HEADER: &str = "x-strata-cluster-token";

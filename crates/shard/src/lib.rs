@@ -27,6 +27,7 @@ pub use faulty::{Fault, FaultyShard};
 pub use messages::Counters;
 pub use route::run_route;
 pub use service::{serve, LocalShard, ShardService};
+pub use worker::MAX_DRAFT;
 
 /// Everything a shard needs to start, validated by the binary.
 #[derive(Debug, Clone)]

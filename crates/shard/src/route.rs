@@ -517,7 +517,16 @@ impl RouteTask {
                         positions: f.prefix.len() as u32,
                     })
                     .collect();
-                self.answer(step, out.outputs, cached, hop, received).await
+                // After a verification step the tracker's next step for its session carries
+                // new drafts, which the first shard cannot guess: no hint for it.
+                let verified: Vec<u64> = out
+                    .accepted
+                    .iter()
+                    .filter(|f| f.n_draft > 0)
+                    .map(|f| f.session_id)
+                    .collect();
+                self.answer(step, out.outputs, &verified, cached, hop, received)
+                    .await
             }
             Some(down) => self.forward(down, step, out, hop, received, liveness).await,
         }
@@ -531,6 +540,7 @@ impl RouteTask {
         &self,
         mut step: Step,
         outputs: Vec<SessionOutput>,
+        verified: &[u64],
         cached: Vec<CachedPrefix>,
         mut hop: HopTiming,
         received: Instant,
@@ -540,6 +550,7 @@ impl RouteTask {
         if !self.core.is_first() {
             let hint = outputs
                 .iter()
+                .filter(|o| !verified.contains(&o.session_id))
                 .map(|o| SessionOutput {
                     session_id: o.session_id,
                     token: o.token,

@@ -87,6 +87,19 @@ pub(crate) struct Worker {
 /// One step's masks, by session: the mask, or why there is none.
 type Masks = HashMap<SessionKey, Result<Vec<u32>, SessionError>>;
 
+/// The most drafted tokens one fragment may carry: each is a row of logits to sample, and a
+/// rewind past rejected drafts stays inside what a sliding-window layer keeps behind its window.
+pub const MAX_DRAFT: usize = 16;
+
+/// The logit rows a fragment asks for: one per sample.
+fn n_outputs(f: &Fragment) -> usize {
+    if f.want_output {
+        1 + f.n_draft as usize
+    } else {
+        0
+    }
+}
+
 fn refusal(session_id: u64, reason: Reason, message: String) -> SessionError {
     SessionError::new(session_id, &Refusal::from_shard(reason, message))
 }
@@ -226,6 +239,22 @@ impl Worker {
                 format!("fragment of session {id} has no tokens"),
             ));
         }
+        if f.n_draft > 0
+            && (!f.want_output
+                || f.n_draft as usize >= f.tokens.len()
+                || f.n_draft as usize > MAX_DRAFT
+                || !f.prefix.is_empty())
+        {
+            return Some(refusal(
+                id,
+                Reason::InvalidRequest,
+                format!(
+                    "fragment of session {id} drafts {} of its {} tokens: a verification needs a known token first, at most {MAX_DRAFT} drafts, a sample and no prefix",
+                    f.n_draft,
+                    f.tokens.len()
+                ),
+            ));
+        }
         if end > self.config.n_ctx {
             return Some(refusal(
                 id,
@@ -238,7 +267,7 @@ impl Worker {
         }
         let (rows, outputs) = (
             planned.rows + f.tokens.len(),
-            planned.outputs + usize::from(f.want_output),
+            planned.outputs + n_outputs(f),
         );
         let scratch = self.model.scratch_bytes(rows, outputs);
         let budget = self.config.scratch_budget_bytes;
@@ -442,7 +471,11 @@ impl Worker {
                 ));
             }
             s.tokens.extend_from_slice(&f.prefix);
-        } else if self.config.prefix_cache && f.reuse_prefix && self.model.is_first() {
+        } else if self.config.prefix_cache
+            && f.reuse_prefix
+            && f.n_draft == 0
+            && self.model.is_first()
+        {
             // Continue on the cached blocks of the longest registered prefix; a fragment that
             // samples keeps at least one token to compute. The rest of the fragment goes on
             // from there, naming the positions taken.
@@ -547,6 +580,17 @@ impl Worker {
                     continue;
                 }
             };
+            if f.n_draft > 0 && !self.sessions[&key].grammar.is_none() {
+                out.errors.push(refusal(
+                    id,
+                    Reason::InvalidRequest,
+                    format!("session {id} is held to a grammar: its drafts cannot be verified"),
+                ));
+                if created {
+                    self.sessions.remove(&key);
+                }
+                continue;
+            }
             let mut f = std::mem::take(&mut job.fragments[i]);
             let attached = self.attach_prefix(key, &mut f, base, root);
             job.fragments[i] = f;
@@ -561,7 +605,7 @@ impl Worker {
                 Ok(need) => {
                     planned.kv_bytes += need;
                     planned.rows += f.tokens.len();
-                    planned.outputs += usize::from(f.want_output);
+                    planned.outputs += n_outputs(f);
                     accepted.push(i);
                 }
                 Err(e) => {
@@ -658,12 +702,12 @@ impl Worker {
         self.expire(&job);
         let root = self.prefix_root(&job);
         let accepted = self.admit(&mut job, root, !early, &mut out);
-        let (n_rows, n_outputs) = accepted.iter().fold((0, 0), |(r, o), &i| {
+        let (n_rows, n_out) = accepted.iter().fold((0, 0), |(r, o), &i| {
             let f = &job.fragments[i];
-            (r + f.tokens.len(), o + usize::from(f.want_output))
+            (r + f.tokens.len(), o + n_outputs(f))
         });
         self.counters.scratch_bytes_last_step.store(
-            self.model.scratch_bytes(n_rows, n_outputs) as u64,
+            self.model.scratch_bytes(n_rows, n_out) as u64,
             Ordering::Relaxed,
         );
         let keys: Vec<SessionKey> = accepted
@@ -893,12 +937,14 @@ impl Worker {
         let mut hidden = Vec::new();
         for (seq, &i) in accepted.iter().enumerate() {
             let f = &job.fragments[i];
+            // A sample after the last token, and after every token before it that is drafted.
+            let first_sampled = f.tokens.len() - n_outputs(f).min(f.tokens.len());
             for (k, &token) in f.tokens.iter().enumerate() {
                 rows.push(Row {
                     seq,
                     pos: f.start_pos as usize + k,
                     token,
-                    want_logits: f.want_output && k + 1 == f.tokens.len(),
+                    want_logits: f.want_output && k >= first_sampled,
                 });
             }
             if let Some(h) = &job.hidden {
@@ -909,7 +955,9 @@ impl Worker {
         (rows, hidden)
     }
 
-    /// Samples a token for every accepted fragment that asks for one, from its logit row.
+    /// Samples a token for every accepted fragment that asks for one, from its logit row; a
+    /// verification fragment samples after its last known token and after each drafted token
+    /// that equals the sample before it, then its session is cut back past the rejected ones.
     fn sample(
         &mut self,
         job: &StepJob,
@@ -926,8 +974,9 @@ impl Worker {
             if !f.want_output {
                 continue;
             }
-            let l = &logits[li * n_vocab..(li + 1) * n_vocab];
-            li += 1;
+            let n_draft = f.n_draft as usize;
+            let rows = &logits[li * n_vocab..(li + 1 + n_draft) * n_vocab];
+            li += 1 + n_draft;
             let s = self
                 .sessions
                 .get_mut(key)
@@ -940,33 +989,55 @@ impl Worker {
                     continue;
                 }
             };
-            let sampler = s
-                .sampler
-                .get_or_insert_with(|| Sampler::new(SamplingParams::default()));
-            let token = sampler.sample(l, &s.tokens, mask.as_deref());
-            let n_top = (s.n_top as usize).min(n_vocab);
-            let top = if n_top > 0 {
-                let best: Vec<u32> = top_k(l, n_top).into_iter().map(|(id, _)| id).collect();
-                let lp = log_probs(l, &best);
-                best.into_iter()
-                    .zip(lp)
-                    .map(|(token, logprob)| TopLogprob { token, logprob })
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            out.outputs.push(SessionOutput {
-                session_id: f.session_id,
-                token,
-                logprob: if f.want_logprob || n_top > 0 {
-                    log_probs(l, &[token])[0]
-                } else {
-                    0.0
-                },
-                top,
-                next_pos: f.start_pos + f.tokens.len() as u32,
-            });
+            // The session's tokens end with the fragment's: the known ones, then the drafts.
+            let known_end = s.tokens.len() - n_draft;
+            let drafts = &f.tokens[f.tokens.len() - n_draft..];
+            let mut kept = 0;
+            for (j, l) in rows.chunks_exact(n_vocab).enumerate() {
+                let sampler = s
+                    .sampler
+                    .get_or_insert_with(|| Sampler::new(SamplingParams::default()));
+                let token = sampler.sample(l, &s.tokens[..known_end + j], mask.as_deref());
+                out.outputs.push(SessionOutput {
+                    next_pos: (known_end + j) as u32,
+                    ..output(f.session_id, token, l, s.n_top, f.want_logprob)
+                });
+                if drafts.get(j) != Some(&token) {
+                    break;
+                }
+                kept += 1;
+            }
+            if kept < n_draft {
+                s.rewind(known_end + kept);
+            }
         }
+    }
+}
+
+/// One sampled token with the log-probabilities asked for: its own (`want_logprob`) and the
+/// `n_top` best.
+fn output(session_id: u64, token: u32, l: &[f32], n_top: u32, want_logprob: bool) -> SessionOutput {
+    let n_top = (n_top as usize).min(l.len());
+    let top = if n_top > 0 {
+        let best: Vec<u32> = top_k(l, n_top).into_iter().map(|(id, _)| id).collect();
+        let lp = log_probs(l, &best);
+        best.into_iter()
+            .zip(lp)
+            .map(|(token, logprob)| TopLogprob { token, logprob })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    SessionOutput {
+        session_id,
+        token,
+        logprob: if want_logprob || n_top > 0 {
+            log_probs(l, &[token])[0]
+        } else {
+            0.0
+        },
+        top,
+        next_pos: 0,
     }
 }
 

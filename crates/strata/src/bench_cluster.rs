@@ -348,6 +348,9 @@ fn report(b: &UrlBench<'_>, rows: &[Value], run: &Scrape, now: &Scrape, health: 
         "refusals": total(run, "strata_refusals_total"),
         "request_failures": total(run, "strata_request_failures_total"),
         "requests": total(run, "strata_requests_total"),
+        "drafted_tokens": total(run, "strata_spec_drafted_tokens_total"),
+        "accepted_tokens": total(run, "strata_spec_accepted_tokens_total"),
+        "verification_steps": total(run, "strata_spec_accepted_length_count"),
     });
     if b.json {
         println!(
@@ -396,6 +399,16 @@ fn report(b: &UrlBench<'_>, rows: &[Value], run: &Scrape, now: &Scrape, health: 
             mib(f(s, "kv_bytes")),
             f(s, "run_prefill_tokens"),
             f(s, "run_decode_tokens"),
+        );
+    }
+    let drafted = f(&counts, "drafted_tokens");
+    if drafted > 0.0 {
+        let accepted = f(&counts, "accepted_tokens");
+        let steps = f(&counts, "verification_steps").max(1.0);
+        println!(
+            "  speculation this run: {drafted} tokens drafted, {accepted} kept ({:.0}%), {:.2} kept per verification step",
+            100.0 * accepted / drafted,
+            accepted / steps,
         );
     }
     println!(

@@ -332,6 +332,20 @@ pub struct RouteArgs {
     /// a route rejoining) waits as long for one before its typed 503.
     #[arg(long, default_value_t = 3000)]
     failover_wait_ms: u64,
+    /// Speculative decoding: `ngram` drafts tokens from each session's own prompt and output
+    /// (prompt lookup) and verifies them along the route in the decode step itself, so a
+    /// client gets exactly the tokens plain decoding gives, several per trip when its text
+    /// repeats; `off` decodes one token a step. A request opts out with `"speculative": false`;
+    /// a session held to a grammar (JSON schema, tool calls) never drafts.
+    #[arg(long, default_value = "off", value_parser = ["off", "ngram"])]
+    speculative: String,
+    /// The most tokens drafted for one session in one step (1 to 16).
+    #[arg(long, default_value_t = 8)]
+    draft_max: usize,
+    /// Decode steps with more sessions than this draft for none (a full batch keeps the
+    /// weights busy already).
+    #[arg(long, default_value_t = 4)]
+    draft_max_batch: usize,
     /// Whose prompts share cached prefix blocks on the shards: `key` keys them by API key, so
     /// one key's prompts never speed up another's (whose time to first token would tell that
     /// someone else sent the same prompt: a way to guess another tenant's secrets); `global`
@@ -437,7 +451,30 @@ impl RouteArgs {
             agent_gap: Duration::from_millis(self.agent_gap_ms),
             owner_step_share: self.key_share,
             grading_max_wait: Duration::from_millis(self.grading_max_wait_ms),
+            draft: self.draft()?,
         })
+    }
+
+    fn draft(&self) -> Result<engine::DraftConfig> {
+        if self.draft_max_batch == 0 {
+            bail!(
+                "`--draft-max-batch` must be at least 1 (`--speculative off` turns drafting off)"
+            );
+        }
+        if !(1..=shard::MAX_DRAFT).contains(&self.draft_max) {
+            bail!(
+                "`--draft-max` must be 1 to {}, got {}",
+                shard::MAX_DRAFT,
+                self.draft_max
+            );
+        }
+        match self.speculative.as_str() {
+            "ngram" => Ok(engine::DraftConfig {
+                max_batch: self.draft_max_batch,
+                ..engine::DraftConfig::ngram(self.draft_max)
+            }),
+            _ => Ok(engine::DraftConfig::OFF),
+        }
     }
 
     fn seam(&self) -> Result<SeamDtype> {

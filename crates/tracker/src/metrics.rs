@@ -307,7 +307,26 @@ pub fn declare(m: &Metrics) {
             "counter",
             "prompt tokens computed",
         ),
-        ("strata_decode_tokens_total", "counter", "tokens decoded"),
+        (
+            "strata_decode_tokens_total",
+            "counter",
+            "positions computed in decode steps (with the drafted ones of verification steps)",
+        ),
+        (
+            "strata_spec_drafted_tokens_total",
+            "counter",
+            "tokens drafted for verification steps, by drafter",
+        ),
+        (
+            "strata_spec_accepted_tokens_total",
+            "counter",
+            "drafted tokens verification kept (equal to the route's own samples), by drafter",
+        ),
+        (
+            "strata_spec_accepted_length",
+            "histogram",
+            "drafted tokens kept per verification step, by drafter",
+        ),
         (
             "strata_prompt_cached_tokens_total",
             "counter",

@@ -20,6 +20,7 @@ pub fn frag(session_id: u64, start_pos: u32, tokens: &[u32]) -> Fragment {
         reuse_prefix: false,
         prefix: vec![],
         cache_salt: 0,
+        n_draft: 0,
     }
 }
 

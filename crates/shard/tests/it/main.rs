@@ -5,3 +5,4 @@ mod isolation;
 mod refusals;
 mod route;
 mod step_fuzz;
+mod verify;

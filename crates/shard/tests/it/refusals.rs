@@ -66,13 +66,17 @@ async fn weights_and_scratch_over_their_budgets_are_refused_with_the_numbers() {
     );
 }
 
-struct Route {
+pub(crate) struct Route {
     tx: mpsc::Sender<RouteMsg>,
     replies: ReplyStream,
     next_step: u64,
 }
 
-async fn open(core: &Arc<ShardCore>, epoch: u64, digest: &str) -> Result<Route, tonic::Status> {
+pub(crate) async fn open(
+    core: &Arc<ShardCore>,
+    epoch: u64,
+    digest: &str,
+) -> Result<Route, tonic::Status> {
     open_with(core, epoch, digest, vec![]).await
 }
 
@@ -115,7 +119,7 @@ fn first_frag(session_id: u64, tokens: &[u32]) -> Fragment {
 }
 
 impl Route {
-    async fn step(
+    pub(crate) async fn step(
         &mut self,
         epoch: u64,
         fragments: Vec<Fragment>,
@@ -146,7 +150,7 @@ impl Route {
     }
 }
 
-fn reasons(r: &RouteReply) -> Vec<(u64, String)> {
+pub(crate) fn reasons(r: &RouteReply) -> Vec<(u64, String)> {
     r.errors
         .iter()
         .map(|e| (e.session_id, e.kind().name().to_string()))

@@ -101,6 +101,8 @@ fn fragment() -> impl Strategy<Value = Fragment> {
         any::<bool>(),
         any::<bool>(),
         prop_oneof![6 => Just(Vec::new()), 1 => prop::collection::vec(token(), 0..40)],
+        // Drafts to verify: none mostly, some, and any number.
+        prop_oneof![6 => Just(0u32), 2 => 0u32..20, 1 => any::<u32>()],
     )
         .prop_map(
             |(
@@ -113,6 +115,7 @@ fn fragment() -> impl Strategy<Value = Fragment> {
                 want_logprob,
                 reuse_prefix,
                 prefix,
+                n_draft,
             )| Fragment {
                 session_id,
                 start_pos,
@@ -124,6 +127,7 @@ fn fragment() -> impl Strategy<Value = Fragment> {
                 reuse_prefix,
                 prefix,
                 cache_salt: 0,
+                n_draft,
             },
         )
 }

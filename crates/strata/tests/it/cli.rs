@@ -371,3 +371,32 @@ fn settings_come_from_flags_then_variables_then_the_config_file() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/strata.toml"));
 }
+
+/// Speculation's flags out of range are refused at start, naming the flag and the range.
+#[test]
+fn speculation_flags_out_of_range_are_refused_naming_them() {
+    let m = tiny();
+    for (flag, value, want) in [
+        ("--draft-max", "17", "`--draft-max` must be 1 to 16, got 17"),
+        ("--draft-max", "0", "`--draft-max` must be 1 to 16, got 0"),
+        (
+            "--draft-max-batch",
+            "0",
+            "`--draft-max-batch` must be at least 1",
+        ),
+        (
+            "--speculative",
+            "maybe",
+            "invalid value 'maybe' for '--speculative",
+        ),
+    ] {
+        let mut args = vec!["serve", "--model", &m, flag, value];
+        if flag != "--speculative" {
+            args.extend(["--speculative", "ngram"]);
+        }
+        let out = strata(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value}");
+        assert!(err.contains(want), "{flag} {value}: {err}");
+    }
+}

@@ -18,6 +18,7 @@ mod mixed_isa;
 mod probes;
 mod residency;
 mod serve;
+mod speculation;
 mod swarm_hygiene;
 mod tls;
 mod warm_routes;

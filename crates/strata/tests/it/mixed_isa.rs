@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use model::Isa;
 use serde_json::{json, Value};
-use testkit::http::{post_json, SseStream};
+use testkit::http::{post_json, stream_token_ids};
 use testkit::observe::{shard_stat, tracker_metric as metric, wait_until};
 use testkit::procs::{self, Proc};
 
@@ -105,22 +105,7 @@ fn streamed(i: usize) -> Value {
 
 /// One streamed request's token ids, or the error event it got.
 fn stream_ids(addr: &str, i: usize) -> Result<Vec<u64>, String> {
-    let mut s =
-        SseStream::open(addr, "/v1/completions", &streamed(i)).map_err(|e| e.to_string())?;
-    let mut ids = Vec::new();
-    while let Some(d) = s.next_data() {
-        if d == "[DONE]" {
-            return Ok(ids);
-        }
-        let v: Value = serde_json::from_str(&d).map_err(|e| format!("{e}: {d}"))?;
-        if v.get("error").is_some() {
-            return Err(d);
-        }
-        if let Some(t) = v["choices"][0]["token_ids"].as_array() {
-            ids.extend(t.iter().filter_map(Value::as_u64));
-        }
-    }
-    Err("the stream ended without [DONE]".into())
+    stream_token_ids(addr, "/v1/completions", &streamed(i))
 }
 
 /// The 8 streams at once.

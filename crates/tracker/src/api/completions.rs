@@ -426,6 +426,7 @@ pub async fn admit_valid(
         stop: req.stop.clone(),
         logprobs: req.logprobs,
         ignore_eos: req.ignore_eos,
+        speculative: req.speculative,
         priority: record.priority,
         key: key.as_ref().map(|k| k.name.clone()).unwrap_or_default(),
         tenant: s.tenant(key.as_ref(), req.cache_group.as_deref()),

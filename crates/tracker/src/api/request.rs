@@ -127,6 +127,9 @@ pub struct ValidRequest {
     /// The prefix-cache group it names (`prompt_cache_key`, `cache_salt`; see
     /// [`super::fields::cache_group`]).
     pub cache_group: Option<String>,
+    /// `speculative`: whether its decode steps may carry drafted tokens when the route
+    /// speculates (the tokens are the same either way; `false` opts out).
+    pub speculative: bool,
 }
 
 impl ValidRequest {
@@ -149,6 +152,7 @@ impl ValidRequest {
             logprobs: None,
             return_token_ids: false,
             ignore_eos: false,
+            speculative: true,
             priority: None,
             n: 1,
             echo: false,
@@ -198,6 +202,7 @@ const COMMON_FIELDS: &[&str] = &[
     "priority",
     "return_token_ids",
     "ignore_eos",
+    "speculative",
 ];
 const COMPLETION_FIELDS: &[&str] = &[
     "prompt",
@@ -324,6 +329,7 @@ pub fn validate(
         logprobs,
         return_token_ids,
         ignore_eos,
+        speculative: boolean(&body, "speculative")?.unwrap_or(true),
         priority: priority(&body)?,
         n,
         echo,

@@ -29,6 +29,8 @@ pub struct Job {
     pub stop: Vec<String>,
     pub logprobs: Option<u32>,
     pub ignore_eos: bool,
+    /// Its decode steps may carry drafted tokens when the route speculates.
+    pub speculative: bool,
     pub priority: Priority,
     /// The caller's API key name ("" when there is no ledger).
     pub key: String,
@@ -252,6 +254,9 @@ struct Live {
     logprobs: Option<u32>,
     sampling: Sampling,
     ignore_eos: bool,
+    /// Its decode steps may carry drafted tokens (it did not opt out, and no grammar holds
+    /// it: a shard verifies drafts only for unconstrained sessions).
+    speculative: bool,
     priority: Priority,
     /// Admitted and not yet part of any step.
     queued: bool,
@@ -796,6 +801,10 @@ impl Runner {
             job.priority,
             owner,
         );
+        let speculative = job.speculative && job.sampling.grammar.is_empty();
+        if !speculative {
+            self.scheduler.no_drafts(id);
+        }
         self.live.insert(
             id,
             Live {
@@ -817,6 +826,7 @@ impl Runner {
                 logprobs: job.logprobs,
                 sampling: job.sampling,
                 ignore_eos: job.ignore_eos,
+                speculative,
                 priority: job.priority,
                 queued: true,
                 ledger_row: job.ledger_row,
@@ -860,6 +870,9 @@ impl Runner {
         let owner = owner_of(&live.key);
         self.scheduler
             .add(id, tokens, max_new, live.priority, owner);
+        if !live.speculative {
+            self.scheduler.no_drafts(id);
+        }
         self.live.insert(id, live);
         self.publish_load();
         let _ = accepted.send(Ok(id));
@@ -925,8 +938,11 @@ impl Runner {
                     want_logprob: live.is_some_and(|l| l.logprobs.is_some()),
                     // Shards may take a prompt's positions from cached blocks of a shared
                     // prefix; a session being recomputed after a cache miss computes them.
-                    reuse_prefix: item.tokens.len() > 1 && live.is_some_and(|l| l.n_replays == 0),
+                    reuse_prefix: item.tokens.len() > 1
+                        && item.n_draft == 0
+                        && live.is_some_and(|l| l.n_replays == 0),
                     prefix: Vec::new(),
+                    n_draft: item.n_draft as u32,
                     cache_salt: live.map_or(0, |l| cache_salt(self.config.prefix_scope, l.tenant)),
                 }
             })
@@ -1060,21 +1076,26 @@ impl Runner {
             .iter()
             .map(|o| (SessionId(o.session_id), o.token))
             .collect();
-        let logprobs: HashMap<u64, &proto::v1::SessionOutput> =
-            reply.outputs.iter().map(|o| (o.session_id, o)).collect();
+        // A verification step answers one output per sample, in order: each token's event
+        // takes the next of its session's.
+        let mut logprobs: HashMap<u64, VecDeque<&proto::v1::SessionOutput>> = HashMap::new();
+        for o in &reply.outputs {
+            logprobs.entry(o.session_id).or_default().push_back(o);
+        }
         let refused: HashSet<u64> = reply.errors.iter().map(|e| e.session_id).collect();
         let (mut n_prefill, mut n_decode) = (0usize, 0usize);
         for item in &plan.items {
             // Computed and answered (not refused): what a failure later cannot blame on it.
             if let Some(l) = self.live.get_mut(&item.session) {
-                let end = item.start_pos + item.tokens.len();
+                let end = item.start_pos + item.tokens.len() - item.n_draft;
                 if end > l.frontier && !refused.contains(&item.session.0) {
                     l.frontier = end;
                     l.n_moves = 0;
                 }
             }
-            if item.start_pos > 0 && item.tokens.len() == 1 {
-                n_decode += 1;
+            // A verification step is a decode step that computes its drafted positions too.
+            if item.start_pos > 0 && item.tokens.len() == 1 + item.n_draft {
+                n_decode += item.tokens.len();
             } else {
                 n_prefill += item.tokens.len();
             }
@@ -1096,12 +1117,33 @@ impl Runner {
         for event in events {
             match event {
                 Event::Token { session, token } => {
-                    let lp = logprobs.get(&session.0).copied();
+                    let lp = logprobs.get_mut(&session.0).and_then(VecDeque::pop_front);
                     self.on_token(session, token, lp);
                 }
                 Event::Finished { session, reason } => self.finish(session, reason),
+                Event::Verified {
+                    drafted, accepted, ..
+                } => self.count_verified(drafted, accepted),
             }
         }
+    }
+
+    /// Drafted and accepted tokens of one verification step, per drafter.
+    fn count_verified(&self, drafted: usize, accepted: usize) {
+        let labels = [("drafter", "ngram")];
+        self.metrics
+            .inc("strata_spec_drafted_tokens_total", &labels, drafted as f64);
+        self.metrics.inc(
+            "strata_spec_accepted_tokens_total",
+            &labels,
+            accepted as f64,
+        );
+        self.metrics.observe(
+            "strata_spec_accepted_length",
+            &labels,
+            COUNT_BUCKETS,
+            accepted as f64,
+        );
     }
 
     fn piece(&self, id: u32) -> String {

@@ -121,6 +121,7 @@ fn job(max_tokens: usize, stop: Vec<String>) -> Job {
         logprobs: None,
         // Random weights may end early: the tests want their full length.
         ignore_eos: true,
+        speculative: true,
         priority: Priority::Agent,
         key: String::new(),
         tenant: CacheTenant { key: 1, group: 0 },
