@@ -9,7 +9,7 @@
 Usage: bench/spec-workload.py [--write bench/spec-workload.json]
 Prints (or writes) {"requests": [{"kind": ..., "messages": [...]}, ...]}: 20 code edits,
 15 extractions, 15 chats. The committed bench/spec-workload.json is what this writes; the
-exactness tests (crates/strata/tests/speculation.rs) and bench/spec-bench.sh read it.
+exactness tests (crates/strata/tests/it/speculation.rs) and bench/spec-bench.sh read it.
 """
 import json
 import random

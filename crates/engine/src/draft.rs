@@ -34,7 +34,7 @@ impl DraftConfig {
     pub fn ngram(max_draft: usize) -> DraftConfig {
         DraftConfig {
             max_draft,
-            max_batch: 4,
+            max_batch: 1,
             ..DraftConfig::OFF
         }
     }
