@@ -46,6 +46,11 @@ pub struct SchedulerConfig {
     /// Speculation: decode steps carry tokens drafted from a session's own tokens, which the
     /// last shard verifies (see [`crate::draft`]).
     pub draft: DraftConfig,
+    /// With more than one step in flight (`pipeline_depth` > 1), a prompt's next chunk goes
+    /// while its earlier ones are still on the route: the first shard computes chunk k + 1
+    /// while the second computes chunk k (shards take steps in order, so each chunk finds the
+    /// KV of the ones before it).
+    pub pipelined_prefill: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -62,6 +67,7 @@ impl Default for SchedulerConfig {
             grading_max_wait: Duration::from_secs(2),
             owner_step_share: 0.5,
             draft: DraftConfig::OFF,
+            pipelined_prefill: false,
         }
     }
 }
@@ -187,10 +193,15 @@ pub enum Event {
 #[derive(Debug)]
 struct Entry {
     tokens: Vec<u32>,
+    /// Positions whose results came back.
     n_computed: usize,
+    /// Positions sent in some step (`n_computed` plus those in flight).
+    n_planned: usize,
     n_prompt: usize,
     max_new: usize,
-    in_flight: Option<u64>,
+    /// The steps carrying this session, oldest first: one, except while consecutive chunks of
+    /// its prompt are pipelined along the route.
+    in_flight: VecDeque<u64>,
     priority: Priority,
     /// Who asked (an API key's id), for per-owner fairness.
     owner: u64,
@@ -233,7 +244,7 @@ impl Entry {
 
     /// Its last known token awaits its one-position decode step.
     fn decodes(&self) -> bool {
-        self.in_flight.is_none()
+        self.in_flight.is_empty()
             && self.n_computed >= self.n_prompt
             && self.n_computed + 1 == self.tokens.len()
     }
@@ -241,8 +252,13 @@ impl Entry {
     /// Positions before its last known token remain to be computed: a prompt, or the known
     /// tokens of a replay, which may reach past the prompt (output recomputed after a cache
     /// miss goes chunk by chunk like a prompt).
-    fn prefills(&self) -> bool {
-        self.in_flight.is_none() && self.n_computed < self.tokens.len() && !self.decodes()
+    ///
+    /// `step` may carry its next chunk: a session is never twice in one step, and with
+    /// `pipelined` its next chunk may go while earlier ones are in flight.
+    fn prefills(&self, step: u64, pipelined: bool) -> bool {
+        self.n_planned < self.tokens.len()
+            && !self.decodes()
+            && (self.in_flight.is_empty() || pipelined && self.in_flight.back() != Some(&step))
     }
 }
 
@@ -303,9 +319,10 @@ impl Scheduler {
             Entry {
                 tokens: prompt,
                 n_computed: 0,
+                n_planned: 0,
                 n_prompt,
                 max_new,
-                in_flight: None,
+                in_flight: VecDeque::new(),
                 priority,
                 owner,
                 draft: Drafting::new(&self.config.draft),
@@ -421,11 +438,10 @@ impl Scheduler {
             };
             self.take(Priority::Grading, limits, &mut grading_budget, &mut items);
         }
-        let grading_runnable = self
-            .active
-            .values()
-            .any(|e| e.priority == Priority::Grading && (e.decodes() || e.prefills()))
-            || self.n_waiting_of(Priority::Grading) > 0;
+        let grading_runnable = self.active.values().any(|e| {
+            e.priority == Priority::Grading
+                && (e.decodes() || e.prefills(step_id, self.pipelined()))
+        }) || self.n_waiting_of(Priority::Grading) > 0;
         if items.len() > n_before || !grading_runnable {
             self.grading_unserved_since = None;
         } else if self.grading_unserved_since.is_none() {
@@ -442,6 +458,11 @@ impl Scheduler {
             items,
             release,
         })
+    }
+
+    /// A prompt's chunks may go along the route one after another without waiting.
+    fn pipelined(&self) -> bool {
+        self.config.pipelined_prefill && self.config.pipeline_depth > 1
     }
 
     /// Adds one class's work to a step: decode tokens first (with drafted tokens when the
@@ -477,16 +498,18 @@ impl Scheduler {
                     tokens,
                     want_output: true,
                 });
-                e.in_flight = Some(step_id);
+                e.in_flight.push_back(step_id);
+                e.n_planned = e.tokens.len();
             }
         }
         // Prefill, oldest first (ids grow with arrival). While several owners have prompts
         // waiting, a first pass holds each to its share of the step; a second pass hands what
         // is left to anyone, so no token of the budget is wasted.
+        let pipelined = self.pipelined();
         let prefill: Vec<SessionId> = self
             .active
             .iter()
-            .filter(|(_, e)| e.priority == priority && e.prefills())
+            .filter(|(_, e)| e.priority == priority && e.prefills(step_id, pipelined))
             .map(|(&id, _)| id)
             .collect();
         let mut owners: Vec<u64> = prefill.iter().map(|id| self.active[id].owner).collect();
@@ -512,7 +535,7 @@ impl Scheduler {
                     break;
                 }
                 let e = self.active.get_mut(&id).expect("listed above");
-                if e.in_flight.is_some() {
+                if !e.prefills(step_id, pipelined) {
                     continue;
                 }
                 let room = if capped {
@@ -520,29 +543,30 @@ impl Scheduler {
                 } else {
                     usize::MAX
                 };
-                let mut n = (e.tokens.len() - e.n_computed)
+                let mut n = (e.tokens.len() - e.n_planned)
                     .min(*budget)
                     .min(self.config.max_prefill_chunk)
                     .min(room);
                 // A chunk short of the prompt's end ends on a KV block's boundary where it
                 // can (a cached prefix is taken block by block, and only from a boundary:
                 // a chunk ending inside a block would cut the next chunk off the cache).
-                let aligned = (e.n_computed + n) / KV_BLOCK_POSITIONS * KV_BLOCK_POSITIONS;
-                if e.n_computed + n < e.tokens.len() && aligned > e.n_computed {
-                    n = aligned - e.n_computed;
+                let aligned = (e.n_planned + n) / KV_BLOCK_POSITIONS * KV_BLOCK_POSITIONS;
+                if e.n_planned + n < e.tokens.len() && aligned > e.n_planned {
+                    n = aligned - e.n_planned;
                 }
                 if n == 0 {
                     continue;
                 }
-                let end = e.n_computed + n;
+                let end = e.n_planned + n;
                 items.push(PlanItem {
                     session: id,
-                    start_pos: e.n_computed,
-                    tokens: e.tokens[e.n_computed..end].to_vec(),
+                    start_pos: e.n_planned,
+                    tokens: e.tokens[e.n_planned..end].to_vec(),
                     want_output: end == e.tokens.len(),
                     n_draft: 0,
                 });
-                e.in_flight = Some(step_id);
+                e.in_flight.push_back(step_id);
+                e.n_planned = end;
                 *used.entry(e.owner).or_default() += n;
                 *budget -= n;
             }
@@ -571,10 +595,12 @@ impl Scheduler {
             let Some(e) = self.active.get_mut(&item.session) else {
                 continue;
             };
-            if e.in_flight != Some(step_id) {
+            // Replies come in order, so a step the session still counts is its oldest; one it
+            // no longer counts was sent before a replay reset it.
+            if e.in_flight.front() != Some(&step_id) {
                 continue;
             }
-            e.in_flight = None;
+            e.in_flight.pop_front();
             let drafts = item.drafts();
             let sampled: Vec<u32> = outputs
                 .iter()
@@ -635,6 +661,16 @@ impl Scheduler {
         }
     }
 
+    /// Whether `step` carried a fragment of `session` that no longer counts: the session was
+    /// reset by [`Scheduler::replay`] while the step was in flight, so what a shard answered
+    /// for it (typically `cache_miss` again, for the positions after the forgotten ones) is
+    /// about positions that will be sent again.
+    pub fn is_stale(&self, session: SessionId, step: u64) -> bool {
+        self.active
+            .get(&session)
+            .is_some_and(|e| !e.in_flight.contains(&step))
+    }
+
     /// Recomputes a session from position 0: its known tokens (prompt and output so far) are
     /// prefilled again, then decoding resumes. Used when a shard lost its cache (`cache_miss`).
     /// Returns false for a session that is not active.
@@ -642,7 +678,8 @@ impl Scheduler {
         match self.active.get_mut(&session) {
             Some(e) => {
                 e.n_computed = 0;
-                e.in_flight = None;
+                e.n_planned = 0;
+                e.in_flight.clear();
                 true
             }
             None => false,
@@ -1124,6 +1161,79 @@ mod tests {
         alone.add(SessionId(2), vec![1; 100], 1, Priority::Agent, 7);
         let plan = alone.schedule(Instant::now()).unwrap();
         assert_eq!(plan.n_tokens(), 64, "alone, an owner uses the whole step");
+    }
+
+    /// On a pipeline (a route of several shards) a long prompt's chunks go one step after
+    /// another without waiting for the earlier ones' replies, in order and never two in one
+    /// step; on a one-stage route a session is in one step at a time.
+    #[test]
+    fn a_pipeline_sends_a_long_prompts_chunks_without_waiting() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            pipeline_depth: 2,
+            pipelined_prefill: true,
+            ..cfg(4, 4)
+        });
+        s.add(SessionId(1), (0..10).collect(), 3, Priority::Agent, 0);
+        let a = s.schedule(Instant::now()).unwrap();
+        let b = s.schedule(Instant::now()).unwrap();
+        let c = s.schedule(Instant::now()).unwrap();
+        let span = |p: &StepPlan| {
+            let i = &p.items[0];
+            (i.start_pos, i.tokens.len(), i.want_output)
+        };
+        assert_eq!(
+            [span(&a), span(&b), span(&c)],
+            [(0, 4, false), (4, 4, false), (8, 2, true)]
+        );
+        assert!(
+            s.schedule(Instant::now()).is_none(),
+            "the whole prompt is sent; decoding waits for its last chunk"
+        );
+        assert!(s.update_from_output(a.step_id, &[], &[]).is_empty());
+        assert!(s.update_from_output(b.step_id, &[], &[]).is_empty());
+        assert!(s.schedule(Instant::now()).is_none());
+        let e = s.update_from_output(c.step_id, &[(SessionId(1), 7)], &[]);
+        assert_eq!(e.len(), 1);
+        let d = s.schedule(Instant::now()).unwrap();
+        assert_eq!(span(&d), (10, 1, true));
+
+        let mut one = Scheduler::new(cfg(4, 4));
+        one.add(SessionId(1), (0..10).collect(), 3, Priority::Agent, 0);
+        one.schedule(Instant::now()).unwrap();
+        assert!(one.schedule(Instant::now()).is_none());
+    }
+
+    /// A cache miss on chunk k resets the session while chunk k + 1 is in flight: that step
+    /// is stale for it (whatever a shard answered), its reply changes nothing, and the replay
+    /// sends every position again from 0.
+    #[test]
+    fn a_replay_makes_the_chunks_in_flight_stale() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            pipeline_depth: 2,
+            pipelined_prefill: true,
+            ..cfg(4, 4)
+        });
+        s.add(SessionId(1), (0..10).collect(), 3, Priority::Agent, 0);
+        let a = s.schedule(Instant::now()).unwrap();
+        let b = s.schedule(Instant::now()).unwrap();
+        assert!(!s.is_stale(SessionId(1), a.step_id) && !s.is_stale(SessionId(1), b.step_id));
+        s.update_from_output(a.step_id, &[], &[]);
+        assert!(s.replay(SessionId(1)));
+        assert!(s.is_stale(SessionId(1), b.step_id));
+        let r = s.schedule(Instant::now()).unwrap();
+        assert_eq!((r.items[0].start_pos, r.items[0].tokens.len()), (0, 4));
+        s.update_from_output(b.step_id, &[], &[]);
+        let n = s.schedule(Instant::now()).unwrap();
+        assert_eq!(
+            (n.items[0].start_pos, n.items[0].tokens.len()),
+            (4, 4),
+            "the stale reply moved nothing"
+        );
+        assert!(!s.is_stale(SessionId(1), r.step_id));
+        assert!(
+            !s.is_stale(SessionId(9), r.step_id),
+            "unknown sessions are not stale"
+        );
     }
 
     /// A fake model whose next token is a function of the history alone: mostly it repeats

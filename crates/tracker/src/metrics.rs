@@ -313,6 +313,11 @@ pub fn declare(m: &Metrics) {
             "positions computed in decode steps (with the drafted ones of verification steps)",
         ),
         (
+            "strata_pipelined_chunks_total",
+            "counter",
+            "prompt chunks sent down a route while an earlier chunk of their session was still on it (--pipeline-prefill)",
+        ),
+        (
             "strata_spec_drafted_tokens_total",
             "counter",
             "tokens drafted for verification steps, by drafter",

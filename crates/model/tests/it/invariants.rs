@@ -308,6 +308,49 @@ fn chunked_prefill_gives_bitwise_the_one_shot_logits() {
     }
 }
 
+/// A long prompt crosses many attention tiles and blocks: its logits at every position are
+/// bitwise the same fed in chunks of 16, 512 or all at once, for heads the fused kernels take
+/// (64, 128 wide, sliding windows) and for one they do not (32 wide).
+#[test]
+fn a_3000_token_prompt_gives_bitwise_the_same_logits_in_chunks_of_16_512_or_3000() {
+    let n = 3000;
+    let mut long = vec![
+        TinySpec::default(),
+        TinySpec {
+            n_head: 8,
+            ..TinySpec::default()
+        },
+    ];
+    long.extend(
+        specs()
+            .into_iter()
+            .filter(|s| s.arch == "qwen3" || s.arch == "gemma3"),
+    );
+    for spec in long {
+        let m = load(&spec, None, 2);
+        let ids = prompt(9, n);
+        let in_chunks = |chunk: usize| {
+            let mut cache = m.new_cache(n);
+            let mut all = Vec::new();
+            for (ci, part) in ids.chunks(chunk).enumerate() {
+                all.extend(feed(&m, &mut cache, ci * chunk, part));
+            }
+            all
+        };
+        let once = in_chunks(n);
+        assert!(once.iter().all(|x| x.is_finite()));
+        for chunk in [16, 512] {
+            let got = in_chunks(chunk);
+            assert!(
+                bits(&got) == bits(&once),
+                "{} head {}: chunks of {chunk} differ",
+                spec.arch,
+                spec.head_dim.unwrap_or(spec.n_embd / spec.n_head)
+            );
+        }
+    }
+}
+
 #[test]
 fn thread_count_does_not_change_results() {
     let spec = TinySpec::default();

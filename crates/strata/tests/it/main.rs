@@ -15,6 +15,7 @@ mod faults;
 mod hardening;
 mod isolation;
 mod mixed_isa;
+mod pipelined_prefill;
 mod probes;
 mod residency;
 mod serve;

@@ -670,6 +670,21 @@ impl Runner {
                 );
             }
         }
+        // Prompt chunks sent while an earlier chunk of their session is still on the route
+        // (`--pipeline-prefill`).
+        let pipelined = plan
+            .items
+            .iter()
+            .filter(|i| {
+                self.in_flight
+                    .iter()
+                    .any(|f| f.plan.items.iter().any(|o| o.session == i.session))
+            })
+            .count();
+        if pipelined > 0 {
+            self.metrics
+                .inc("strata_pipelined_chunks_total", &[], pipelined as f64);
+        }
         if !plan.items.is_empty() {
             self.metrics
                 .observe("strata_batch_tokens", &[], COUNT_BUCKETS, n_tokens as f64);
@@ -1045,6 +1060,16 @@ impl Runner {
         let mut replays = Vec::new();
         for e in &reply.errors {
             let id = SessionId(e.session_id);
+            // A later chunk of a pipelined prompt, sent before an earlier one's cache miss
+            // reset the session: its positions go again with the replay.
+            if self.scheduler.is_stale(id, plan.step_id) {
+                tracing::debug!(
+                    session = id.0,
+                    step = plan.step_id,
+                    "stale fragment refused"
+                );
+                continue;
+            }
             // A shard forgot the session (eviction): recompute it from its known tokens, a few
             // times at most, instead of failing the client.
             if let Some(l) = self.live.get_mut(&id) {
