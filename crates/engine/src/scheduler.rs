@@ -465,6 +465,39 @@ impl Scheduler {
         self.config.pipelined_prefill && self.config.pipeline_depth > 1
     }
 
+    /// Adds one class's decode work to a step: every session whose prompt is computed and
+    /// whose last token awaits computing, with drafted tokens after it when the step drafts.
+    fn take_decodes(
+        &mut self,
+        priority: Priority,
+        limits: StepLimits,
+        budget: &mut usize,
+        items: &mut Vec<PlanItem>,
+    ) {
+        for (&id, e) in self.active.iter_mut() {
+            if *budget == 0 || items.len() >= limits.max_sessions {
+                break;
+            }
+            if e.priority != priority || !e.decodes() {
+                continue;
+            }
+            let mut tokens = vec![e.tokens[e.n_computed]];
+            if limits.draft {
+                tokens.extend(e.drafts(*budget - 1));
+            }
+            *budget -= tokens.len();
+            items.push(PlanItem {
+                session: id,
+                start_pos: e.n_computed,
+                n_draft: tokens.len() - 1,
+                tokens,
+                want_output: true,
+            });
+            e.in_flight.push_back(limits.step_id);
+            e.n_planned = e.tokens.len();
+        }
+    }
+
     /// Adds one class's work to a step: decode tokens first (with drafted tokens when the
     /// step drafts), then prefill chunks oldest first, within `budget` tokens and the limits'
     /// `max_sessions` items in all.
@@ -475,33 +508,12 @@ impl Scheduler {
         budget: &mut usize,
         items: &mut Vec<PlanItem>,
     ) {
+        self.take_decodes(priority, limits, budget, items);
         let StepLimits {
             step_id,
             max_sessions,
-            draft,
+            ..
         } = limits;
-        // Decode: sessions whose prompt is computed and whose last token awaits computing.
-        for (&id, e) in self.active.iter_mut() {
-            if *budget == 0 || items.len() >= max_sessions {
-                break;
-            }
-            if e.priority == priority && e.decodes() {
-                let mut tokens = vec![e.tokens[e.n_computed]];
-                if draft {
-                    tokens.extend(e.drafts(*budget - 1));
-                }
-                *budget -= tokens.len();
-                items.push(PlanItem {
-                    session: id,
-                    start_pos: e.n_computed,
-                    n_draft: tokens.len() - 1,
-                    tokens,
-                    want_output: true,
-                });
-                e.in_flight.push_back(step_id);
-                e.n_planned = e.tokens.len();
-            }
-        }
         // Prefill, oldest first (ids grow with arrival). While several owners have prompts
         // waiting, a first pass holds each to its share of the step; a second pass hands what
         // is left to anyone, so no token of the budget is wasted.

@@ -401,16 +401,7 @@ fn report(b: &UrlBench<'_>, rows: &[Value], run: &Scrape, now: &Scrape, health: 
             f(s, "run_decode_tokens"),
         );
     }
-    let drafted = f(&counts, "drafted_tokens");
-    if drafted > 0.0 {
-        let accepted = f(&counts, "accepted_tokens");
-        let steps = f(&counts, "verification_steps").max(1.0);
-        println!(
-            "  speculation this run: {drafted} tokens drafted, {accepted} kept ({:.0}%), {:.2} kept per verification step",
-            100.0 * accepted / drafted,
-            accepted / steps,
-        );
-    }
+    print_speculation(&counts);
     println!(
         "  this run: {} requests, {} refusals, {} request failures, {} route failures; queue depth now {}; tracker rss {:.1} MiB",
         f(&counts, "requests"),
@@ -420,6 +411,21 @@ fn report(b: &UrlBench<'_>, rows: &[Value], run: &Scrape, now: &Scrape, health: 
         total(now, "strata_queue_depth"),
         mib(total(now, "process_resident_memory_bytes")),
     );
+}
+
+/// What speculation drafted and kept during the run, when the route speculated.
+fn print_speculation(counts: &Value) {
+    let f = |k: &str| counts[k].as_f64().unwrap_or(0.0);
+    let drafted = f("drafted_tokens");
+    if drafted > 0.0 {
+        let accepted = f("accepted_tokens");
+        let steps = f("verification_steps").max(1.0);
+        println!(
+            "  speculation this run: {drafted} tokens drafted, {accepted} kept ({:.0}%), {:.2} kept per verification step",
+            100.0 * accepted / drafted,
+            accepted / steps,
+        );
+    }
 }
 
 #[cfg(test)]
