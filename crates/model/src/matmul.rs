@@ -24,6 +24,9 @@ const STREAM_TASKS_PER_THREAD: usize = 8;
 const STREAM_MAX_TOKENS: usize = 16;
 /// Activation rows a task takes against all its weight rows before moving on.
 const ACT_CHUNK: usize = 32;
+/// Bytes of panels that one pass of the kernel over several activation rows takes before the
+/// next rows come (about what an L1 data cache holds beside them).
+const PASS_BYTES: usize = 24 << 10;
 
 /// An immutable weight matrix of `n_rows` rows of `n_cols` values, encoded as `ty` (in ggml's
 /// block layout, or repacked into panels of [`PANEL`] rows for the panel kernel when `packed`
@@ -374,17 +377,33 @@ fn panel_rows(
 ) {
     assert_eq!(rows.start % PANEL, 0, "tasks start at a panel");
     let pb = layout.panel_bytes();
-    let panels = &w.data[rows.start / PANEL * pb..rows.end.div_ceil(PANEL) * pb];
+    let first = rows.start / PANEL;
+    let n_panels = rows.len().div_ceil(PANEL);
+    // The kernel takes a few activation rows per call, so several calls pass over the same
+    // panels: as many panels a pass as stay in the L1 cache between them (a long run of a
+    // batched decode step's panels would be read from memory again by each call). One row
+    // streams the whole run in one call.
+    let per_pass = if n_tokens > 1 {
+        (PASS_BYTES / pb).max(1)
+    } else {
+        n_panels
+    };
     // Activation rows in chunks that stay in cache while every panel of the task passes over
     // them (a prompt's rows would not).
     for t0 in (0..n_tokens).step_by(ACT_CHUNK) {
         let t1 = (t0 + ACT_CHUNK).min(n_tokens);
         let a: [&[u8]; ACT_CHUNK] = std::array::from_fn(|j| acts.row((t0 + j).min(t1 - 1)));
-        // SAFETY: rows `rows` of every output row belong to this task alone, and the output
-        // holds `n_tokens * w.n_rows` values (asserted by the caller).
-        unsafe {
-            let o = out.at(t0 * w.n_rows + rows.start);
-            kernels.packed_panels(layout, panels, rows.len(), &a[..t1 - t0], o, w.n_rows);
+        for p0 in (0..n_panels).step_by(per_pass) {
+            let p1 = (p0 + per_pass).min(n_panels);
+            let r0 = rows.start + p0 * PANEL;
+            let r1 = (rows.start + p1 * PANEL).min(rows.end);
+            let panels = &w.data[(first + p0) * pb..(first + p1) * pb];
+            // SAFETY: rows `rows` of every output row belong to this task alone, and the
+            // output holds `n_tokens * w.n_rows` values (asserted by the caller).
+            unsafe {
+                let o = out.at(t0 * w.n_rows + r0);
+                kernels.packed_panels(layout, panels, r1 - r0, &a[..t1 - t0], o, w.n_rows);
+            }
         }
     }
 }

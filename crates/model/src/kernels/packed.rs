@@ -826,14 +826,10 @@ mod tests {
         }
     }
 
-    /// With every instruction set this CPU has, every grouping of activation rows, on a run
-    /// of panels whose last is partial, gives bitwise the element-by-element reference, and
-    /// nothing is written past the last row.
-    #[test]
-    fn panel_kernel_equals_the_reference_bitwise() {
+    /// The kernel families this CPU runs (the others named on stderr as not checked).
+    fn kernels_here() -> Vec<super::super::Kernels> {
         use super::super::{Isa, Kernels};
-        let fast = Kernels::detect();
-        let isas: Vec<Kernels> = [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni]
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni]
             .into_iter()
             .filter_map(|isa| {
                 let k = Kernels::new(isa);
@@ -842,7 +838,16 @@ mod tests {
                 }
                 k
             })
-            .collect();
+            .collect()
+    }
+
+    /// With every instruction set this CPU has, every grouping of activation rows, on a run
+    /// of panels whose last is partial, gives bitwise the element-by-element reference, and
+    /// nothing is written past the last row.
+    #[test]
+    fn panel_kernel_equals_the_reference_bitwise() {
+        let fast = super::super::Kernels::detect();
+        let isas = kernels_here();
         for kind in PackKind::ALL {
             let n = if kind.is_k() { 768 } else { 576 + 32 };
             let layout = Layout::new(kind, n);
@@ -888,6 +893,57 @@ mod tests {
                                 );
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every stored value at its largest (all quant bits set) against activations all -128,
+    /// all 127 or alternating, alone and four at a time: the kernels' integer sums are sized
+    /// for exactly these bounds (AVX2 adds products in i16 lanes), and must neither saturate
+    /// nor wrap.
+    #[test]
+    fn panel_kernel_at_extreme_values_equals_the_reference_bitwise() {
+        let fast = super::super::Kernels::detect();
+        let isas = kernels_here();
+        for kind in PackKind::ALL {
+            let n = if kind.is_k() { 512 } else { 64 };
+            let layout = Layout::new(kind, n);
+            let (_, mut panel) = rows_and_panel(kind, PANEL, n, 9);
+            let bb = kind.block_bytes();
+            for b in 0..layout.n_blocks {
+                panel[b * bb..b * bb + kind.quant_bytes()].fill(0xFF);
+            }
+            let acts: Vec<Vec<u8>> = [[0x80u8, 0x80], [0x7F, 0x7F], [0x80, 0x7F], [0x7F, 0x80]]
+                .into_iter()
+                .cycle()
+                .take(5)
+                .map(|[even, odd]| {
+                    let mut a = vec![0u8; layout.a_row_bytes()];
+                    fast.quantize_packed_act(&layout, &data(n, 3), &mut a);
+                    for (i, q) in a[..n].iter_mut().enumerate() {
+                        *q = if i % 2 == 0 { even } else { odd };
+                    }
+                    a
+                })
+                .collect();
+            let a: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
+            for k in &isas {
+                let mut out = vec![f32::NAN; a.len() * PANEL];
+                // SAFETY: `out` holds `a.len()` rows of PANEL values.
+                unsafe { k.packed_panels(&layout, &panel, PANEL, &a, out.as_mut_ptr(), PANEL) };
+                for (j, aj) in a.iter().enumerate() {
+                    let want = panel_reference(&layout, &panel, aj);
+                    for (r, want) in want.iter().enumerate() {
+                        assert!(want.is_finite(), "{kind:?} reference [{j}][{r}]");
+                        assert_eq!(
+                            out[j * PANEL + r].to_bits(),
+                            want.to_bits(),
+                            "{kind:?} {} [{j}][{r}]: {} vs {want}",
+                            k.isa().name(),
+                            out[j * PANEL + r]
+                        );
                     }
                 }
             }

@@ -5,10 +5,13 @@
 //! so the AVX-512 kernels' (which equal the same reference): the instruction set never changes
 //! a token.
 //!
-//! `vpdpbusd` (four u8 x i8 products summed into an i32 lane) becomes `vpmaddubsw` then
-//! `vpmaddwd`. The former saturates a pair of products at i16, which the stored values of every
-//! kind but Q8_0 cannot reach (at most 63 x 128 x 2); Q8_0's stored bytes (up to 255) are
-//! multiplied as two nibbles, the high one's sum shifted by four bits, which is exact.
+//! `vpdpbusd` (four u8 x i8 products summed into an i32 lane) becomes `vpmaddubsw` (two
+//! products summed into an i16 lane, saturating) and `vpmaddwd` (two i16 summed into an i32).
+//! The stored values of every kind but Q8_0 keep a pair of products within an i16 (at most
+//! 63 x 128 x 2), and several pairs as far as [`i16_terms`] says, so the kernels add
+//! `vpmaddubsw` results in i16 lanes and widen them once per group of values: half the
+//! multiplications of widening each. Q8_0's stored bytes (up to 255) are multiplied as two
+//! nibbles, the high one's sum times 16. Every sum stays an exact integer.
 
 use std::arch::x86_64::*;
 
@@ -43,29 +46,6 @@ const fn kind_of(id: u8) -> PackKind {
 unsafe fn bcast4(a: *const u8, at: usize) -> __m256i {
     // SAFETY: the caller keeps `at + 4` within the row.
     _mm256_set1_epi32(unsafe { (a.add(at) as *const i32).read_unaligned() })
-}
-
-/// `acc` plus, per 32-bit lane, the sum of the four products of `u`'s unsigned bytes (each at
-/// most 127 apart from Q8_0, see the module's doc) and `s`'s signed bytes: `vpdpbusd`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dpbusd(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-    let pairs = _mm256_maddubs_epi16(u, s);
-    _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
-}
-
-/// [`dpbusd`] for any unsigned bytes (Q8_0's stored values): low and high nibbles apart.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dpbusd_bytes(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-    let nibble = _mm256_set1_epi8(0x0F);
-    let lo = dpbusd(_mm256_setzero_si256(), _mm256_and_si256(u, nibble), s);
-    let hi = dpbusd(
-        _mm256_setzero_si256(),
-        _mm256_and_si256(_mm256_srli_epi16::<4>(u), nibble),
-        s,
-    );
-    _mm256_add_epi32(acc, _mm256_add_epi32(lo, _mm256_slli_epi32::<4>(hi)))
 }
 
 /// `acc` plus, per 32-bit lane, `a`'s two i16 times `b`'s two i16: `vpdpwssd` (no lane here
@@ -221,9 +201,53 @@ fn prefetch_ahead(at: *const u8, len: usize) {
     }
 }
 
+/// The largest value a kernel multiplies as one unsigned byte for `kind`: its stored values,
+/// but for Q8_0, whose bytes go through as two nibbles.
+const fn lane_max(kind: PackKind) -> i32 {
+    match kind {
+        PackKind::Q8_0 => 15,
+        _ => (1 << (kind.low_bits() + kind.high_bits())) - 1,
+    }
+}
+
+/// How many `vpmaddubsw` results an i16 lane can add up exactly when the unsigned bytes are at
+/// most `max` (activations are i8, at least -128 in magnitude): each result is two products,
+/// so at most `2 · max · 128`.
+const fn i16_terms(max: i32) -> usize {
+    (i16::MAX as i32 / (2 * max * 128)) as usize
+}
+
+/// Per 16-bit lane, `lo`'s pair of products with `x0` plus `hi`'s with `x1` (two
+/// `vpmaddubsw` results, which every kind's bytes keep within an i16 twice over).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn pair_sums(lo: __m256i, x0: __m256i, hi: __m256i, x1: __m256i) -> __m256i {
+    _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1))
+}
+
+/// The two i16 of each 32-bit lane summed into an i32 (`vpmaddwd` by ones).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen(v: __m256i) -> __m256i {
+    _mm256_madd_epi16(v, _mm256_set1_epi16(1))
+}
+
+/// Each 32-bit lane's non-negative value below 2^15 in both of its i16 halves, so that
+/// `vpmaddwd` by it multiplies a lane's two i16 sums by it and adds them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn i16_pairs(v: __m256i) -> __m256i {
+    _mm256_or_si256(v, _mm256_slli_epi32::<16>(v))
+}
+
 /// Weight rows `0..n_rows` of the consecutive panels `w` times `RA` activation rows, for the
 /// legacy kinds (blocks of 32): row `r` . `a[j]` is written to `out[j * stride + r]`, bitwise
 /// equal to [`super::panel_reference`]'s lane `r % 16` of panel `r / 16`.
+///
+/// The products of a block are summed in i16 lanes (`vpmaddubsw` results added while they
+/// cannot overflow, see [`i16_terms`]) and widened to i32 once a block, which halves the
+/// multiplications of summing every result into i32 at once; the block's integer sum is the
+/// same exact integer either way.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `KIND` must be [`kind_id`] of the layout's kind;
@@ -247,10 +271,19 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
     let five = KIND == Q50 || KIND == Q51;
     let (bb, d_at, m_at) = const {
         let kind = kind_of(KIND);
+        // Q8_0: the eight groups of four values, low and high nibbles apart; Q5_0 and Q5_1:
+        // two chunks (of two results each) per i16 sum; Q4_0 and Q4_1: all four.
+        let terms = match kind {
+            PackKind::Q8_0 => QK / 4,
+            PackKind::Q5_0 | PackKind::Q5_1 => 4,
+            _ => 8,
+        };
+        assert!(terms <= i16_terms(lane_max(kind)));
         (kind.block_bytes(), kind.d_at(), kind.m_at())
     };
     let (a_d, a_corr, a_sums) = (layout.a_d(), layout.a_corr(), layout.a_sums());
     let ap = a.map(|a| a.as_ptr());
+    let nibble = _mm256_set1_epi8(0x0F);
     for p in 0..n_panels {
         // SAFETY: panel `p` is in bounds by the assertion above.
         let wp = unsafe { w.as_ptr().add(p * layout.panel_bytes()) };
@@ -264,23 +297,18 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
                 if half == 0 {
                     prefetch_ahead(blk, bb);
                 }
-                let mut even = [_mm256_setzero_si256(); RA];
-                let mut odd = [_mm256_setzero_si256(); RA];
-                if !mins {
-                    for j in 0..RA {
-                        even[j] = unsafe { bcast4(ap[j], a_corr + 4 * b) };
-                    }
-                }
+                // Per activation row, the block's i16 sums: Q8_0's low nibbles and high
+                // nibbles; Q5_0 and Q5_1's first and second halves; the others' all in [0].
+                let mut s16 = [[_mm256_setzero_si256(); RA]; 2];
                 if KIND == Q8 {
                     for g in 0..QK / 4 {
                         let wv = unsafe { load(blk.add(64 * g + 32 * half)) };
+                        let lo = _mm256_and_si256(wv, nibble);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(wv), nibble);
                         for j in 0..RA {
                             let x = unsafe { bcast4(ap[j], QK * b + 4 * g) };
-                            if g % 2 == 0 {
-                                even[j] = dpbusd_bytes(even[j], wv, x);
-                            } else {
-                                odd[j] = dpbusd_bytes(odd[j], wv, x);
-                            }
+                            s16[0][j] = _mm256_add_epi16(s16[0][j], _mm256_maddubs_epi16(lo, x));
+                            s16[1][j] = _mm256_add_epi16(s16[1][j], _mm256_maddubs_epi16(hi, x));
                         }
                     }
                 } else {
@@ -295,6 +323,7 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
                         } else {
                             unsafe { chunk::<0>(blk, h, half, pl) }
                         };
+                        let i = if five { h / 2 } else { 0 };
                         for j in 0..RA {
                             let (x0, x1) = unsafe {
                                 (
@@ -302,8 +331,7 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
                                     bcast4(ap[j], QK * b + 8 * h + 4),
                                 )
                             };
-                            even[j] = dpbusd(even[j], lo, x0);
-                            odd[j] = dpbusd(odd[j], hi, x1);
+                            s16[i][j] = _mm256_add_epi16(s16[i][j], pair_sums(lo, x0, hi, x1));
                         }
                     }
                 }
@@ -314,8 +342,19 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
                     _mm256_setzero_ps()
                 };
                 for j in 0..RA {
-                    let dot = _mm256_cvtepi32_ps(_mm256_add_epi32(even[j], odd[j]));
+                    let mut dot = widen(s16[0][j]);
+                    if KIND == Q8 {
+                        // The high nibbles' sum, times 16.
+                        let hi = _mm256_madd_epi16(s16[1][j], _mm256_set1_epi16(16));
+                        dot = _mm256_add_epi32(dot, hi);
+                    } else if five {
+                        dot = _mm256_add_epi32(dot, widen(s16[1][j]));
+                    }
+                    if !mins {
+                        dot = _mm256_add_epi32(dot, unsafe { bcast4(ap[j], a_corr + 4 * b) });
+                    }
                     let ad = unsafe { (ap[j].add(a_d + 4 * b) as *const f32).read_unaligned() };
+                    let dot = _mm256_cvtepi32_ps(dot);
                     acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(ad)), acc[j]);
                     if mins {
                         let s =
@@ -343,7 +382,8 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
 /// [`panels`] for the K-quants (blocks of 256 in eight sub-blocks), with [`super::vnni`]'s
 /// `panels_k` arithmetic: each sub-block's exact integer sum times its integer scale into one
 /// i32 per row and block, the mins times the activation's sums into another, each converted
-/// once per block.
+/// once per block. Products are summed in i16 lanes as far as [`i16_terms`] allows, as in
+/// [`panels`]: Q4_K and Q5_K's (unsigned scales) are multiplied by their scale as they widen.
 ///
 /// # Safety
 /// As for [`panels`].
@@ -361,11 +401,17 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
     let n_panels = n_rows.div_ceil(PANEL);
     assert!(w.len() >= n_panels * layout.panel_bytes());
     assert!(a.iter().all(|a| a.len() >= layout.a_row_bytes()));
-    let halves = KIND == Q2K || KIND == Q3K || KIND == Q6K;
     let offset = KIND == Q3K || KIND == Q6K;
     let two_bit = KIND == Q2K || KIND == Q3K;
     let (bb, sub_bytes, sc_at, mins_at, d_at, m_at) = const {
         let kind = kind_of(KIND);
+        // Q2_K, Q3_K: a group of 16 values (four results) per i16 sum; Q6_K: one chunk (two
+        // results); Q4_K, Q5_K: two chunks (four).
+        let terms = match kind {
+            PackKind::Q6K => 2,
+            _ => 4,
+        };
+        assert!(terms <= i16_terms(lane_max(kind)));
         (
             kind.block_bytes(),
             kind.sub_bytes(),
@@ -395,6 +441,9 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
                 let mut msum = [_mm256_setzero_si256(); RA];
                 for s in 0..SUBS {
                     let sub = unsafe { blk.add(s * sub_bytes) };
+                    // The sub-block's two halves (of 16 values, or for Q4_K and Q5_K two
+                    // chunks each) summed in i16 lanes; Q6_K's in i32 (`g`) chunk by chunk.
+                    let mut s16 = [[_mm256_setzero_si256(); RA]; 2];
                     let mut g = [[_mm256_setzero_si256(); RA]; 2];
                     if offset {
                         for j in 0..RA {
@@ -409,13 +458,14 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
                         } else {
                             _mm256_setzero_si256()
                         };
-                        for (c, part) in g.iter_mut().enumerate() {
+                        for (c, part) in s16.iter_mut().enumerate() {
                             let chunk = unsafe { load(sub.add(64 * c + 32 * half)) };
                             for t in 0..4 {
                                 let v = crumbs::<KIND>(chunk, plane, c, t);
                                 for j in 0..RA {
                                     let at = QK_K * b + QK * s + 16 * c + 4 * t;
-                                    part[j] = dpbusd(part[j], v, unsafe { bcast4(ap[j], at) });
+                                    let x = unsafe { bcast4(ap[j], at) };
+                                    part[j] = _mm256_add_epi16(part[j], _mm256_maddubs_epi16(v, x));
                                 }
                             }
                         }
@@ -431,17 +481,16 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
                                 Q6K => unsafe { chunk::<2>(sub, h, half, pl) },
                                 _ => unsafe { chunk::<0>(sub, h, half, pl) },
                             };
+                            let i = h / 2;
                             for j in 0..RA {
                                 let at = QK_K * b + QK * s + 8 * h;
                                 let (x0, x1) =
                                     unsafe { (bcast4(ap[j], at), bcast4(ap[j], at + 4)) };
-                                if halves {
-                                    let i = h / 2;
-                                    g[i][j] = dpbusd(g[i][j], lo, x0);
-                                    g[i][j] = dpbusd(g[i][j], hi, x1);
+                                let t = pair_sums(lo, x0, hi, x1);
+                                if KIND == Q6K {
+                                    g[i][j] = _mm256_add_epi32(g[i][j], widen(t));
                                 } else {
-                                    g[0][j] = dpbusd(g[0][j], lo, x0);
-                                    g[1][j] = dpbusd(g[1][j], hi, x1);
+                                    s16[i][j] = _mm256_add_epi16(s16[i][j], t);
                                 }
                             }
                         }
@@ -450,27 +499,33 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
                         // Lane `r`'s two bytes (scale | min << 4) of this sub-block's halves.
                         let pair = unsafe { lane_pairs(blk.add(mins_at + 32 * s + 16 * half)) };
                         let nibble = _mm256_set1_epi32(0x0F);
-                        let s0 = _mm256_and_si256(pair, nibble);
-                        let s1 = _mm256_and_si256(_mm256_srli_epi32::<16>(pair), nibble);
+                        let s0 = i16_pairs(_mm256_and_si256(pair, nibble));
+                        let s1 = i16_pairs(_mm256_and_si256(_mm256_srli_epi32::<16>(pair), nibble));
                         let m = _mm256_and_si256(
                             _mm256_srli_epi32::<4>(pair),
                             _mm256_set1_epi32(0x000F_000F),
                         );
                         for j in 0..RA {
                             let both = _mm256_add_epi32(
-                                _mm256_mullo_epi32(s0, g[0][j]),
-                                _mm256_mullo_epi32(s1, g[1][j]),
+                                _mm256_madd_epi16(s16[0][j], s0),
+                                _mm256_madd_epi16(s16[1][j], s1),
                             );
                             total[j] = _mm256_add_epi32(total[j], both);
                             let sums = unsafe { bcast4(ap[j], a_sums + sums_bytes * b + 4 * s) };
                             msum[j] = dpwssd(msum[j], m, sums);
                         }
-                    } else if halves {
+                    } else if offset {
+                        // Q3_K and Q6_K: signed scales, each times its half's i32 sum (the
+                        // activation's offset correction included).
                         let sc = |i: usize| unsafe {
                             lane_bytes::<true>(blk.add(sc_at + PANEL * i + HALF * half))
                         };
                         let (s0, s1) = (sc(2 * s), sc(2 * s + 1));
                         for j in 0..RA {
+                            if KIND == Q3K {
+                                g[0][j] = _mm256_add_epi32(g[0][j], widen(s16[0][j]));
+                                g[1][j] = _mm256_add_epi32(g[1][j], widen(s16[1][j]));
+                            }
                             let both = _mm256_add_epi32(
                                 _mm256_mullo_epi32(s0, g[0][j]),
                                 _mm256_mullo_epi32(s1, g[1][j]),
@@ -478,12 +533,15 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
                             total[j] = _mm256_add_epi32(total[j], both);
                         }
                     } else {
-                        let s0 = unsafe {
+                        let s0 = i16_pairs(unsafe {
                             lane_bytes::<false>(blk.add(sc_at + PANEL * s + HALF * half))
-                        };
+                        });
                         for j in 0..RA {
-                            let sum = _mm256_add_epi32(g[0][j], g[1][j]);
-                            total[j] = _mm256_add_epi32(total[j], _mm256_mullo_epi32(s0, sum));
+                            let both = _mm256_add_epi32(
+                                _mm256_madd_epi16(s16[0][j], s0),
+                                _mm256_madd_epi16(s16[1][j], s0),
+                            );
+                            total[j] = _mm256_add_epi32(total[j], both);
                         }
                     }
                 }
