@@ -287,10 +287,14 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
     for p in 0..n_panels {
         // SAFETY: panel `p` is in bounds by the assertion above.
         let wp = unsafe { w.as_ptr().add(p * layout.panel_bytes()) };
-        for half in 0..2 {
-            let mut acc = [_mm256_setzero_ps(); RA];
-            let mut msum = [_mm256_setzero_ps(); RA];
-            for b in 0..layout.n_blocks {
+        // Both halves of a block while its bytes are in L1 (a half takes 32 bytes of each
+        // 64-byte chunk), so the panel streams from memory once.
+        let mut acc_of = [[_mm256_setzero_ps(); RA]; 2];
+        let mut msum_of = [[_mm256_setzero_ps(); RA]; 2];
+        for b in 0..layout.n_blocks {
+            for half in 0..2 {
+                let acc = &mut acc_of[half];
+                let msum = &mut msum_of[half];
                 // SAFETY (every read below): block `b` of the panel and of each activation
                 // row is in bounds by the length assertions above.
                 let blk = unsafe { wp.add(b * bb) };
@@ -363,6 +367,8 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
                     }
                 }
             }
+        }
+        for half in 0..2 {
             for j in 0..RA {
                 // SAFETY: rows `16p + 8 half ..` of output row `j`, the caller's contract.
                 unsafe {
@@ -371,7 +377,7 @@ pub unsafe fn panels<const KIND: u8, const RA: usize>(
                         p,
                         half,
                         n_rows,
-                        _mm256_add_ps(acc[j], msum[j]),
+                        _mm256_add_ps(acc_of[half][j], msum_of[half][j]),
                     )
                 };
             }
@@ -427,20 +433,29 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
     for p in 0..n_panels {
         // SAFETY: panel `p` is in bounds by the assertion above.
         let wp = unsafe { w.as_ptr().add(p * layout.panel_bytes()) };
-        for half in 0..2 {
-            let mut acc = [_mm256_setzero_ps(); RA];
-            let mut mins = [_mm256_setzero_ps(); RA];
-            for b in 0..layout.n_blocks {
+        // Both halves of a block while its bytes are in L1 (a half takes 32 bytes of each
+        // 64-byte chunk), so the panel streams from memory once.
+        let mut acc_of = [[_mm256_setzero_ps(); RA]; 2];
+        let mut mins_of = [[_mm256_setzero_ps(); RA]; 2];
+        for b in 0..layout.n_blocks {
+            for half in 0..2 {
+                let acc = &mut acc_of[half];
+                let mins = &mut mins_of[half];
                 // SAFETY (every read below): block `b` of the panel and of each activation
                 // row is in bounds by the length assertions above.
                 let blk = unsafe { wp.add(b * bb) };
                 if half == 0 {
-                    prefetch_ahead(blk, bb);
+                    // The scales here, each sub-block's quants as it comes: a block's
+                    // dozens of lines asked for at once outrun the CPU's fill buffers.
+                    prefetch_ahead(blk.wrapping_add(SUBS * sub_bytes), bb - SUBS * sub_bytes);
                 }
                 let mut total = [_mm256_setzero_si256(); RA];
                 let mut msum = [_mm256_setzero_si256(); RA];
                 for s in 0..SUBS {
                     let sub = unsafe { blk.add(s * sub_bytes) };
+                    if half == 0 {
+                        prefetch_ahead(sub, sub_bytes);
+                    }
                     // The sub-block's two halves (of 16 values, or for Q4_K and Q5_K two
                     // chunks each) summed in i16 lanes; Q6_K's in i32 (`g`) chunk by chunk.
                     let mut s16 = [[_mm256_setzero_si256(); RA]; 2];
@@ -571,6 +586,8 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
                     }
                 }
             }
+        }
+        for half in 0..2 {
             for j in 0..RA {
                 // SAFETY: rows `16p + 8 half ..` of output row `j`, the caller's contract.
                 unsafe {
@@ -579,7 +596,7 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
                         p,
                         half,
                         n_rows,
-                        _mm256_sub_ps(acc[j], mins[j]),
+                        _mm256_sub_ps(acc_of[half][j], mins_of[half][j]),
                     )
                 };
             }
