@@ -851,7 +851,8 @@ mod tests {
         for kind in PackKind::ALL {
             let n = if kind.is_k() { 768 } else { 576 + 32 };
             let layout = Layout::new(kind, n);
-            let n_rows = 2 * PANEL + 8;
+            // The last panel partial in its second half of eight rows.
+            let n_rows = 2 * PANEL + 11;
             let panels: Vec<u8> = (0..3)
                 .flat_map(|p| rows_and_panel(kind, PANEL, n, 40 + 100 * p as u32).1)
                 .collect();

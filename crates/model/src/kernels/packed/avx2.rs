@@ -178,12 +178,14 @@ unsafe fn store_rows(out: *mut f32, p: usize, half: usize, n_rows: usize, v: __m
         return;
     }
     let valid = (n_rows - r0).min(HALF);
-    let mut lanes = [0f32; HALF];
-    // SAFETY: eight floats.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
-    for (r, v) in lanes.iter().enumerate().take(valid) {
-        // SAFETY: the caller's contract.
-        unsafe { out.add(r0 + r).write(*v) };
+    // SAFETY (both stores): rows `r0 .. r0 + valid`, the caller's contract.
+    if valid == HALF {
+        unsafe { _mm256_storeu_ps(out.add(r0), v) };
+    } else {
+        // Lanes below `valid` only (a partial last panel).
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid as i32), lanes);
+        unsafe { _mm256_maskstore_ps(out.add(r0), mask, v) };
     }
 }
 
