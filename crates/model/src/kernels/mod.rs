@@ -408,6 +408,11 @@ impl Kernels {
                 }
             };
         }
+        #[cfg(target_arch = "x86_64")]
+        if self.isa == Isa::Avx2 && layout.kind.is_k() {
+            // SAFETY: the isa was checked when these kernels were made.
+            return unsafe { packed::avx2::quantize_k_act_row(layout, x, out) };
+        }
         packed::quantize_act_row(layout, x, out)
     }
 

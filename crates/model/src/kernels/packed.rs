@@ -564,6 +564,27 @@ pub fn dequantize_panel_row(layout: &Layout, panel: &[u8], r: usize, out: &mut [
     }
 }
 
+/// Block `b` (the 256 values `xb`) of a K-quant activation row, as [`quantize_act_row`]
+/// writes it.
+pub(super) fn quantize_k_act_block(layout: &Layout, b: usize, xb: &[f32], out: &mut [u8]) {
+    let kind = layout.kind;
+    let offset = kind.offset();
+    let (d, q) = super::act::q8k_values(xb);
+    out[b * QK_K..(b + 1) * QK_K].copy_from_slice(&q.map(|v| v as u8));
+    put_f32(out, layout.a_d() + 4 * b, d);
+    for (g, qg) in q.chunks_exact(kind.group_values()).enumerate() {
+        let sum: i32 = qg.iter().map(|&v| v as i32).sum();
+        if offset != 0 {
+            let at = layout.a_corr() + layout.corr_bytes() * b + 4 * g;
+            out[at..at + 4].copy_from_slice(&(-offset * sum).to_le_bytes());
+        }
+        if kind.has_k_mins() {
+            let at = layout.a_sums() + layout.sums_bytes() * b + 2 * g;
+            out[at..at + 2].copy_from_slice(&(sum as i16).to_le_bytes());
+        }
+    }
+}
+
 /// Quantizes one activation row `x` into the packed form for `layout` (`a_row_bytes` bytes).
 /// Blocks are quantized exactly as [`super::act`] quantizes Q8_0 / Q8_1 / Q8_K blocks.
 pub fn quantize_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
@@ -571,20 +592,7 @@ pub fn quantize_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
     let offset = kind.offset();
     if kind.is_k() {
         for (b, xb) in x.chunks_exact(QK_K).enumerate() {
-            let (d, q) = super::act::q8k_values(xb);
-            out[b * QK_K..(b + 1) * QK_K].copy_from_slice(&q.map(|v| v as u8));
-            put_f32(out, layout.a_d() + 4 * b, d);
-            for (g, qg) in q.chunks_exact(kind.group_values()).enumerate() {
-                let sum: i32 = qg.iter().map(|&v| v as i32).sum();
-                if offset != 0 {
-                    let at = layout.a_corr() + layout.corr_bytes() * b + 4 * g;
-                    out[at..at + 4].copy_from_slice(&(-offset * sum).to_le_bytes());
-                }
-                if kind.has_k_mins() {
-                    let at = layout.a_sums() + layout.sums_bytes() * b + 2 * g;
-                    out[at..at + 2].copy_from_slice(&(sum as i16).to_le_bytes());
-                }
-            }
+            quantize_k_act_block(layout, b, xb, out);
         }
         return;
     }
@@ -775,16 +783,15 @@ mod tests {
         }
     }
 
-    /// The SIMD activation quantizer writes bitwise the reference's bytes, including blocks of
-    /// zeros, exact halves and a lone maximum.
+    /// The SIMD activation quantizers write bitwise the reference's bytes, including blocks
+    /// of zeros, exact halves, a lone maximum, a NaN and (K-quants) a block too small to
+    /// scale: AVX-512's for every kind, AVX2's for the K-quants.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn simd_activation_quantizer_equals_the_reference_bitwise() {
-        if !super::super::Isa::Avx512Vnni
-            .testable("simd_activation_quantizer_equals_the_reference_bitwise")
-        {
-            return;
-        }
+        use super::super::Isa;
+        let test = "simd_activation_quantizer_equals_the_reference_bitwise";
+        let (avx2, avx512) = (Isa::Avx2.testable(test), Isa::Avx512Vnni.testable(test));
         // 48 blocks (three groups of sixteen), 18 (one and a part), 7 (a part only); the
         // K-quants' blocks of 256: six, and one.
         let legacy = LEGACY.iter().flat_map(|&k| [(k, 1536), (k, 576), (k, 224)]);
@@ -808,21 +815,28 @@ mod tests {
                 x[320] = -2.5e3;
                 x[400] = 2.5e3;
                 x[512..768].fill(0.0);
+                // A block whose scale overflows (-127 / 1e-38), with a subnormal in it.
+                x[768..1024].fill(1.0e-38);
+                x[800] = -1.0e-39;
             }
-            let (mut want, mut got) = (
-                vec![0u8; layout.a_row_bytes()],
-                vec![1u8; layout.a_row_bytes()],
-            );
+            let mut want = vec![0u8; layout.a_row_bytes()];
             quantize_act_row(&layout, &x, &mut want);
-            // SAFETY: support checked above.
-            unsafe {
-                if kind.is_k() {
-                    vnni::quantize_k_act_row(&layout, &x, &mut got)
-                } else {
-                    vnni::quantize_act_row(&layout, &x, &mut got)
-                }
+            let check = |isa: &str, quantize: unsafe fn(&Layout, &[f32], &mut [u8])| {
+                let mut got = vec![1u8; layout.a_row_bytes()];
+                // SAFETY: support checked by the caller.
+                unsafe { quantize(&layout, &x, &mut got) };
+                assert_eq!(want, got, "{isa} {kind:?} {n}");
             };
-            assert_eq!(want, got, "{kind:?} {n}");
+            if avx512 {
+                if kind.is_k() {
+                    check("avx512", vnni::quantize_k_act_row);
+                } else {
+                    check("avx512", vnni::quantize_act_row);
+                }
+            }
+            if avx2 && kind.is_k() {
+                check("avx2", avx2::quantize_k_act_row);
+            }
         }
     }
 

@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 use gguf::quant::{QK, QK_K};
 
 use super::vnni::{kind_id, Q2K, Q3K, Q41, Q4K, Q50, Q51, Q5K, Q6K, Q8};
-use super::{Layout, PackKind, PANEL, SUBS};
+use super::{quantize_k_act_block, Layout, PackKind, PANEL, SUBS};
 
 /// Lanes (weight rows) of one 256-bit half of a panel.
 const HALF: usize = PANEL / 2;
@@ -601,6 +601,116 @@ pub unsafe fn panels_k<const KIND: u8, const RA: usize>(
                         _mm256_sub_ps(acc_of[half][j], mins_of[half][j]),
                     )
                 };
+            }
+        }
+    }
+}
+
+/// The horizontal sum of eight i32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+    _mm_cvtsi128_si32(s)
+}
+
+/// [`super::quantize_act_row`] for the K-quants (Q8_K blocks of 256), eight values per
+/// instruction and bitwise equal to it: the first value of the largest magnitude is the
+/// signed maximum (NaN skipped, as the reference's comparison skips it); values rounded half
+/// away from zero as truncation plus a step where the (exact) remainder reaches one half, a
+/// NaN to 0 as the reference's conversion gives. A block whose scale is not finite (its
+/// largest magnitude below about 4e-37: no real activation) is the reference's own.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_k_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
+    assert!(layout.kind.is_k());
+    assert_eq!(x.len(), layout.n_cols);
+    assert!(out.len() >= layout.a_row_bytes());
+    let offset = layout.kind.offset();
+    let sign = _mm256_set1_ps(-0.0);
+    for (b, xb) in x.chunks_exact(QK_K).enumerate() {
+        // SAFETY (loads): 32 chunks of eight floats make the block.
+        let chunk =
+            |c: usize| _mm256_andnot_ps(sign, unsafe { _mm256_loadu_ps(xb.as_ptr().add(8 * c)) });
+        // The running maximum is the second operand, so a NaN is skipped.
+        let mut m = _mm256_setzero_ps();
+        for c in 0..QK_K / 8 {
+            m = _mm256_max_ps(chunk(c), m);
+        }
+        let mut lanes = [0f32; 8];
+        // SAFETY: eight floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+        let amax = lanes.iter().fold(0f32, |a, &v| if v > a { v } else { a });
+        let mut sums16 = [0i32; QK_K / 16];
+        let mut d = 0f32;
+        if amax == 0.0 {
+            out[QK_K * b..QK_K * (b + 1)].fill(0);
+        } else {
+            let first = (0..QK_K / 8)
+                .find_map(|c| {
+                    let eq = _mm256_cmp_ps::<_CMP_EQ_OQ>(chunk(c), _mm256_set1_ps(amax));
+                    let bits = _mm256_movemask_ps(eq);
+                    (bits != 0).then(|| 8 * c + bits.trailing_zeros() as usize)
+                })
+                .expect("the maximum is one of the block's magnitudes");
+            let iscale = -127.0 / xb[first];
+            if !iscale.is_finite() {
+                quantize_k_act_block(layout, b, xb, out);
+                continue;
+            }
+            d = 1.0 / iscale;
+            let is = _mm256_set1_ps(iscale);
+            let (half, minus_half) = (_mm256_set1_ps(0.5), _mm256_set1_ps(-0.5));
+            // Values 32g .. 32g + 32: four vectors of eight, packed to bytes in order.
+            for g in 0..QK_K / 32 {
+                let q = std::array::from_fn::<__m256i, 4, _>(|k| {
+                    // SAFETY: value `32g + 8k` of the block.
+                    let v = unsafe { _mm256_loadu_ps(xb.as_ptr().add(32 * g + 8 * k)) };
+                    let y = _mm256_mul_ps(v, is);
+                    let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+                    let frac = _mm256_sub_ps(y, t);
+                    let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half));
+                    let down = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(frac, minus_half));
+                    let q = _mm256_add_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(t), up), down);
+                    // A NaN product is 0; every other is within [-127, 127] (|y| <= 127).
+                    let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(y, y));
+                    _mm256_andnot_si256(nan, q)
+                });
+                let words = _mm256_packs_epi16(
+                    _mm256_packs_epi32(q[0], q[1]),
+                    _mm256_packs_epi32(q[2], q[3]),
+                );
+                let bytes =
+                    _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                // SAFETY: values `32g ..` of block `b` of `out`, in bounds by the assertions.
+                unsafe {
+                    _mm256_storeu_si256(
+                        out.as_mut_ptr().add(QK_K * b + 32 * g) as *mut __m256i,
+                        bytes,
+                    )
+                };
+                sums16[2 * g] = sum_i32(_mm256_add_epi32(q[0], q[1]));
+                sums16[2 * g + 1] = sum_i32(_mm256_add_epi32(q[2], q[3]));
+            }
+        }
+        out[layout.a_d() + 4 * b..][..4].copy_from_slice(&d.to_le_bytes());
+        if offset != 0 {
+            for (g, sum) in sums16.iter().enumerate() {
+                let at = layout.a_corr() + layout.corr_bytes() * b + 4 * g;
+                out[at..at + 4].copy_from_slice(&(-offset * sum).to_le_bytes());
+            }
+        }
+        if layout.kind.has_k_mins() {
+            // One sum per integer min: of 16 values (Q2_K) or of 32 (two sums of 16).
+            let per = layout.kind.group_values() / 16;
+            for (g, part) in sums16.chunks_exact(per).enumerate() {
+                let at = layout.a_sums() + layout.sums_bytes() * b + 2 * g;
+                let sum: i32 = part.iter().sum();
+                out[at..at + 2].copy_from_slice(&(sum as i16).to_le_bytes());
             }
         }
     }
