@@ -24,6 +24,8 @@
 #     prefix cache off: every request computes its whole prompt, as llama-bench does);
 #     skipped when the build has no ggml-rpc-server;
 #   - peak resident memory of a server with a 4096-token context after one request.
+# The table's first row names each side's instruction set (llama.cpp's from its build options,
+# strata's kernel family from `strata bench`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${LLAMA_CPP_DIR:?set LLAMA_CPP_DIR to a llama.cpp build directory (with bin/llama-bench)}"
@@ -51,6 +53,20 @@ wait_http() { # $1 = port
 peak_rss_mib() { # $1 = pid
   awk '/VmHWM/ {printf "%.1f", $2 / 1024}' "/proc/$1/status"
 }
+
+# The instruction sets each side runs: llama.cpp's from its build options (a native build runs
+# what this CPU has), strata's from its own bench output (`isa`).
+cpu_isa=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -xE 'avx2|fma|f16c|avx512f|avx512bw|avx512vl|avx512_vnni|avx512_bf16|avx_vnni' | paste -sd' ' -)
+cache="$LLAMA_CPP_DIR/CMakeCache.txt"
+if [ -f "$cache" ] && grep -q '^GGML_NATIVE:BOOL=ON' "$cache"; then
+  llama_isa="native build: $cpu_isa"
+elif [ -f "$cache" ]; then
+  llama_isa=$(grep -E '^GGML_(AVX|AVX2|AVX512|AVX512_VNNI|AVX512_BF16|AVX_VNNI|FMA|F16C):BOOL=ON' "$cache" | cut -d: -f1 | sed 's/^GGML_//' | paste -sd' ' -)
+  llama_isa="built for: ${llama_isa:-no x86 SIMD options}"
+else
+  llama_isa="unknown (no CMakeCache.txt in LLAMA_CPP_DIR)"
+fi
+echo "$llama_isa" > "$out/llama-isa"
 
 conc=1,4,8,16
 stream_requests=${STREAM_REQUESTS:-10}
@@ -147,6 +163,9 @@ else:
 print(f"model: {os.path.basename(sys.argv[5])}")
 print(f"| test | llama.cpp | strata | strata / llama.cpp |")
 print(f"| --- | ---: | ---: | ---: |")
+llama_isa = open(f"{out}/llama-isa").read().strip()
+strata_isa = ", ".join(sorted({load("strata-bench", r)["isa"] for r in rounds}))
+print(f"| instruction set | {llama_isa} | {strata_isa} kernels | |")
 for name, l, s in rows:
     print(f"| {name} | {l:.1f} | {s:.1f} | {s / l:.2f} |")
 # Single-stream decode: every request of a route against the one-process request just before it.
