@@ -39,11 +39,15 @@ LONG = os.environ.get("STRATA_LONG") == "1"
 
 
 class Server:
-    """`strata serve` (2 shards) on a free 127.0.0.1 port, with an API key."""
+    """`strata serve` (2 shards) on a free 127.0.0.1 port, with an API key. Requests that give
+    no temperature are greedy (`--default-temperature 0`), so every case ends the same way
+    every run: Codex sets none, and sampled at the APIs' default of 1 the small model once
+    rambled to its 512-token cap (Codex exits 1 on an incomplete response)."""
 
     def __init__(self):
         self.proc = subprocess.Popen(
-            [BIN, "serve", "--model", MODEL, "--shards", "2", "--listen", "127.0.0.1:0", "--api-key", KEY],
+            [BIN, "serve", "--model", MODEL, "--shards", "2", "--listen", "127.0.0.1:0", "--api-key", KEY,
+             "--default-temperature", "0"],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,

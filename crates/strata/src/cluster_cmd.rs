@@ -414,6 +414,11 @@ pub struct ApiArgs {
     /// need a key too).
     #[arg(long)]
     public_metrics: bool,
+    /// The sampling temperature of a generation request that gives none (0 to 2; 0 is
+    /// greedy). Without it such a request samples at 1, the OpenAI and Anthropic APIs' own
+    /// default; a client that cannot set its temperature (an agent CLI) can be made greedy.
+    #[arg(long)]
+    default_temperature: Option<f64>,
     /// File holding the admin API's bearer token (enables `POST /admin/routes/NAME/evict`).
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
@@ -517,6 +522,11 @@ pub fn tracker_config(route: &RouteArgs, api: &ApiArgs) -> Result<tracker::Track
     if route.liveness_ms < 100 {
         bail!("`--liveness-ms` must be at least 100");
     }
+    if let Some(t) = api.default_temperature {
+        if !(0.0..=2.0).contains(&t) {
+            bail!("`--default-temperature` must be between 0 and 2, not {t}");
+        }
+    }
     let tls = match (&api.tls_cert, &api.tls_key) {
         (Some(cert), Some(key)) => Some(api_tls(cert, key)?),
         _ => None,
@@ -564,6 +574,7 @@ pub fn tracker_config(route: &RouteArgs, api: &ApiArgs) -> Result<tracker::Track
         },
         api_key: api.api_key.clone(),
         public_metrics: api.public_metrics,
+        default_temperature: api.default_temperature,
         http,
         ..tracker::TrackerConfig::default()
     })

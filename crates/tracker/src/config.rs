@@ -17,6 +17,9 @@ pub struct TrackerConfig {
     pub startup_wait: Duration,
     pub health_period: Duration,
     pub default_chat_max_tokens: usize,
+    /// The temperature of a generation request that gives none (`--default-temperature`);
+    /// `None`: the APIs' own default, 1.
+    pub default_temperature: Option<f64>,
     /// Queue places per class, key share and retry hint; the active places per class are the
     /// scheduler's `max_active` and `grading_max_active`.
     pub admission: engine::AdmissionConfig,
@@ -68,6 +71,7 @@ impl Default for TrackerConfig {
             startup_wait: Duration::from_secs(60),
             health_period: Duration::from_millis(500),
             default_chat_max_tokens: 512,
+            default_temperature: None,
             admission: engine::AdmissionConfig::default(),
             ledger: None,
             admin_token: None,

@@ -116,6 +116,7 @@ impl Tracker {
             table,
             metrics,
             default_chat_max_tokens: config.default_chat_max_tokens,
+            default_temperature: config.default_temperature,
             ledger: config.ledger,
             api_key: config.api_key,
             public_metrics: config.public_metrics,

@@ -400,3 +400,18 @@ fn speculation_flags_out_of_range_are_refused_naming_them() {
         assert!(err.contains(want), "{flag} {value}: {err}");
     }
 }
+
+#[test]
+fn a_default_temperature_out_of_range_is_refused_naming_it() {
+    let m = tiny();
+    for value in ["2.5", "-0.1", "NaN"] {
+        let flag = format!("--default-temperature={value}");
+        let out = strata(&["serve", "--model", &m, &flag]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{value}");
+        assert!(
+            err.contains("`--default-temperature` must be between 0 and 2"),
+            "{value}: {err}"
+        );
+    }
+}

@@ -281,3 +281,72 @@ fn bench_url_shows_progress_measures_every_prompt_size_and_reports_the_run_alone
         }
     }
 }
+
+/// `--default-temperature 0` makes greedy every generation request that gives no temperature,
+/// on each API (whatever its seed), and a request's own temperature still wins.
+#[test]
+fn a_default_temperature_applies_to_requests_that_give_none() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let model = testkit::real_model();
+    let serve = procs::spawn(
+        exe(),
+        &[
+            "serve",
+            "--model",
+            model.to_str().unwrap(),
+            "--shards",
+            "1",
+            "--listen",
+            "127.0.0.1:0",
+            "--default-temperature",
+            "0",
+        ]
+        .map(String::from),
+        "strata tracker listening on ",
+        "serve",
+    );
+    let addr = &serve.addr;
+    let prompt = "Write a short poem about the sea.";
+    let completion = |extra: Value| {
+        let mut body = json!({"prompt": prompt, "max_tokens": 24});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = post_json(addr, "/v1/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let greedy = completion(json!({"temperature": 0}));
+    assert_eq!(completion(json!({"seed": 1})), greedy);
+    assert_eq!(completion(json!({"seed": 2, "temperature": null})), greedy);
+    // The request's own temperature wins: sampled at 2 with several seeds, some answer differs.
+    let sampled: Vec<String> = (0..4)
+        .map(|seed| completion(json!({"seed": seed, "temperature": 2})))
+        .collect();
+    assert!(sampled.iter().any(|s| *s != greedy), "{sampled:?}");
+
+    let response = |extra: Value| {
+        let mut body = json!({"input": prompt, "max_output_tokens": 24});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = post_json(addr, "/v1/responses", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    };
+    let (plain, explicit) = (response(json!({})), response(json!({"temperature": 0})));
+    assert_eq!(plain["temperature"], json!(0.0), "{plain}");
+    let text = |r: &Value| r["output"][0]["content"][0]["text"].clone();
+    assert_eq!(text(&plain), text(&explicit), "{plain}");
+
+    let message = |extra: Value| {
+        let mut body = json!({"max_tokens": 24, "messages": [{"role": "user", "content": prompt}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = post_json(addr, "/v1/messages", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["content"].clone()
+    };
+    assert_eq!(message(json!({})), message(json!({"temperature": 0})));
+}

@@ -488,7 +488,15 @@ async fn read_request(
     body: axum::body::Body,
 ) -> Result<ValidRequest, Refusal> {
     let seed = fresh_seed();
-    read_json(s, headers, body, move |v| validate(endpoint, v, seed)).await
+    let t = s.default_temperature;
+    read_json(s, headers, body, move |v| {
+        validate(
+            endpoint,
+            super::request::with_default_temperature(v, t),
+            seed,
+        )
+    })
+    .await
 }
 
 /// A JSON body read within the server's limits and checked by `check`. A long body is

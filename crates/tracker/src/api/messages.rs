@@ -362,7 +362,9 @@ pub async fn create(
 ) -> Response {
     let mut record = RequestRecord::new(Arc::clone(&s.metrics), String::new(), Endpoint::Messages);
     let seed = fresh_seed();
-    let admitted = match read_json(&s, &headers, body, move |v| validate(v, seed, false)).await {
+    let t = s.default_temperature;
+    let check = move |v| validate(super::request::with_default_temperature(v, t), seed, false);
+    let admitted = match read_json(&s, &headers, body, check).await {
         Ok(req) => admit_valid(&s, req, &headers, &mut record).await,
         Err(e) => Err(e),
     };

@@ -734,6 +734,17 @@ fn logprobs(endpoint: Endpoint, body: &Value) -> Result<Option<u32>, Refusal> {
     })
 }
 
+/// `body` with the server's default temperature (`--default-temperature`) where it gives none
+/// (`temperature` absent or null); a body that is no object is left for validation to refuse.
+pub fn with_default_temperature(mut body: Value, default: Option<f64>) -> Value {
+    if let (Some(t), Some(o)) = (default, body.as_object_mut()) {
+        if o.get("temperature").is_none_or(Value::is_null) {
+            o.insert("temperature".to_string(), Value::from(t));
+        }
+    }
+    body
+}
+
 /// The sampling fields, with their defaults.
 pub fn sampling(
     body: &Value,

@@ -469,7 +469,9 @@ async fn start(
     record: &mut RequestRecord,
 ) -> Result<(super::respond::Accepted, Turn), Refusal> {
     let seed = super::completions::fresh_seed();
-    let r = read_json(s, headers, body, move |v| validate(v, seed)).await?;
+    let t = s.default_temperature;
+    let check = move |v| validate(super::request::with_default_temperature(v, t), seed);
+    let r = read_json(s, headers, body, check).await?;
     let key = key_name(s, headers)?;
     let mut conversation = match &r.previous {
         None => Vec::new(),

@@ -22,6 +22,9 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// `max_tokens` when a chat request gives none.
     pub default_chat_max_tokens: usize,
+    /// The temperature put into a generation request that gives none (see
+    /// [`crate::TrackerConfig::default_temperature`]).
+    pub default_temperature: Option<f64>,
     pub ledger: Option<Arc<Ledger>>,
     /// The one API key every request must present, when configured (`--api-key`).
     pub api_key: Option<String>,
