@@ -567,19 +567,37 @@ pub fn dequantize_panel_row(layout: &Layout, panel: &[u8], r: usize, out: &mut [
 /// Block `b` (the 256 values `xb`) of a K-quant activation row, as [`quantize_act_row`]
 /// writes it.
 pub(super) fn quantize_k_act_block(layout: &Layout, b: usize, xb: &[f32], out: &mut [u8]) {
-    let kind = layout.kind;
-    let offset = kind.offset();
     let (d, q) = super::act::q8k_values(xb);
     out[b * QK_K..(b + 1) * QK_K].copy_from_slice(&q.map(|v| v as u8));
+    let sums16 = std::array::from_fn(|g| q[16 * g..16 * g + 16].iter().map(|&v| v as i32).sum());
+    put_k_act_scales(layout, b, d, &sums16, out);
+}
+
+/// Block `b`'s scale `d` of a K-quant activation row, and from the sums of its values
+/// sixteen at a time, its offset corrections (one per 16 values) or its sums under each
+/// integer min (of 16 values for Q2_K, 32 for Q4_K and Q5_K): what every quantizer writes
+/// after the quants.
+pub(super) fn put_k_act_scales(
+    layout: &Layout,
+    b: usize,
+    d: f32,
+    sums16: &[i32; 16],
+    out: &mut [u8],
+) {
+    let kind = layout.kind;
+    let offset = kind.offset();
     put_f32(out, layout.a_d() + 4 * b, d);
-    for (g, qg) in q.chunks_exact(kind.group_values()).enumerate() {
-        let sum: i32 = qg.iter().map(|&v| v as i32).sum();
-        if offset != 0 {
+    if offset != 0 {
+        for (g, sum) in sums16.iter().enumerate() {
             let at = layout.a_corr() + layout.corr_bytes() * b + 4 * g;
             out[at..at + 4].copy_from_slice(&(-offset * sum).to_le_bytes());
         }
-        if kind.has_k_mins() {
+    }
+    if kind.has_k_mins() {
+        let per = kind.group_values() / 16;
+        for (g, part) in sums16.chunks_exact(per).enumerate() {
             let at = layout.a_sums() + layout.sums_bytes() * b + 2 * g;
+            let sum: i32 = part.iter().sum();
             out[at..at + 2].copy_from_slice(&(sum as i16).to_le_bytes());
         }
     }

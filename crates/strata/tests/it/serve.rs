@@ -288,23 +288,7 @@ fn bench_url_shows_progress_measures_every_prompt_size_and_reports_the_run_alone
 fn a_default_temperature_applies_to_requests_that_give_none() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let model = testkit::real_model();
-    let serve = procs::spawn(
-        exe(),
-        &[
-            "serve",
-            "--model",
-            model.to_str().unwrap(),
-            "--shards",
-            "1",
-            "--listen",
-            "127.0.0.1:0",
-            "--default-temperature",
-            "0",
-        ]
-        .map(String::from),
-        "strata tracker listening on ",
-        "serve",
-    );
+    let serve = procs::serve(exe(), &model, "1", &["--default-temperature", "0"]);
     let addr = &serve.addr;
     let prompt = "Write a short poem about the sea.";
     let completion = |extra: Value| {

@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 use gguf::quant::{QK, QK_K};
 
 use super::vnni::{kind_id, Q2K, Q3K, Q41, Q4K, Q50, Q51, Q5K, Q6K, Q8};
-use super::{quantize_k_act_block, Layout, PackKind, PANEL, SUBS};
+use super::{put_k_act_scales, quantize_k_act_block, Layout, PackKind, PANEL, SUBS};
 
 /// Lanes (weight rows) of one 256-bit half of a panel.
 const HALF: usize = PANEL / 2;
@@ -630,7 +630,6 @@ pub unsafe fn quantize_k_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
     assert!(layout.kind.is_k());
     assert_eq!(x.len(), layout.n_cols);
     assert!(out.len() >= layout.a_row_bytes());
-    let offset = layout.kind.offset();
     let sign = _mm256_set1_ps(-0.0);
     for (b, xb) in x.chunks_exact(QK_K).enumerate() {
         // SAFETY (loads): 32 chunks of eight floats make the block.
@@ -697,21 +696,6 @@ pub unsafe fn quantize_k_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
                 sums16[2 * g + 1] = sum_i32(_mm256_add_epi32(q[2], q[3]));
             }
         }
-        out[layout.a_d() + 4 * b..][..4].copy_from_slice(&d.to_le_bytes());
-        if offset != 0 {
-            for (g, sum) in sums16.iter().enumerate() {
-                let at = layout.a_corr() + layout.corr_bytes() * b + 4 * g;
-                out[at..at + 4].copy_from_slice(&(-offset * sum).to_le_bytes());
-            }
-        }
-        if layout.kind.has_k_mins() {
-            // One sum per integer min: of 16 values (Q2_K) or of 32 (two sums of 16).
-            let per = layout.kind.group_values() / 16;
-            for (g, part) in sums16.chunks_exact(per).enumerate() {
-                let at = layout.a_sums() + layout.sums_bytes() * b + 2 * g;
-                let sum: i32 = part.iter().sum();
-                out[at..at + 2].copy_from_slice(&(sum as i16).to_le_bytes());
-            }
-        }
+        put_k_act_scales(layout, b, d, &sums16, out);
     }
 }

@@ -7,7 +7,7 @@ use std::arch::x86_64::*;
 
 use gguf::quant::{QK, QK_K};
 
-use super::{Layout, PackKind, PANEL, SUBS};
+use super::{put_k_act_scales, Layout, PackKind, PANEL, SUBS};
 
 pub const Q40: u8 = 0;
 pub const Q41: u8 = 1;
@@ -185,7 +185,6 @@ pub unsafe fn quantize_k_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
     assert!(layout.kind.is_k());
     assert_eq!(x.len(), layout.n_cols);
     assert!(out.len() >= layout.a_row_bytes());
-    let offset = layout.kind.offset();
     let top = _mm512_set1_epi32(127);
     for (b, xb) in x.chunks_exact(QK_K).enumerate() {
         // SAFETY (loads): sixteen chunks of sixteen floats make the block.
@@ -227,22 +226,7 @@ pub unsafe fn quantize_k_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
                 *sum = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(bytes));
             }
         }
-        out[layout.a_d() + 4 * b..][..4].copy_from_slice(&d.to_le_bytes());
-        if offset != 0 {
-            for (g, sum) in sums16.iter().enumerate() {
-                let at = layout.a_corr() + layout.corr_bytes() * b + 4 * g;
-                out[at..at + 4].copy_from_slice(&(-offset * sum).to_le_bytes());
-            }
-        }
-        if layout.kind.has_k_mins() {
-            // One sum per integer min: of 16 values (Q2_K) or of 32 (two sums of 16).
-            let per = layout.kind.group_values() / 16;
-            for (g, part) in sums16.chunks_exact(per).enumerate() {
-                let at = layout.a_sums() + layout.sums_bytes() * b + 2 * g;
-                let sum: i32 = part.iter().sum();
-                out[at..at + 2].copy_from_slice(&(sum as i16).to_le_bytes());
-            }
-        }
+        put_k_act_scales(layout, b, d, &sums16, out);
     }
 }
 
