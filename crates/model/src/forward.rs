@@ -118,9 +118,9 @@ struct Workspace {
     acts: ActScratch,
     /// One table of angles per distinct RoPE setting of the range's layers.
     rope: Vec<RopeTable>,
-    /// Attention scratch (rounded query, scores) per pool thread, sized by the caller before
-    /// each attention job so that no worker allocates.
-    attn_scratch: Vec<Vec<f32>>,
+    /// Attention scratch (rounded queries, scores, outputs) per pool thread, sized by the caller
+    /// before each attention job so that no worker allocates, and the step's blocks of rows.
+    attn_scratch: AttnScratch,
     /// A data-parallel step's groups: runs of rows holding whole sessions.
     groups: Vec<std::ops::Range<usize>>,
     /// A lane's rows, sessions renumbered from its first.
@@ -746,6 +746,7 @@ impl Model {
 
     /// Causal attention of every row over its own session's cache: every position before it,
     /// or only the last `window` (itself included) on a sliding-window layer.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         pool: &ThreadPool,
@@ -755,7 +756,7 @@ impl Model {
         caches: &[&mut KvCache],
         q: &[f32],
         out: &mut [f32],
-        scratch: &mut Vec<Vec<f32>>,
+        scratch: &mut AttnScratch,
     ) {
         let c = &self.config;
         let (hd, qd) = (c.head_dim, c.q_dim());
@@ -770,74 +771,164 @@ impl Model {
         } else {
             1
         };
-        let tasks_per_row = c.n_head / per_task;
+        let tasks_per_block = c.n_head / per_task;
+        // Where the kernels take them, a task takes a block of a session's consecutive rows (a
+        // prefill chunk's), which share all but their last positions: K and V are then decoded
+        // once for the block. Each row's arithmetic is the same as alone.
+        let max_rows = if per_task == group {
+            self.kernels.attention_block_rows()
+        } else {
+            1
+        };
+        let blocks = &mut scratch.blocks;
+        blocks.clear();
+        for (i, row) in rows.iter().enumerate() {
+            match blocks.last_mut() {
+                Some(b)
+                    if b.len() < max_rows
+                        && rows[b.end - 1].seq == row.seq
+                        && rows[b.end - 1].pos + 1 == row.pos =>
+                {
+                    b.end = i + 1
+                }
+                _ => blocks.push(i..i + 1),
+            }
+        }
+        let block_rows = blocks.iter().map(|b| b.len()).max().unwrap_or(1);
         // Every thread's scratch fits the longest row, grown here (by the caller, only ever
         // grown, and at once to the longest context in the batch, so a growing context does not
         // reallocate step after step).
         let longest = rows.iter().map(|r| r.pos + 1).max().unwrap_or(0);
         let n_ctx = caches.iter().map(|c| c.n_ctx()).max().unwrap_or(0);
         let tile = crate::kernels::attn::tile_floats(hd);
-        scratch.resize_with(pool.n_threads(), Vec::new);
-        for s in scratch.iter_mut() {
-            if s.len() < per_task * (hd + longest + 1) + tile {
-                s.resize(per_task * (hd + n_ctx.max(longest) + 1) + tile, 0.0);
+        let size = |n_pos: usize| per_task * block_rows * (2 * hd + n_pos) + per_task + tile;
+        scratch.threads.resize_with(pool.n_threads(), Vec::new);
+        for s in scratch.threads.iter_mut() {
+            if s.len() < size(longest) {
+                s.resize(size(n_ctx.max(longest)), 0.0);
             }
         }
-        let scratch = SharedMut::new(scratch);
-        pool.run_on(rows.len() * tasks_per_row, &|task, thread| {
-            let (i, first) = (task / tasks_per_row, (task % tasks_per_row) * per_task);
-            let row = rows[i];
-            let cache: &KvCache = caches[row.seq];
+        let blocks = &scratch.blocks;
+        let threads = SharedMut::new(&mut scratch.threads);
+        pool.run_on(blocks.len() * tasks_per_block, &|task, thread| {
+            let (b, first) = (task / tasks_per_block, (task % tasks_per_block) * per_task);
+            let block = &rows[blocks[b].clone()];
+            let cache: &KvCache = caches[block[0].seq];
             let kvh = first / group;
-            // The positions this row attends to: `from..=row.pos`.
-            let from = window.map_or(0, |w| (row.pos + 1).saturating_sub(w));
-            let n_pos = row.pos + 1 - from;
+            // The positions each row attends to: `from..=row.pos`.
+            let mut ranges = [(0, 0); crate::kernels::attn::MAX_BLOCK_ROWS];
+            for (range, row) in ranges.iter_mut().zip(block) {
+                let from = window.map_or(0, |w| (row.pos + 1).saturating_sub(w));
+                *range = (from, row.pos + 1 - from);
+            }
+            let ranges = &ranges[..block.len()];
+            let n_pos: usize = ranges.iter().map(|&(_, n)| n).sum();
+            let width = per_task * hd;
             // SAFETY: a thread runs one task at a time; only it uses its entry.
-            let scratch = unsafe { &mut scratch.slice(thread, 1)[0] };
-            let need = per_task * (hd + n_pos + 1) + tile;
-            let (qs, rest) = scratch[..need].split_at_mut(per_task * hd);
+            let scratch = unsafe { &mut threads.slice(thread, 1)[0] };
+            let need = block.len() * 2 * width + per_task * n_pos + per_task + tile;
+            let (qs, rest) = scratch[..need].split_at_mut(block.len() * width);
+            let (outs, rest) = rest.split_at_mut(block.len() * width);
             let (scores, rest) = rest.split_at_mut(per_task * n_pos);
             let (inv, tile) = rest.split_at_mut(per_task);
-            let q_row = &q[i * qd + first * hd..][..per_task * hd];
-            // SAFETY: each task writes its own heads' head_dim slices of `out`.
-            let o = unsafe { out_ptr.slice(i * qd + first * hd, per_task * hd) };
             // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity.
-            for (d, &x) in qs.iter_mut().zip(q_row) {
-                *d = f16::from_f32(x).to_f32();
+            for (qs, b) in qs.chunks_exact_mut(width).zip(blocks[b].clone()) {
+                for (d, &x) in qs.iter_mut().zip(&q[b * qd + first * hd..][..width]) {
+                    *d = f16::from_f32(x).to_f32();
+                }
             }
-            if self.kernels.fused_attention(
-                hd,
-                qs,
-                n_pos,
-                scale,
-                |t| &cache.row(li, 0, from + t)[kvh * hd..][..hd],
-                |t| &cache.row(li, 1, from + t)[kvh * hd..][..hd],
-                scores,
-                tile,
-                o,
-            ) {
+            let k = |t: usize| &cache.row(li, 0, t)[kvh * hd..][..hd];
+            let v = |t: usize| &cache.row(li, 1, t)[kvh * hd..][..hd];
+            if block.len() > 1
+                && self
+                    .kernels
+                    .attention_block(hd, qs, ranges, scale, k, v, scores, tile, outs)
+            {
+                for (o, i) in outs.chunks_exact(width).zip(blocks[b].clone()) {
+                    // SAFETY: each task writes its own heads' head_dim slices of `out`.
+                    unsafe { out_ptr.slice(i * qd + first * hd, width) }.copy_from_slice(o);
+                }
                 return;
             }
-            // K and V are read from the session's blocks in place, one head row at a time.
-            for t in 0..n_pos {
-                let k = &cache.row(li, 0, from + t)[kvh * hd..][..hd];
-                for (h, qh) in qs.chunks_exact(hd).enumerate() {
-                    scores[h * n_pos + t] = self.kernels.dot_f16(qh, k) * scale;
-                }
-            }
-            for (h, s) in scores.chunks_exact_mut(n_pos).enumerate() {
-                inv[h] = exp::softmax_numerators(s);
-            }
-            o.fill(0.0);
-            for t in 0..n_pos {
-                let v = &cache.row(li, 1, from + t)[kvh * hd..][..hd];
-                for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
-                    let p = f16::from_f32(scores[h * n_pos + t] * inv[h]).to_f32();
-                    self.kernels.axpy_f16(p, v, oh);
-                }
+            for ((qs, &(from, n_pos)), i) in
+                qs.chunks_exact(width).zip(ranges).zip(blocks[b].clone())
+            {
+                // SAFETY: each task writes its own heads' head_dim slices of `out`.
+                let o = unsafe { out_ptr.slice(i * qd + first * hd, width) };
+                self.attend_one(
+                    hd,
+                    qs,
+                    from,
+                    n_pos,
+                    k,
+                    v,
+                    &mut scores[..per_task * n_pos],
+                    inv,
+                    tile,
+                    o,
+                );
             }
         });
     }
+
+    /// One row's attention over positions `from..from + n_pos` (`q`: its heads that share one
+    /// KV head, rounded to f16 values): the fused kernel where one exists, else the generic
+    /// path (dot products, softmax, rounded weights, weighted sums).
+    #[allow(clippy::too_many_arguments)]
+    fn attend_one<'a>(
+        &self,
+        hd: usize,
+        q: &[f32],
+        from: usize,
+        n_pos: usize,
+        k: impl Fn(usize) -> &'a [f16],
+        v: impl Fn(usize) -> &'a [f16],
+        scores: &mut [f32],
+        inv: &mut [f32],
+        tile: &mut [f32],
+        o: &mut [f32],
+    ) {
+        let scale = self.config.attn_scale;
+        if self.kernels.fused_attention(
+            hd,
+            q,
+            n_pos,
+            scale,
+            |t| k(from + t),
+            |t| v(from + t),
+            scores,
+            tile,
+            o,
+        ) {
+            return;
+        }
+        // K and V are read from the session's blocks in place, one head row at a time.
+        for t in 0..n_pos {
+            let k = k(from + t);
+            for (h, qh) in q.chunks_exact(hd).enumerate() {
+                scores[h * n_pos + t] = self.kernels.dot_f16(qh, k) * scale;
+            }
+        }
+        for (h, s) in scores.chunks_exact_mut(n_pos).enumerate() {
+            inv[h] = exp::softmax_numerators(s);
+        }
+        o.fill(0.0);
+        for t in 0..n_pos {
+            let v = v(from + t);
+            for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
+                let p = f16::from_f32(scores[h * n_pos + t] * inv[h]).to_f32();
+                self.kernels.axpy_f16(p, v, oh);
+            }
+        }
+    }
+}
+
+/// Attention's scratch: per pool thread, and the step's blocks of rows (each task takes one
+/// block's rows for its heads).
+#[derive(Default)]
+struct AttnScratch {
+    threads: Vec<Vec<f32>>,
+    blocks: Vec<std::ops::Range<usize>>,
 }
 
 /// RMS norm of each row, times `weight` (as llama.cpp: the squares summed in f64, in order).

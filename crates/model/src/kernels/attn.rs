@@ -250,10 +250,15 @@ pub fn tile_positions(hd: usize) -> usize {
     (4096 / hd.max(1) / 8 * 8).max(8)
 }
 
-/// The f32 scratch the tiled kernel needs besides the scores.
+/// The f32 scratch the tiled kernel needs besides the scores: a tile, and eight rows of zeros
+/// after it (a row's group of eight positions may start anywhere in a tile).
 pub fn tile_floats(hd: usize) -> usize {
-    tile_positions(hd) * hd
+    (tile_positions(hd) + 8) * hd
 }
+
+/// Most query rows (of one session, at consecutive positions) the tiled kernel takes in one
+/// call.
+pub const MAX_BLOCK_ROWS: usize = 8;
 
 #[cfg(target_arch = "x86_64")]
 pub mod tiled {
@@ -274,7 +279,7 @@ pub mod tiled {
     /// Most query heads per KV head this kernel takes.
     pub const MAX_GROUP: usize = exp::avx2::MAX_ROWS;
 
-    use super::tile_positions;
+    use super::{tile_positions, MAX_BLOCK_ROWS};
 
     /// Decodes `n` rows of `hd` f16 values (`row(p)`) into `tile` (row `p` at `p * hd`).
     #[inline]
@@ -336,20 +341,28 @@ pub mod tiled {
         }
     }
 
-    /// `q` holds the `g` query rows, already rounded to f16 values (as the generic path
-    /// rounds them); `k(t)` and `v(t)` are this KV head's rows at position `t`; `scores` is
-    /// scratch of `g * n_pos`, `tile` of [`super::tile_floats`]; `out` receives the `g` outputs.
-    /// Returns false, doing nothing, for a shape it does not take (a width not a multiple of
-    /// eight, more than [`MAX_GROUP`] heads).
+    /// Attention of `ranges.len()` query rows, each with the `g` query heads sharing one KV
+    /// head, over one session's K and V: row `r` attends to the absolute positions
+    /// `ranges[r].0..ranges[r].0 + ranges[r].1`. Every row's arithmetic is exactly the generic
+    /// path's for that row alone ([`super::dot_f16`], the softmax, the rounded weights,
+    /// [`super::axpy_f16`] in position order), whatever rows share the call: tiles are decoded
+    /// once for all of them (a prefill step's consecutive rows share all but their last
+    /// positions), and a row takes from each tile the positions of its own range.
+    ///
+    /// `q` holds row `r`'s `g` heads at `r * g * hd` (already rounded to f16 values, as the
+    /// generic path rounds them); `k(t)` and `v(t)` are this KV head's rows at absolute
+    /// position `t`; `scores` is scratch of `g * Σ n_pos`, `tile` of [`super::tile_floats`];
+    /// `out` receives row `r`'s `g` outputs at `r * g * hd`. Returns false, doing nothing, for a
+    /// shape it does not take (a width not a multiple of eight, more than [`MAX_GROUP`] heads).
     ///
     /// # Safety
     /// The CPU must have AVX2, FMA and F16C.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn heads<'a>(
+    pub unsafe fn block<'a>(
         hd: usize,
         q: &[f32],
-        n_pos: usize,
+        ranges: &[(usize, usize)],
         scale: f32,
         k: impl Fn(usize) -> &'a [f16],
         v: impl Fn(usize) -> &'a [f16],
@@ -357,96 +370,154 @@ pub mod tiled {
         tile: &mut [f32],
         out: &mut [f32],
     ) -> bool {
-        if hd == 0 || !hd.is_multiple_of(8) || !q.len().is_multiple_of(hd) {
+        let n_rows = ranges.len();
+        if hd == 0 || !hd.is_multiple_of(8) || n_rows == 0 || !q.len().is_multiple_of(hd * n_rows) {
             return false;
         }
-        let g = q.len() / hd;
+        let g = q.len() / hd / n_rows;
         if g == 0 || g > MAX_GROUP {
             return false;
         }
         let tp = tile_positions(hd);
-        assert!(out.len() >= g * hd && scores.len() >= g * n_pos && tile.len() >= tp * hd);
-        // Scores: a tile of K rows decoded (zeros after the last position, so the last group
-        // of eight computes on zeros and stores only the real positions), then per head eight
-        // positions at a time.
-        for t0 in (0..n_pos).step_by(tp) {
-            let n = (n_pos - t0).min(tp);
-            let n8 = n.div_ceil(8) * 8;
+        let total: usize = ranges.iter().map(|&(_, n)| n).sum();
+        assert!(
+            out.len() >= n_rows * g * hd
+                && scores.len() >= g * total
+                && tile.len() >= super::tile_floats(hd)
+        );
+        // Where each row's scores start, and the positions the rows cover together.
+        assert!(
+            n_rows <= MAX_BLOCK_ROWS,
+            "at most {MAX_BLOCK_ROWS} rows a call"
+        );
+        let mut starts = [0usize; MAX_BLOCK_ROWS];
+        for r in 1..n_rows {
+            starts[r] = starts[r - 1] + g * ranges[r - 1].1;
+        }
+        let lo = ranges.iter().map(|&(f, _)| f).min().unwrap_or(0);
+        let hi = ranges.iter().map(|&(f, n)| f + n).max().unwrap_or(0);
+        // The positions `a..b` of row `r` within the tile `t0..t0 + n`.
+        let part = |r: usize, t0: usize, n: usize| {
+            let (f, len) = ranges[r];
+            (f.max(t0), (f + len).min(t0 + n))
+        };
+        // Scores: a tile of K rows decoded (zeros after its last position, so that a group of
+        // eight that starts anywhere in the tile reads only decoded or zero rows), then per row
+        // and head eight of the row's positions at a time, only the real ones stored.
+        for t0 in (lo..hi).step_by(tp) {
+            let n = (hi - t0).min(tp);
             decode(hd, n, |p| k(t0 + p), tile);
-            tile[n * hd..n8 * hd].fill(0.0);
-            for h in 0..g {
-                let qh = &q[h * hd..(h + 1) * hd];
-                for p0 in (0..n).step_by(8) {
-                    let mut acc = [_mm256_setzero_ps(); 8];
-                    for ch in 0..hd / 8 {
-                        // SAFETY: `8 * ch + 8 <= hd`; rows `p0..p0 + 8` are within `n8`.
-                        unsafe {
-                            let qv = _mm256_loadu_ps(qh.as_ptr().add(8 * ch));
-                            let base = tile.as_ptr().add(p0 * hd + 8 * ch);
-                            for (j, a) in acc.iter_mut().enumerate() {
-                                *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(base.add(j * hd)), *a);
-                            }
-                        }
+            tile[n * hd..(tp + 8) * hd].fill(0.0);
+            for r in 0..n_rows {
+                let (a, b) = part(r, t0, n);
+                if a >= b {
+                    continue;
+                }
+                let (f, len) = ranges[r];
+                for h in 0..g {
+                    let qh = &q[(r * g + h) * hd..][..hd];
+                    let s = &mut scores[starts[r] + h * len..][..len];
+                    for p0 in (a..b).step_by(8) {
+                        let at = (p0 - t0) * hd;
+                        let lanes = dot8(qh, &tile[at..at + 8 * hd], scale);
+                        let m = (b - p0).min(8);
+                        s[p0 - f..][..m].copy_from_slice(&lanes[..m]);
                     }
-                    // Then `dot_f16`'s (empty) tail, and the scale.
-                    let sums = _mm256_add_ps(reduce8(acc), _mm256_setzero_ps());
-                    let mut lanes = [0f32; 8];
-                    // SAFETY: eight floats.
-                    unsafe {
-                        _mm256_storeu_ps(
-                            lanes.as_mut_ptr(),
-                            _mm256_mul_ps(sums, _mm256_set1_ps(scale)),
-                        )
-                    };
-                    let m = (n - p0).min(8);
-                    scores[h * n_pos + t0 + p0..][..m].copy_from_slice(&lanes[..m]);
                 }
             }
         }
         let mut inv = [0f32; MAX_GROUP];
-        // SAFETY: this function's features include the softmax's; `g <= MAX_ROWS`.
-        unsafe { exp::avx2::softmax_numerators_rows(scores, g, n_pos, &mut inv) };
-        for (h, &inv) in inv[..g].iter().enumerate() {
-            let s = &mut scores[h * n_pos..(h + 1) * n_pos];
-            // w = f16(score * inv), as the generic path rounds it before the weighted sum.
-            let mut chunks = s.chunks_exact_mut(8);
-            for c in &mut chunks {
-                // SAFETY: 8 floats.
-                unsafe {
-                    let x = _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), _mm256_set1_ps(inv));
-                    let r = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
-                    _mm256_storeu_ps(c.as_mut_ptr(), r);
-                }
-            }
-            for x in chunks.into_remainder() {
-                *x = f16::from_f32(*x * inv).to_f32();
+        for (r, &(_, len)) in ranges.iter().enumerate() {
+            let s = &mut scores[starts[r]..][..g * len];
+            // SAFETY: this function's features include the softmax's; `g <= MAX_GROUP`.
+            unsafe { exp::avx2::softmax_numerators_rows(s, g, len, &mut inv) };
+            for (h, &inv) in inv[..g].iter().enumerate() {
+                round_weights(&mut s[h * len..(h + 1) * len], inv);
             }
         }
-        // The weighted sums: a tile of V rows decoded, then per head and group of up to 64
-        // output values, every position of the tile.
-        out[..g * hd].fill(0.0);
-        for t0 in (0..n_pos).step_by(tp) {
-            let n = (n_pos - t0).min(tp);
+        // The weighted sums: a tile of V rows decoded, then per row, head and group of up to
+        // 64 output values, the row's positions of the tile, in position order.
+        out[..n_rows * g * hd].fill(0.0);
+        for t0 in (lo..hi).step_by(tp) {
+            let n = (hi - t0).min(tp);
             decode(hd, n, |p| v(t0 + p), tile);
-            for h in 0..g {
-                let w = &scores[h * n_pos + t0..][..n];
-                let o = &mut out[h * hd..(h + 1) * hd];
-                for col in (0..hd).step_by(64) {
-                    let o = &mut o[col..];
-                    match (hd - col).min(64) / 8 {
-                        8 => weighted_sum::<8>(w, tile, hd, col, o),
-                        7 => weighted_sum::<7>(w, tile, hd, col, o),
-                        6 => weighted_sum::<6>(w, tile, hd, col, o),
-                        5 => weighted_sum::<5>(w, tile, hd, col, o),
-                        4 => weighted_sum::<4>(w, tile, hd, col, o),
-                        3 => weighted_sum::<3>(w, tile, hd, col, o),
-                        2 => weighted_sum::<2>(w, tile, hd, col, o),
-                        _ => weighted_sum::<1>(w, tile, hd, col, o),
+            for r in 0..n_rows {
+                let (a, b) = part(r, t0, n);
+                if a >= b {
+                    continue;
+                }
+                let (f, len) = ranges[r];
+                let rows = &tile[(a - t0) * hd..(b - t0) * hd];
+                for h in 0..g {
+                    let w = &scores[starts[r] + h * len + (a - f)..][..b - a];
+                    let o = &mut out[(r * g + h) * hd..][..hd];
+                    for col in (0..hd).step_by(64) {
+                        let o = &mut o[col..];
+                        match (hd - col).min(64) / 8 {
+                            8 => weighted_sum::<8>(w, rows, hd, col, o),
+                            7 => weighted_sum::<7>(w, rows, hd, col, o),
+                            6 => weighted_sum::<6>(w, rows, hd, col, o),
+                            5 => weighted_sum::<5>(w, rows, hd, col, o),
+                            4 => weighted_sum::<4>(w, rows, hd, col, o),
+                            3 => weighted_sum::<3>(w, rows, hd, col, o),
+                            2 => weighted_sum::<2>(w, rows, hd, col, o),
+                            _ => weighted_sum::<1>(w, rows, hd, col, o),
+                        }
                     }
                 }
             }
         }
         true
+    }
+
+    /// The scaled dot products of `q` with the eight rows of `rows` (`8 * hd` values), each as
+    /// [`super::dot_f16`] computes one: eight independent fused multiply-add chains, reduced
+    /// together by [`reduce8`], then `dot_f16`'s (empty) tail and the scale.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn dot8(q: &[f32], rows: &[f32], scale: f32) -> [f32; 8] {
+        let hd = q.len();
+        assert!(rows.len() >= 8 * hd && hd.is_multiple_of(8));
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for ch in 0..hd / 8 {
+            // SAFETY: `8 * ch + 8 <= hd`; rows `0..8` are within `rows`, asserted above.
+            unsafe {
+                let qv = _mm256_loadu_ps(q.as_ptr().add(8 * ch));
+                let base = rows.as_ptr().add(8 * ch);
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(base.add(j * hd)), *a);
+                }
+            }
+        }
+        let sums = _mm256_add_ps(reduce8(acc), _mm256_setzero_ps());
+        let mut lanes = [0f32; 8];
+        // SAFETY: eight floats.
+        unsafe {
+            _mm256_storeu_ps(
+                lanes.as_mut_ptr(),
+                _mm256_mul_ps(sums, _mm256_set1_ps(scale)),
+            )
+        };
+        lanes
+    }
+
+    /// `w = f16(w * inv)`: the softmax's weights rounded as the generic path rounds them
+    /// before the weighted sum.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn round_weights(s: &mut [f32], inv: f32) {
+        let mut chunks = s.chunks_exact_mut(8);
+        for c in &mut chunks {
+            // SAFETY: 8 floats.
+            unsafe {
+                let x = _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), _mm256_set1_ps(inv));
+                let r = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+                _mm256_storeu_ps(c.as_mut_ptr(), r);
+            }
+        }
+        for x in chunks.into_remainder() {
+            *x = f16::from_f32(*x * inv).to_f32();
+        }
     }
 }
 
@@ -528,6 +599,82 @@ mod tests {
                             "{}: hd = {hd}, g = {g}, n_pos = {n_pos}",
                             isa.name()
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX2 block kernel: every row of a block (consecutive positions of one session, the
+    /// whole context or a sliding window, tiles crossed, groups of eight starting anywhere in a
+    /// tile) equals the generic path for that row alone, bitwise.
+    #[test]
+    fn an_attention_block_gives_each_row_the_generic_paths_result_bitwise() {
+        use crate::kernels::{Isa, Kernels};
+        if !Isa::Avx2.testable("an_attention_block_gives_each_row_the_generic_paths_result_bitwise")
+        {
+            return;
+        }
+        let kernels = Kernels::new(Isa::Avx2).unwrap();
+        let mut uniform = crate::kernels::tests::uniform(0x2545_f491);
+        let mut next = || uniform(6.0);
+        for &hd in &[8, 64, 128] {
+            for g in [1, 3, 6] {
+                for (n_ctx, window) in [
+                    (1, None),
+                    (9, None),
+                    (70, None),
+                    (131, None),
+                    (131, Some(21)),
+                    (200, Some(61)),
+                ] {
+                    for n_rows in 1..=MAX_BLOCK_ROWS {
+                        let n_ctx = n_ctx.max(n_rows);
+                        let row = |next: &mut dyn FnMut() -> f32| -> Vec<f16> {
+                            (0..hd).map(|_| f16::from_f32(next())).collect()
+                        };
+                        let ks: Vec<Vec<f16>> = (0..n_ctx).map(|_| row(&mut next)).collect();
+                        let vs: Vec<Vec<f16>> = (0..n_ctx).map(|_| row(&mut next)).collect();
+                        // The last `n_rows` positions of the context, each over its own range.
+                        let ranges: Vec<(usize, usize)> = (n_ctx - n_rows..n_ctx)
+                            .map(|pos| {
+                                let from = window.map_or(0, |w: usize| (pos + 1).saturating_sub(w));
+                                (from, pos + 1 - from)
+                            })
+                            .collect();
+                        let q: Vec<f32> = (0..n_rows * g * hd)
+                            .map(|_| f16::from_f32(next()).to_f32())
+                            .collect();
+                        let total: usize = ranges.iter().map(|r| r.1).sum();
+                        let mut scores = vec![0f32; g * total];
+                        let mut tile = vec![0f32; tile_floats(hd)];
+                        let mut got = vec![0f32; n_rows * g * hd];
+                        assert!(kernels.attention_block(
+                            hd,
+                            &q,
+                            &ranges,
+                            0.125,
+                            |t| &ks[t][..],
+                            |t| &vs[t][..],
+                            &mut scores,
+                            &mut tile,
+                            &mut got
+                        ));
+                        for (r, &(from, n)) in ranges.iter().enumerate() {
+                            let width = g * hd;
+                            let want = generic(
+                                &q[r * width..(r + 1) * width],
+                                &ks[from..from + n],
+                                &vs[from..from + n],
+                                0.125,
+                                g,
+                            );
+                            assert_eq!(
+                                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                                got[r * width..(r + 1) * width].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                                "hd = {hd}, g = {g}, n_ctx = {n_ctx}, window = {window:?}, row {r} of {n_rows}"
+                            );
+                        }
                     }
                 }
             }

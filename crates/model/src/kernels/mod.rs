@@ -310,7 +310,7 @@ impl Kernels {
             // SAFETY: the isa (AVX2, FMA, F16C) was checked when these kernels were made;
             // lengths are asserted inside.
             return unsafe {
-                attn::tiled::heads(head_dim, q, n_pos, scale, k, v, scores, tile, out)
+                attn::tiled::block(head_dim, q, &[(0, n_pos)], scale, k, v, scores, tile, out)
             };
         }
         #[cfg(target_arch = "x86_64")]
@@ -344,6 +344,48 @@ impl Kernels {
             return true;
         }
         let _ = (head_dim, q, n_pos, scale, k, v, scores, tile, out);
+        false
+    }
+
+    /// Most rows [`Kernels::attention_block`] takes in one call on this isa (1: none).
+    pub fn attention_block_rows(&self) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if self.isa == Isa::Avx2 {
+            return attn::MAX_BLOCK_ROWS;
+        }
+        1
+    }
+
+    /// Attention of a block of query rows of one session in one call, where this isa has such
+    /// a kernel (AVX2: [`attn::tiled::block`], widths that are multiples of eight, up to
+    /// [`attn::tiled::MAX_GROUP`] heads per KV head and [`attn::MAX_BLOCK_ROWS`] rows): row `r`
+    /// attends to the absolute positions `ranges[r].0..ranges[r].0 + ranges[r].1`, `q` holds
+    /// its heads' rows (rounded to f16 values) at `r * heads * head_dim`, `k(t)` / `v(t)` are
+    /// the KV head's rows at position `t`, `scores` is scratch of `heads * Σ n_pos` and `tile`
+    /// of [`attn::tile_floats`]. Each row's result is bitwise the generic path's for that row
+    /// alone; returns false (nothing done) where there is no such kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_block<'a>(
+        &self,
+        head_dim: usize,
+        q: &[f32],
+        ranges: &[(usize, usize)],
+        scale: f32,
+        k: impl Fn(usize) -> &'a [half::f16],
+        v: impl Fn(usize) -> &'a [half::f16],
+        scores: &mut [f32],
+        tile: &mut [f32],
+        out: &mut [f32],
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self.isa == Isa::Avx2 {
+            // SAFETY: the isa (AVX2, FMA, F16C) was checked when these kernels were made;
+            // lengths are asserted inside.
+            return unsafe {
+                attn::tiled::block(head_dim, q, ranges, scale, k, v, scores, tile, out)
+            };
+        }
+        let _ = (head_dim, q, ranges, scale, k, v, scores, tile, out);
         false
     }
 }
