@@ -249,6 +249,70 @@ fn fused_attention(c: &mut Criterion) {
     grp.finish();
 }
 
+/// A prefill chunk's attention as one task runs it: 8 consecutive query rows at the end of a
+/// 4096-position context, 6 heads of width 128 sharing one KV head (Qwen2.5-1.5B's shape), in
+/// blocks of 1, 2, 4 and 8 rows (GFLOP/s as above). K and V (2 MiB) come from beyond L2.
+fn prefill_attention(c: &mut Criterion) {
+    let k = Kernels::detect();
+    let (g, n_ctx, hd, n_rows) = (6, 4096, 128, 8);
+    let q: Vec<f32> = values(n_rows * g * hd, 9)
+        .into_iter()
+        .map(|x| f16::from_f32(x * 4.0).to_f32())
+        .collect();
+    let row = |seed| -> Vec<f16> { values(hd, seed).into_iter().map(f16::from_f32).collect() };
+    let ks: Vec<Vec<f16>> = (0..n_ctx).map(|t| row(100 + t as u32)).collect();
+    let vs: Vec<Vec<f16>> = (0..n_ctx).map(|t| row(10000 + t as u32)).collect();
+    let ranges: Vec<(usize, usize)> = (n_ctx - n_rows..n_ctx).map(|p| (0, p + 1)).collect();
+    let mut scores = vec![0f32; g * n_rows * n_ctx];
+    let mut out = vec![0f32; n_rows * g * hd];
+    let mut tile = vec![0f32; attn::tile_floats(hd)];
+    let mut grp = c.benchmark_group("prefill_attention");
+    let flops: usize = ranges.iter().map(|r| g * r.1 * hd * 4).sum();
+    grp.throughput(Throughput::Elements(flops as u64));
+    for block in [1, 2, 4, 8] {
+        if block > 1 && k.attention_block_rows() < block {
+            continue;
+        }
+        grp.bench_function(BenchmarkId::new("rows per block", block), |b| {
+            b.iter(|| {
+                for (i, rs) in ranges.chunks(block).enumerate() {
+                    let at = i * block * g * hd;
+                    let qb = &q[at..at + rs.len() * g * hd];
+                    let ob = &mut out[at..at + rs.len() * g * hd];
+                    let done = if block == 1 {
+                        k.fused_attention(
+                            hd,
+                            qb,
+                            rs[0].1,
+                            0.125,
+                            |t| &ks[t][..],
+                            |t| &vs[t][..],
+                            &mut scores,
+                            &mut tile,
+                            ob,
+                        )
+                    } else {
+                        k.attention_block(
+                            hd,
+                            qb,
+                            rs,
+                            0.125,
+                            |t| &ks[t][..],
+                            |t| &vs[t][..],
+                            &mut scores,
+                            &mut tile,
+                            ob,
+                        )
+                    };
+                    assert!(done, "no fused attention kernel on this machine");
+                }
+                black_box(&out);
+            })
+        });
+    }
+    grp.finish();
+}
+
 criterion_group!(
     benches,
     row_dot,
@@ -256,6 +320,7 @@ criterion_group!(
     product,
     quantize,
     attention,
-    fused_attention
+    fused_attention,
+    prefill_attention
 );
 criterion_main!(benches);

@@ -370,6 +370,32 @@ pub mod tiled {
         tile: &mut [f32],
         out: &mut [f32],
     ) -> bool {
+        // The models' widths compiled with the width a constant (row offsets in the
+        // instructions); the same arithmetic for every width.
+        match hd {
+            64 => block_of::<64>(hd, q, ranges, scale, k, v, scores, tile, out),
+            128 => block_of::<128>(hd, q, ranges, scale, k, v, scores, tile, out),
+            256 => block_of::<256>(hd, q, ranges, scale, k, v, scores, tile, out),
+            _ => block_of::<0>(hd, q, ranges, scale, k, v, scores, tile, out),
+        }
+    }
+
+    /// [`block`] for head width `HD` (0: any width, `hd`).
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn block_of<'a, const HD: usize>(
+        hd: usize,
+        q: &[f32],
+        ranges: &[(usize, usize)],
+        scale: f32,
+        k: impl Fn(usize) -> &'a [f16],
+        v: impl Fn(usize) -> &'a [f16],
+        scores: &mut [f32],
+        tile: &mut [f32],
+        out: &mut [f32],
+    ) -> bool {
+        let hd = if HD == 0 { hd } else { HD };
         let n_rows = ranges.len();
         if hd == 0 || !hd.is_multiple_of(8) || n_rows == 0 || !q.len().is_multiple_of(hd * n_rows) {
             return false;
