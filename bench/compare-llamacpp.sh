@@ -3,12 +3,14 @@
 #
 # Usage: LLAMA_CPP_DIR=/path/to/llama.cpp/build [MODEL=name-or-path] bench/compare-llamacpp.sh [threads] [repetitions]
 # (MODEL: a GGUF path or a name `scripts/fetch-model.sh --list` knows, default smollm2-135m;
-# STREAM_REQUESTS, default 10: single-stream requests per server and round)
+# STREAM_REQUESTS, default 10: single-stream requests per server and round; LONG_PROMPTS, e.g.
+# 4096,16384, default none: long-context prefill rows, one run of each per side and round)
 #
 # LLAMA_CPP_DIR is a llama.cpp build (its bin/ holds llama-bench and llama-server); this script
 # neither builds nor downloads it. Each round runs llama.cpp then strata back to back; the
 # table prints the median over the rounds and the ratio strata / llama.cpp:
 #   - pp128, pp512, tg64: llama-bench against `strata bench --model` (one process);
+#   - with LONG_PROMPTS, ppN for each N (long prompts: attention takes over from the weights);
 #   - aggregate decode at concurrency 1, 4, 8 and 16 (32-token prompts, 64 new tokens):
 #     llama-server with 8 slots against `strata serve --shards 1`, both driven by
 #     `strata bench --url` over HTTP;
@@ -74,6 +76,10 @@ for r in $(seq 1 "$reps"); do
   echo "round $r of $reps" >&2
   "$lbench" -m "$model" -t "$threads" -p 128,512 -n 64 -r 3 -o json > "$out/llama-bench-$r.json" 2>/dev/null
   "$strata" bench --model "$model" --threads "$threads" --prompt-tokens 128,512 --gen-tokens 64 --repetitions 3 --json > "$out/strata-bench-$r.json"
+  if [ -n "${LONG_PROMPTS:-}" ]; then
+    "$lbench" -m "$model" -t "$threads" -p "$LONG_PROMPTS" -n 0 -r 1 -o json > "$out/llama-long-$r.json" 2>/dev/null
+    "$strata" bench --model "$model" --threads "$threads" --prompt-tokens "$LONG_PROMPTS" --gen-tokens 0 --repetitions 1 --json > "$out/strata-long-$r.json"
+  fi
 
   "$lserver" -m "$model" -t "$threads" -c 8192 -np 8 --port 18190 --metrics >/dev/null 2>&1 &
   pid=$!; wait_http 18190
@@ -125,9 +131,10 @@ pid=$!; wait_http 18193; ask 18193; echo "$(peak_rss_mib $pid)" > "$out/llama-rs
 "$strata" serve --model "$model" --shards 1 --threads "$threads" --ctx 4096 --listen 127.0.0.1:18194 >/dev/null 2>&1 &
 pid=$!; wait_http 18194; ask 18194; echo "$(peak_rss_mib $pid)" > "$out/strata-rss"; kill $pid; wait $pid 2>/dev/null || true
 
-python3 - "$out" "$reps" "$conc" "$stream_requests" "$model" <<'PY'
+python3 - "$out" "$reps" "$conc" "$stream_requests" "$model" "${LONG_PROMPTS:-}" <<'PY'
 import json, statistics, sys
 out, reps, conc, n_stream = sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")], int(sys.argv[4])
+long_prompts = [int(n) for n in sys.argv[6].split(",") if n]
 load = lambda name, r: json.load(open(f"{out}/{name}-{r}.json"))
 rounds = range(1, reps + 1)
 def llama_test(r, name):
@@ -147,6 +154,10 @@ for name in ["pp128", "pp512", "tg64"]:
     l = med(llama_test(r, name) for r in rounds)
     s = med(strata_test(r, name) for r in rounds)
     rows.append((f"{name} (llama-bench vs strata bench)", l, s))
+for n in long_prompts:
+    l = med(next(t["avg_ts"] for t in load("llama-long", r) if t["n_prompt"] == n) for r in rounds)
+    s = med(next(t["avg_ts"] for t in load("strata-long", r)["tests"] if t["test"] == f"pp{n}") for r in rounds)
+    rows.append((f"pp{n} (llama-bench vs strata bench, one run each per round)", l, s))
 for c in conc:
     l = med(agg("llama-server", r, c) for r in rounds)
     s = med(agg("strata-serve", r, c) for r in rounds)

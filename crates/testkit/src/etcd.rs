@@ -1,4 +1,5 @@
-//! A real etcd for tests: one member on free 127.0.0.1 ports with a temporary data directory,
+//! A real etcd for tests: one member on free 127.0.0.1 ports (or on a test host's address, in its
+//! network namespace: [`Etcd::start_on`]) with a temporary data directory,
 //! killed (and its directory removed) when the handle drops. The binary is `ETCD_BIN`, else
 //! `etcd` on the PATH (Debian's `etcd-server`; `.ci/run` installs it).
 
@@ -16,6 +17,9 @@ pub struct Etcd {
     /// With TLS: its certificates (clients must present one signed by the same CA), and the
     /// clear-text port of its `/health` (etcd's metrics listener).
     tls: Option<(crate::tls::TestCerts, u16)>,
+    /// Where it runs: the address it listens on, and the host whose namespace it runs in.
+    ip: String,
+    host: Option<crate::net::Host>,
 }
 
 fn free_port() -> u16 {
@@ -34,17 +38,23 @@ fn binary() -> PathBuf {
 impl Etcd {
     /// Starts etcd and waits until it answers.
     pub fn start() -> Etcd {
-        Etcd::start_with(None)
+        Etcd::start_with(None, None)
+    }
+
+    /// Starts etcd on `host` (in its network namespace, on its address) and waits until it
+    /// answers.
+    pub fn start_on(host: &crate::net::Host) -> Etcd {
+        Etcd::start_with(None, Some(host.clone()))
     }
 
     /// Starts etcd serving its clients over TLS only, with `certs` (a certificate for
     /// 127.0.0.1), and asking every client for a certificate signed by `certs.ca`
     /// (`--client-cert-auth`).
     pub fn start_tls(certs: &crate::tls::TestCerts) -> Etcd {
-        Etcd::start_with(Some(certs.clone()))
+        Etcd::start_with(Some(certs.clone()), None)
     }
 
-    fn start_with(tls: Option<crate::tls::TestCerts>) -> Etcd {
+    fn start_with(tls: Option<crate::tls::TestCerts>, host: Option<crate::net::Host>) -> Etcd {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("strata-etcd-{}-{n}", std::process::id()));
@@ -56,6 +66,8 @@ impl Etcd {
             client_port: 0,
             peer_port: 0,
             tls: None,
+            ip: host.as_ref().map_or("127.0.0.1".into(), |h| h.ip.clone()),
+            host,
         };
         // A port found free may be taken before etcd binds it: then other ports.
         for attempt in 1..=3 {
@@ -71,10 +83,11 @@ impl Etcd {
         unreachable!("the last attempt returns or panics")
     }
 
-    /// `http://127.0.0.1:PORT` (`https://` with TLS), what `--registry` takes.
+    /// `http://127.0.0.1:PORT` (`https://` with TLS; its host's address on a host), what
+    /// `--registry` takes.
     pub fn endpoint(&self) -> String {
         let scheme = if self.tls.is_some() { "https" } else { "http" };
-        format!("{scheme}://127.0.0.1:{}", self.client_port)
+        format!("{scheme}://{}:{}", self.ip, self.client_port)
     }
 
     /// Kills etcd (SIGKILL), keeping its data for [`Etcd::restart`].
@@ -97,12 +110,15 @@ impl Etcd {
     fn launch(&mut self) -> Result<(), String> {
         self.kill();
         let client = self.endpoint();
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let mut cmd = Command::new(binary());
-        let mut health = format!("127.0.0.1:{}", self.client_port);
+        let peer = format!("http://{}:{}", self.ip, self.peer_port);
+        let mut cmd = match &self.host {
+            Some(host) => host.command(&binary()),
+            None => Command::new(binary()),
+        };
+        let mut health = format!("{}:{}", self.ip, self.client_port);
         if let Some((certs, metrics_port)) = &self.tls {
             let file = |p: &PathBuf| p.display().to_string();
-            health = format!("127.0.0.1:{metrics_port}");
+            health = format!("{}:{metrics_port}", self.ip);
             cmd.args(["--cert-file", &file(&certs.cert)])
                 .args(["--key-file", &file(&certs.key)])
                 .args(["--trusted-ca-file", &file(&certs.ca)])
@@ -157,7 +173,7 @@ impl Etcd {
 
     /// One call of etcd's JSON gateway.
     fn gateway(&self, path: &str, body: &serde_json::Value) -> serde_json::Value {
-        let addr = format!("127.0.0.1:{}", self.client_port);
+        let addr = format!("{}:{}", self.ip, self.client_port);
         let r = client::request("POST", &addr, path, Some(body), &[]).expect("etcd gateway");
         serde_json::from_str(&r.body).unwrap_or_default()
     }
@@ -234,7 +250,7 @@ impl Etcd {
             *last += 1;
         }
         let body = serde_json::json!({"key": b64(prefix.as_bytes()), "range_end": b64(&end), "keys_only": true});
-        let addr = format!("127.0.0.1:{}", self.client_port);
+        let addr = format!("{}:{}", self.ip, self.client_port);
         let r =
             client::request("POST", &addr, "/v3/kv/range", Some(&body), &[]).expect("etcd range");
         let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();

@@ -6,6 +6,7 @@
 
 pub use client as http;
 pub mod etcd;
+pub mod net;
 pub mod observe;
 pub mod procs;
 pub mod tls;

@@ -81,8 +81,15 @@ pub fn children(pid: i32) -> Vec<i32> {
 /// Starts `exe args...` and waits until it prints a line starting with `ready_prefix`; the
 /// address is the first word after the prefix.
 pub fn spawn(exe: &Path, args: &[String], ready_prefix: &str, name: &str) -> Proc {
-    let mut child = Command::new(exe)
-        .args(args)
+    let mut cmd = Command::new(exe);
+    cmd.args(args);
+    spawn_command(cmd, ready_prefix, name)
+}
+
+/// Starts `cmd` and waits until it prints a line starting with `ready_prefix`; the address is
+/// the first word after the prefix.
+pub fn spawn_command(mut cmd: Command, ready_prefix: &str, name: &str) -> Proc {
+    let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .stdin(Stdio::null())

@@ -13,6 +13,7 @@ mod failover;
 mod families;
 mod faults;
 mod hardening;
+mod hosts;
 mod isolation;
 mod mixed_isa;
 mod pipelined_prefill;

@@ -1,0 +1,146 @@
+//! A swarm spread over "hosts": etcd, each shard and the tracker in a network namespace of its
+//! own (`testkit::net`), talking over veth links on a private bridge instead of one loopback,
+//! a shard's link limited in bandwidth. Needs root (CI runs as root); elsewhere it says so and
+//! stops.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use testkit::etcd::Etcd;
+use testkit::net::{Host, Net};
+use testkit::procs::{self, Proc};
+
+fn exe() -> &'static Path {
+    procs::strata_bin(env!("CARGO_BIN_EXE_strata"))
+}
+
+const TOKEN: &str = "test-hosts-token-0123456789abcdef";
+
+/// A SmolLM2 shard for `layers` on `host`, announced in `etcd` under a 2 s lease.
+fn shard_on(host: &Host, etcd: &Etcd, layers: &str) -> Proc {
+    let token = procs::token_file(TOKEN);
+    let args: Vec<String> = [
+        "shard",
+        "--model",
+        &testkit::real_model().display().to_string(),
+        "--layers",
+        layers,
+        "--listen",
+        &format!("{}:0", host.ip),
+        "--cluster-token-file",
+        &token.display().to_string(),
+        "--threads",
+        "1",
+        "--registry",
+        &etcd.endpoint(),
+        "--registry-ttl-s",
+        "2",
+    ]
+    .map(String::from)
+    .to_vec();
+    host.spawn(
+        exe(),
+        &args,
+        "strata shard listening on ",
+        &format!("shard {layers}"),
+    )
+}
+
+/// Greedy completions of a few prompts, each with its token ids.
+fn answers(addr: &str) -> Vec<Value> {
+    ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+        .iter()
+        .map(|prompt| {
+            let r = testkit::http::post_json(
+                addr,
+                "/v1/completions",
+                &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": true}),
+            );
+            assert_eq!(r.status, 200, "{}", r.body);
+            let v: Value = serde_json::from_str(&r.body).expect("a JSON body");
+            v["choices"][0]["token_ids"].clone()
+        })
+        .collect()
+}
+
+/// etcd, two shards and a tracker on four hosts: the shards announce their own hosts'
+/// addresses, the tracker builds the route from the registry and reaches them across the
+/// bridge, and the answers equal one process's on loopback, also with one shard's link cut
+/// to 20 Mbit/s.
+#[test]
+fn a_route_over_hosts_gives_one_processs_tokens() {
+    let mut net = match Net::new() {
+        Ok(net) => net,
+        Err(why) => {
+            eprintln!("a_route_over_hosts_gives_one_processs_tokens: not run here: {why}");
+            return;
+        }
+    };
+    let hosts: Vec<Host> = (0..4).map(|_| net.host().expect("a host")).collect();
+    let (etcd_host, tracker_host) = (&hosts[0], &hosts[3]);
+    let etcd = Etcd::start_on(etcd_host);
+    let shards = [
+        shard_on(&hosts[1], &etcd, "0..15"),
+        shard_on(&hosts[2], &etcd, "15..30"),
+    ];
+    for (shard, host) in shards.iter().zip(&hosts[1..3]) {
+        assert!(
+            shard.addr.starts_with(&format!("{}:", host.ip)),
+            "{} listens on {}, not on its host {}",
+            shard.name,
+            shard.addr,
+            host.ip
+        );
+    }
+    let token = procs::token_file(TOKEN);
+    let args: Vec<String> = [
+        "tracker",
+        "--listen",
+        &format!("{}:0", tracker_host.ip),
+        "--cluster-token-file",
+        &token.display().to_string(),
+        "--registry",
+        &etcd.endpoint(),
+        "--health-period-ms",
+        "100",
+    ]
+    .map(String::from)
+    .to_vec();
+    let tracker = tracker_host.spawn(exe(), &args, "strata tracker listening on ", "tracker");
+    let addr = tracker.addr.clone();
+    let t0 = Instant::now();
+    loop {
+        let r = testkit::http::post_json(
+            &addr,
+            "/v1/completions",
+            &json!({"prompt": "hi", "max_tokens": 1, "temperature": 0}),
+        );
+        if r.status == 200 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no route over the hosts within 30 s: {} {}",
+            r.status,
+            r.body
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "route over hosts answered {:?} after the tracker started",
+        t0.elapsed()
+    );
+    let over_hosts = answers(&addr);
+
+    let one = procs::serve(exe(), &testkit::real_model(), "1", &[]);
+    let want = answers(&one.addr);
+    assert_eq!(over_hosts, want, "a route over hosts against one process");
+
+    // The second shard's link at 20 Mbit/s each way: slower seams, the same tokens.
+    net.limit(&hosts[2], 20).expect("a bandwidth limit");
+    assert_eq!(answers(&addr), want, "with a 20 Mbit/s link");
+
+    // Processes go before the net that holds their namespaces.
+    drop((tracker, shards, etcd, one));
+}
