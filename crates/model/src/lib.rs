@@ -24,4 +24,4 @@ pub use error::Error;
 pub use forward::{Batch, Model, ModelOptions, Output, Row};
 pub use kernels::{Isa, Kernels, NUMERIC_CONTRACT};
 pub use kv::{KvCache, KvExhausted, KvPool, BLOCK_POSITIONS};
-pub use weights::LayerRange;
+pub use weights::{LayerRange, WeightSizes};

@@ -226,3 +226,83 @@ impl Weights {
             + self.output_norm.as_ref().map_or(0, v)
     }
 }
+
+/// What each part of a model costs in memory once loaded (matrices repacked as the kernels of
+/// every instruction set hold them), read from the file's header alone: for a shard choosing
+/// its layer range before it loads one (`strata shard --layers auto`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightSizes {
+    /// Bytes of each layer's tensors.
+    pub layers: Vec<u64>,
+    /// The token embedding (held by a range starting at layer 0).
+    pub embd: u64,
+    /// The output head and its norm (held by a range ending at the last layer); a head tied to
+    /// the embedding shares the embedding's bytes when the range holds both.
+    pub head: u64,
+    pub output_norm: u64,
+    pub tied: bool,
+}
+
+impl WeightSizes {
+    /// Reads the sizes from `f`'s header (no tensor data is read).
+    pub fn of(f: &GgufFile) -> Result<WeightSizes, Error> {
+        let h = f.header();
+        let c = ModelConfig::from_header(h)?;
+        let size = |name: &str| -> Result<u64, Error> {
+            let info = h
+                .tensor(name)
+                .ok_or_else(|| gguf::Error::MissingTensor { name: name.into() })?;
+            Ok(loaded_bytes(info))
+        };
+        let mut layers = vec![0u64; c.n_layers];
+        for info in h.tensors() {
+            let Some(rest) = info.name.strip_prefix("blk.") else {
+                continue;
+            };
+            let layer = rest.split('.').next().and_then(|i| i.parse::<usize>().ok());
+            if let Some(bytes) = layer.and_then(|i| layers.get_mut(i)) {
+                *bytes += loaded_bytes(info);
+            }
+        }
+        let embd = size("token_embd.weight")?;
+        let tied = h.tensor("output.weight").is_none();
+        Ok(WeightSizes {
+            layers,
+            embd,
+            head: if tied { embd } else { size("output.weight")? },
+            output_norm: size("output_norm.weight")?,
+            tied,
+        })
+    }
+
+    /// Bytes a shard of layers `start..end` holds (as [`Weights::n_bytes`] counts them).
+    pub fn range(&self, start: usize, end: usize) -> u64 {
+        let (first, last) = (start == 0, end == self.layers.len());
+        let mut bytes: u64 = self.layers[start..end].iter().sum();
+        if first {
+            bytes += self.embd;
+        }
+        if last {
+            bytes += self.output_norm;
+            if !(self.tied && first) {
+                bytes += self.head;
+            }
+        }
+        bytes
+    }
+}
+
+/// A tensor's bytes once loaded: a matrix with a packed form as whole panels of
+/// [`crate::kernels::packed::PANEL`] rows, another matrix as in the file, a vector as f32.
+fn loaded_bytes(info: &gguf::TensorInfo) -> u64 {
+    match (info.shape.as_slice(), PackKind::of(info.ty)) {
+        (&[cols, rows], Some(kind)) if (cols as usize).is_multiple_of(kind.block_values()) => {
+            let layout = crate::kernels::packed::Layout::new(kind, cols as usize);
+            (rows as usize).div_ceil(crate::kernels::packed::PANEL) as u64
+                * layout.panel_bytes() as u64
+        }
+        (&[_, _], _) => info.n_bytes,
+        (&[n], _) => 4 * n,
+        _ => info.n_bytes,
+    }
+}

@@ -22,6 +22,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
+pub mod placement;
+
 #[allow(clippy::all, missing_docs)]
 mod etcd {
     tonic::include_proto!("etcdserverpb");

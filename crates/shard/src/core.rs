@@ -107,7 +107,8 @@ impl std::fmt::Debug for ShardCore {
     }
 }
 
-fn sha256_file(path: &std::path::Path) -> Result<String, Error> {
+/// The SHA-256 of a model file, in hex: the digest shards and trackers match models by.
+pub fn file_digest(path: &std::path::Path) -> Result<String, Error> {
     let mut f = std::fs::File::open(path).map_err(|source| Error::Io {
         path: path.display().to_string(),
         source,
@@ -135,7 +136,7 @@ fn vocab_file(f: &GgufFile) -> Vec<u8> {
 impl ShardCore {
     /// Loads the range and starts the compute thread.
     pub fn load(mut config: ShardConfig) -> Result<Arc<ShardCore>, Error> {
-        let digest = sha256_file(&config.model_path)?;
+        let digest = file_digest(&config.model_path)?;
         let file = GgufFile::open(&config.model_path)?;
         let range = config.layers.map(|(start, end)| LayerRange { start, end });
         let model = Model::load(

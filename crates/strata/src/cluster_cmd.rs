@@ -18,7 +18,9 @@ pub struct ShardArgs {
     /// Path of the GGUF model, or a known model name (fetched and cached: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m).
     #[arg(long, value_parser = crate::models::model_path)]
     model: PathBuf,
-    /// Layer range `A..B` this shard serves.
+    /// Layer range `A..B` this shard serves, or `auto`: chosen at start from the registry's
+    /// live shards of the same model file (the layers no shard serves first, then the layers
+    /// the fewest serve), as many as `--weights-budget-mib` holds; needs `--registry`.
     #[arg(long)]
     layers: String,
     /// Address to listen on (port 0 picks a free port; the chosen address is printed).
@@ -705,7 +707,13 @@ fn loopback(addr: &SocketAddr) -> bool {
 
 pub fn shard(a: ShardArgs) -> Result<()> {
     let token = read_token(&a.cluster_token_file)?;
-    let layers = parse_range(&a.layers)?;
+    let layers = match a.layers.as_str() {
+        "auto" if a.membership.registry.is_none() => {
+            bail!("--layers auto chooses a range from the registry's live shards: give --registry")
+        }
+        "auto" => None,
+        given => Some(parse_range(given)?),
+    };
     let link = link(token, a.tls_ca.as_deref())?;
     let tls_identity = match (&a.tls_cert, &a.tls_key) {
         (Some(c), Some(k)) => Some(shard::TlsIdentity {
@@ -732,19 +740,40 @@ pub fn shard(a: ShardArgs) -> Result<()> {
             ),
             None => local.to_string(),
         };
+        let registry = a
+            .membership
+            .registry_access
+            .connect(a.membership.registry.as_ref())?;
+        let placed_itself = layers.is_none();
+        let layers = match (layers, &registry) {
+            (Some(given), _) => given,
+            (None, Some(connect)) => {
+                place_itself(&a.model, &a.limits, connect, &a.membership.registry_prefix).await?
+            }
+            (None, None) => unreachable!("--layers auto without --registry was refused above"),
+        };
         let config = shard::ShardConfig {
             tls_identity,
             ..shard_config(&a.model, Some(layers), &a.limits, addr.clone(), link)
         };
         let core = tokio::task::spawn_blocking(move || shard::ShardCore::load(config)).await??;
-        let registry = a
-            .membership
-            .registry_access
-            .connect(a.membership.registry.as_ref())?;
         let announcer = match &registry {
             Some(connect) => Some(announce(&core, connect, &a.membership)?),
             None => None,
         };
+        if let (true, Some(announcer)) = (placed_itself, &announcer) {
+            // A shard placing itself is ready once its range is in the registry: the next
+            // one started after it then places itself knowing of it.
+            let mut registered = announcer.registered();
+            let announced = tokio::time::timeout(
+                Duration::from_secs(30),
+                registered.wait_for(|r| *r),
+            )
+            .await;
+            if !matches!(announced, Ok(Ok(_))) {
+                eprintln!("strata shard {addr}: warning: not announced in the registry within 30 s");
+            }
+        }
         eprintln!("strata shard {addr}: {}", core.context);
         println!(
             "strata shard listening on {addr} layers {}..{}",
@@ -759,6 +788,57 @@ pub fn shard(a: ShardArgs) -> Result<()> {
         shard::serve(core, listener, drain).await?;
         Ok(())
     })
+}
+
+/// `--layers auto`: the range this shard takes, from the live records of its model file in the
+/// registry (`registry::placement`) and what each range costs once loaded (read from the
+/// file's header), within the weights budget.
+async fn place_itself(
+    model: &Path,
+    limits: &ShardLimits,
+    connect: &registry::Connect,
+    prefix: &str,
+) -> Result<(usize, usize)> {
+    let path = model.to_path_buf();
+    let (digest, sizes) = tokio::task::spawn_blocking(move || -> Result<_> {
+        let digest = shard::file_digest(&path)?;
+        let sizes = model::WeightSizes::of(&gguf::GgufFile::open(&path)?)?;
+        Ok((digest, sizes))
+    })
+    .await??;
+    let mut members = registry::follow(connect, prefix).map_err(|e| anyhow!("{e}"))?;
+    let snapshot = tokio::time::timeout(Duration::from_secs(30), members.wait_for(|m| m.connected))
+        .await
+        .map_err(|_| {
+            anyhow!("--layers auto: the registry gave no snapshot of its shards within 30 s")
+        })?
+        .map_err(|_| anyhow!("--layers auto: the registry follower stopped"))?
+        .clone();
+    let n_layers = sizes.layers.len();
+    let cover = registry::placement::coverage(snapshot.shards.values(), &digest, n_layers as u32);
+    let budget = (limits.weights_budget_mib() as u64) << 20;
+    let Some(range) = registry::placement::place(&cover, |s, e| sizes.range(s, e) <= budget) else {
+        let smallest = (0..n_layers)
+            .map(|i| sizes.range(i, i + 1))
+            .min()
+            .unwrap_or(0);
+        bail!(
+            "--layers auto: a weights budget of {} MiB holds no layer of {} (the smallest range of one layer needs {:.1} MiB)",
+            limits.weights_budget_mib(),
+            model.display(),
+            smallest as f64 / (1u64 << 20) as f64
+        );
+    };
+    let served = cover.iter().filter(|&&c| c > 0).count();
+    eprintln!(
+        "strata shard: --layers auto: layers {}..{} of {n_layers} ({:.1} MiB of a {} MiB weights budget; {served} of {n_layers} layers were served by {} live shards of this model)",
+        range.start,
+        range.end,
+        sizes.range(range.start, range.end) as f64 / (1u64 << 20) as f64,
+        limits.weights_budget_mib(),
+        snapshot.shards.values().filter(|r| r.digest == digest).count(),
+    );
+    Ok((range.start, range.end))
 }
 
 /// The shard's record in the registry, from what it loaded and its live counters.

@@ -669,3 +669,23 @@ fn a_sliding_window_layer_keeps_kv_only_inside_its_window() {
     let again = feed(&m, &mut windowed, 0, &ids[..20]);
     assert_eq!(bits(&again), bits(&run_alone(&m, &ids[..20], 20)));
 }
+
+/// What a shard placing itself reads from the header alone (`WeightSizes`) is exactly what each
+/// range holds once loaded, in every weight type (packed or not, tied head or not).
+#[test]
+fn weight_sizes_from_the_header_equal_what_every_range_loads() {
+    for spec in specs() {
+        let f = GgufFile::from_bytes(testkit::tiny_model_bytes(&spec)).unwrap();
+        let sizes = model::WeightSizes::of(&f).unwrap();
+        let n = sizes.layers.len();
+        assert_eq!(n, spec.n_layers, "{spec:?}");
+        for (start, end) in [(0, n), (0, 1), (1, n), (1, n - 1), (n - 1, n)] {
+            let m = load(&spec, Some(LayerRange { start, end }), 1);
+            assert_eq!(
+                sizes.range(start, end),
+                m.weight_bytes() as u64,
+                "{spec:?} layers {start}..{end}"
+            );
+        }
+    }
+}

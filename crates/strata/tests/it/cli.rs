@@ -415,3 +415,61 @@ fn a_default_temperature_out_of_range_is_refused_naming_it() {
         );
     }
 }
+
+/// `--layers auto` places a shard from the registry's live shards: without `--registry` it is
+/// refused at start, naming what is missing; a budget too small for any layer is refused
+/// naming the budget (test `hosts::shards_placing_themselves_form_a_complete_route` places
+/// shards for real).
+#[test]
+fn layers_auto_without_a_registry_is_refused_naming_it() {
+    let m = tiny();
+    let token = testkit::procs::token_file("cli-layers-auto-token-0123456789");
+    let token = token.display().to_string();
+    let out = strata(&[
+        "shard",
+        "--model",
+        &m,
+        "--layers",
+        "auto",
+        "--cluster-token-file",
+        &token,
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--layers auto") && err.contains("--registry"),
+        "{err}"
+    );
+    let out = strata(&[
+        "shard",
+        "--model",
+        &m,
+        "--layers",
+        "3-5",
+        "--cluster-token-file",
+        &token,
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("not of the form A..B"), "{err}");
+    let etcd = testkit::etcd::Etcd::start();
+    let out = strata(&[
+        "shard",
+        "--model",
+        &m,
+        "--layers",
+        "auto",
+        "--cluster-token-file",
+        &token,
+        "--registry",
+        &etcd.endpoint(),
+        "--weights-budget-mib",
+        "0",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("a weights budget of 0 MiB holds no layer"),
+        "{err}"
+    );
+}

@@ -144,3 +144,114 @@ fn a_route_over_hosts_gives_one_processs_tokens() {
     // Processes go before the net that holds their namespaces.
     drop((tracker, shards, etcd, one));
 }
+
+/// Three shards of Qwen2.5-Coder-0.5B on three hosts, each started with `--layers auto` and a
+/// weights budget of 45% of the file, one after another: each takes layers no live shard serves,
+/// the three ranges chain into a complete route with no range given by hand, and a tracker on a
+/// fifth host answers exactly as one process does.
+#[test]
+fn shards_placing_themselves_form_a_complete_route() {
+    let mut net = match Net::new() {
+        Ok(net) => net,
+        Err(why) => {
+            eprintln!("shards_placing_themselves_form_a_complete_route: not run here: {why}");
+            return;
+        }
+    };
+    let hosts: Vec<Host> = (0..5).map(|_| net.host().expect("a host")).collect();
+    let model = testkit::named_model("qwen2.5-coder-0.5b");
+    let budget_mib = (std::fs::metadata(&model).unwrap().len() * 45 / 100) >> 20;
+    let etcd = Etcd::start_on(&hosts[0]);
+    let token = procs::token_file(TOKEN);
+    let mut shards = Vec::new();
+    let mut ranges = Vec::new();
+    for (i, host) in hosts[1..4].iter().enumerate() {
+        let args: Vec<String> = [
+            "shard",
+            "--model",
+            &model.display().to_string(),
+            "--layers",
+            "auto",
+            "--weights-budget-mib",
+            &budget_mib.to_string(),
+            "--listen",
+            &format!("{}:0", host.ip),
+            "--cluster-token-file",
+            &token.display().to_string(),
+            "--threads",
+            "1",
+            "--registry",
+            &etcd.endpoint(),
+            "--registry-ttl-s",
+            "2",
+        ]
+        .map(String::from)
+        .to_vec();
+        let shard = host.spawn(
+            exe(),
+            &args,
+            "strata shard listening on ",
+            &format!("auto shard {i}"),
+        );
+        // Ready means announced: its record is in etcd, with the range it chose.
+        let key = format!("/strata/shards/{}", shard.addr);
+        let (value, _) = etcd
+            .get(&key)
+            .unwrap_or_else(|| panic!("{key} not in etcd"));
+        let record: Value = serde_json::from_slice(&value).unwrap();
+        let range = (
+            record["layer_start"].as_u64().unwrap(),
+            record["layer_end"].as_u64().unwrap(),
+        );
+        eprintln!(
+            "auto shard {i} on {} took layers {}..{}",
+            host.ip, range.0, range.1
+        );
+        ranges.push((range, record["n_layers"].as_u64().unwrap()));
+        shards.push(shard);
+    }
+    // The ranges chain from layer 0 to the last: a complete route, placed by the shards.
+    let n_layers = ranges[0].1;
+    assert_eq!(ranges[0].0 .0, 0, "{ranges:?}");
+    for pair in ranges.windows(2) {
+        assert_eq!(pair[0].0 .1, pair[1].0 .0, "{ranges:?}");
+    }
+    assert_eq!(ranges[2].0 .1, n_layers, "{ranges:?}");
+
+    let args: Vec<String> = [
+        "tracker",
+        "--listen",
+        &format!("{}:0", hosts[4].ip),
+        "--cluster-token-file",
+        &token.display().to_string(),
+        "--registry",
+        &etcd.endpoint(),
+        "--health-period-ms",
+        "100",
+    ]
+    .map(String::from)
+    .to_vec();
+    let tracker = hosts[4].spawn(exe(), &args, "strata tracker listening on ", "tracker");
+    let t0 = Instant::now();
+    while testkit::http::post_json(
+        &tracker.addr,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 1, "temperature": 0}),
+    )
+    .status
+        != 200
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no route within 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let one = procs::serve(exe(), &model, "1", &[]);
+    assert_eq!(
+        answers(&tracker.addr),
+        answers(&one.addr),
+        "placed route against one process"
+    );
+    drop((tracker, shards, etcd, one));
+}
