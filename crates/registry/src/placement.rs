@@ -3,8 +3,10 @@
 //! many as its weights budget holds.
 
 use std::ops::Range;
+use std::time::Duration;
 
-use crate::ShardRecord;
+use crate::etcd::{self, kv_client::KvClient, lease_client::LeaseClient};
+use crate::{call, channel, prefix_end, Connect, Error, Etcd, ShardRecord, MAX_RECORD_BYTES};
 
 /// Per layer of a model of `n_layers` layers (the file `digest` names), how many live shards of
 /// it that take new sessions (not draining) serve it. Records of other models, or whose range
@@ -43,6 +45,165 @@ pub fn place(coverage: &[u32], fits: impl Fn(usize, usize) -> bool) -> Option<Ra
         end += 1;
     }
     Some(start..end)
+}
+
+/// The key under which a shard claims a range while it places itself and loads.
+pub fn claim_key(prefix: &str, address: &str) -> String {
+    format!("{prefix}placing/{address}")
+}
+
+/// A shard's claim on the range it chose, kept in etcd under a lease while it loads the range,
+/// so that shards placing themselves meanwhile count it as served. Released (the lease revoked)
+/// once the shard is announced; a shard that dies while loading leaves it to expire.
+pub struct Claim {
+    channel: Etcd,
+    lease: i64,
+}
+
+impl Claim {
+    /// Takes the claim out of etcd now.
+    pub async fn release(self) {
+        let mut lease = LeaseClient::new(self.channel.svc());
+        let _ = call(lease.lease_revoke(etcd::LeaseRevokeRequest { id: self.lease })).await;
+    }
+}
+
+/// Every value under `key..end` with its modification revision, read at one revision.
+async fn read_all(channel: &Etcd, key: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>, i64)>, Error> {
+    let mut kv = KvClient::new(channel.svc()).max_decoding_message_size(crate::MAX_MESSAGE_BYTES);
+    let end = prefix_end(key);
+    let mut out = Vec::new();
+    let (mut from, mut revision) = (key.to_vec(), 0);
+    loop {
+        let page = call(kv.range(etcd::RangeRequest {
+            key: from.clone(),
+            range_end: end.clone(),
+            limit: crate::PAGE,
+            revision,
+        }))
+        .await?;
+        if revision == 0 {
+            revision = page.header.map_or(0, |h| h.revision);
+        }
+        out.extend(
+            page.kvs
+                .iter()
+                .map(|e| (e.key.clone(), e.value.clone(), e.mod_revision)),
+        );
+        match page.kvs.last() {
+            Some(last) if page.more && out.len() < crate::MAX_MEMBERS => {
+                from = last.key.clone();
+                from.push(0);
+            }
+            _ => return Ok(out),
+        }
+    }
+}
+
+/// The live records and the claims (with their revisions) of shards other than `me`.
+async fn read_swarm(
+    channel: &Etcd,
+    prefix: &str,
+    me: &str,
+) -> Result<(Vec<ShardRecord>, Vec<(ShardRecord, i64)>), Error> {
+    let shards = read_all(channel, format!("{prefix}shards/").as_bytes())
+        .await?
+        .into_iter()
+        .filter_map(|(k, v, _)| crate::parse_record(prefix, &k, &v).ok())
+        .filter(|r| r.address != me)
+        .collect();
+    let claims = read_all(channel, format!("{prefix}placing/").as_bytes())
+        .await?
+        .into_iter()
+        .filter(|(_, v, _)| v.len() <= MAX_RECORD_BYTES)
+        .filter_map(|(k, v, rev)| {
+            let r: ShardRecord = serde_json::from_slice(&v).ok()?;
+            (r.plausible() && claim_key(prefix, &r.address).as_bytes() == k && r.address != me)
+                .then_some((r, rev))
+        })
+        .collect();
+    Ok((shards, claims))
+}
+
+/// Places a shard (`me`: its address, model digest and layer count; the range is filled in)
+/// among the live shards and the claims of shards placing themselves at the same time, and
+/// claims the range under a lease of `ttl`. Two shards that claim overlapping ranges before
+/// seeing each other's claim both see them after `settle`: the later claim (the higher etcd
+/// revision) places itself again, counting the earlier one, so shards started together take
+/// different layers. `Ok(None)` when not even one layer fits.
+pub async fn place_and_claim(
+    connect: &Connect,
+    prefix: &str,
+    me: &ShardRecord,
+    ttl: Duration,
+    settle: Duration,
+    fits: impl Fn(usize, usize) -> bool,
+) -> Result<Option<(Range<usize>, Vec<u32>, Claim)>, Error> {
+    let channel = channel(connect)?;
+    channel.login().await?;
+    let mut lease = LeaseClient::new(channel.svc());
+    let granted = call(lease.lease_grant(etcd::LeaseGrantRequest {
+        ttl: ttl.as_secs().max(1) as i64,
+        id: 0,
+    }))
+    .await?;
+    if !granted.error.is_empty() {
+        return Err(Error(format!("etcd refused a lease: {}", granted.error)));
+    }
+    let claim = Claim {
+        channel: channel.clone(),
+        lease: granted.id,
+    };
+    let mut kv = KvClient::new(channel.svc());
+    let key = claim_key(prefix, &me.address);
+    // Each round's claim is later than every claim it saw, so some claim keeps its range every
+    // round; a bound on rounds only guards against a swarm that keeps changing.
+    for _ in 0..16 {
+        let (shards, claims) = read_swarm(&channel, prefix, &me.address).await?;
+        let cover = coverage(
+            shards.iter().chain(claims.iter().map(|(r, _)| r)),
+            &me.digest,
+            me.n_layers,
+        );
+        let Some(range) = place(&cover, &fits) else {
+            claim.release().await;
+            return Ok(None);
+        };
+        let mine = ShardRecord {
+            layer_start: range.start as u32,
+            layer_end: range.end as u32,
+            ..me.clone()
+        };
+        let put = call(kv.put(etcd::PutRequest {
+            key: key.clone().into_bytes(),
+            value: serde_json::to_vec(&mine).expect("a record serializes"),
+            lease: claim.lease,
+        }))
+        .await?;
+        let my_revision = put.header.map_or(0, |h| h.revision);
+        tokio::time::sleep(settle).await;
+        let (_, claims) = read_swarm(&channel, prefix, &me.address).await?;
+        let overlaps = |r: &ShardRecord| {
+            r.digest == me.digest
+                && (r.layer_start as usize) < range.end
+                && range.start < r.layer_end as usize
+        };
+        match claims
+            .iter()
+            .find(|(r, rev)| *rev < my_revision && overlaps(r))
+        {
+            None => return Ok(Some((range, cover, claim))),
+            Some((earlier, _)) => tracing::info!(
+                layers = ?range,
+                earlier = %earlier.address,
+                "registry: an earlier claim overlaps the range placed; placing again"
+            ),
+        }
+    }
+    claim.release().await;
+    Err(Error(
+        "the swarm kept changing while this shard placed itself (16 rounds)".into(),
+    ))
 }
 
 #[cfg(test)]

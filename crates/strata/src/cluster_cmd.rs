@@ -744,11 +744,13 @@ pub fn shard(a: ShardArgs) -> Result<()> {
             .membership
             .registry_access
             .connect(a.membership.registry.as_ref())?;
-        let placed_itself = layers.is_none();
-        let layers = match (layers, &registry) {
-            (Some(given), _) => given,
+        let (layers, claim) = match (layers, &registry) {
+            (Some(given), _) => (given, None),
             (None, Some(connect)) => {
-                place_itself(&a.model, &a.limits, connect, &a.membership.registry_prefix).await?
+                let prefix = &a.membership.registry_prefix;
+                let (range, claim) =
+                    place_itself(&a.model, &a.limits, connect, prefix, &addr).await?;
+                (range, Some(claim))
             }
             (None, None) => unreachable!("--layers auto without --registry was refused above"),
         };
@@ -761,9 +763,9 @@ pub fn shard(a: ShardArgs) -> Result<()> {
             Some(connect) => Some(announce(&core, connect, &a.membership)?),
             None => None,
         };
-        if let (true, Some(announcer)) = (placed_itself, &announcer) {
-            // A shard placing itself is ready once its range is in the registry: the next
-            // one started after it then places itself knowing of it.
+        if let (Some(claim), Some(announcer)) = (claim, &announcer) {
+            // A shard placing itself is ready once its range is in the registry; its claim
+            // then says nothing more.
             let mut registered = announcer.registered();
             let announced = tokio::time::timeout(
                 Duration::from_secs(30),
@@ -773,6 +775,7 @@ pub fn shard(a: ShardArgs) -> Result<()> {
             if !matches!(announced, Ok(Ok(_))) {
                 eprintln!("strata shard {addr}: warning: not announced in the registry within 30 s");
             }
+            claim.release().await;
         }
         eprintln!("strata shard {addr}: {}", core.context);
         println!(
@@ -791,14 +794,17 @@ pub fn shard(a: ShardArgs) -> Result<()> {
 }
 
 /// `--layers auto`: the range this shard takes, from the live records of its model file in the
-/// registry (`registry::placement`) and what each range costs once loaded (read from the
-/// file's header), within the weights budget.
+/// registry and the claims of shards placing themselves at the same time
+/// (`registry::placement`), and what each range costs once loaded (read from the file's
+/// header), within the weights budget. The range stays claimed until the claim is released
+/// (once the shard is announced) or its lease runs out.
 async fn place_itself(
     model: &Path,
     limits: &ShardLimits,
     connect: &registry::Connect,
     prefix: &str,
-) -> Result<(usize, usize)> {
+    address: &str,
+) -> Result<((usize, usize), registry::placement::Claim)> {
     let path = model.to_path_buf();
     let (digest, sizes) = tokio::task::spawn_blocking(move || -> Result<_> {
         let digest = shard::file_digest(&path)?;
@@ -806,18 +812,34 @@ async fn place_itself(
         Ok((digest, sizes))
     })
     .await??;
-    let mut members = registry::follow(connect, prefix).map_err(|e| anyhow!("{e}"))?;
-    let snapshot = tokio::time::timeout(Duration::from_secs(30), members.wait_for(|m| m.connected))
-        .await
-        .map_err(|_| {
-            anyhow!("--layers auto: the registry gave no snapshot of its shards within 30 s")
-        })?
-        .map_err(|_| anyhow!("--layers auto: the registry follower stopped"))?
-        .clone();
     let n_layers = sizes.layers.len();
-    let cover = registry::placement::coverage(snapshot.shards.values(), &digest, n_layers as u32);
+    let me = registry::ShardRecord {
+        address: address.to_string(),
+        instance: std::process::id().to_string(),
+        model: model.display().to_string(),
+        digest,
+        layer_start: 0,
+        layer_end: n_layers as u32,
+        n_layers: n_layers as u32,
+        recipe: String::new(),
+        kv_budget_bytes: 0,
+        kv_free_bytes: 0,
+        max_sessions: 0,
+        sessions: 0,
+        draining: false,
+    };
     let budget = (limits.weights_budget_mib() as u64) << 20;
-    let Some(range) = registry::placement::place(&cover, |s, e| sizes.range(s, e) <= budget) else {
+    let placed = registry::placement::place_and_claim(
+        connect,
+        prefix,
+        &me,
+        Duration::from_secs(120),
+        Duration::from_millis(500),
+        |s, e| sizes.range(s, e) <= budget,
+    )
+    .await
+    .map_err(|e| anyhow!("--layers auto: {e}"))?;
+    let Some((range, cover, claim)) = placed else {
         let smallest = (0..n_layers)
             .map(|i| sizes.range(i, i + 1))
             .min()
@@ -831,14 +853,13 @@ async fn place_itself(
     };
     let served = cover.iter().filter(|&&c| c > 0).count();
     eprintln!(
-        "strata shard: --layers auto: layers {}..{} of {n_layers} ({:.1} MiB of a {} MiB weights budget; {served} of {n_layers} layers were served by {} live shards of this model)",
+        "strata shard: --layers auto: layers {}..{} of {n_layers} ({:.1} MiB of a {} MiB weights budget; {served} of {n_layers} layers were served or claimed by other shards of this model)",
         range.start,
         range.end,
         sizes.range(range.start, range.end) as f64 / (1u64 << 20) as f64,
         limits.weights_budget_mib(),
-        snapshot.shards.values().filter(|r| r.digest == digest).count(),
     );
-    Ok((range.start, range.end))
+    Ok(((range.start, range.end), claim))
 }
 
 /// The shard's record in the registry, from what it loaded and its live counters.

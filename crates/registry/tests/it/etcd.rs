@@ -199,3 +199,48 @@ async fn a_deleted_or_overwritten_record_is_restored_under_the_shards_own_lease(
     tokio::time::sleep(ttl * 2).await;
     assert_eq!(etcd.get(key).as_ref(), Some(&own));
 }
+
+/// Four shards place themselves at the same instant on an empty registry, each holding at most
+/// 6 of 24 layers: they all see nothing and claim 0..6 at first; the later overlapping claims
+/// place themselves again counting the earlier ones, so the four ranges end up disjoint and
+/// cover every layer (a complete route). A released claim is gone from etcd.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shards_placing_themselves_together_claim_disjoint_ranges() {
+    let etcd = Etcd::start();
+    let connect = Connect::plain(&etcd.endpoint());
+    let tasks: Vec<_> = (0..4)
+        .map(|i| {
+            let connect = connect.clone();
+            let me = ShardRecord {
+                layer_end: 24,
+                n_layers: 24,
+                ..record(&format!("10.0.0.{i}:7000"))
+            };
+            tokio::spawn(async move {
+                registry::placement::place_and_claim(
+                    &connect,
+                    "/strata/",
+                    &me,
+                    Duration::from_secs(30),
+                    Duration::from_millis(300),
+                    |s, e| e - s <= 6,
+                )
+                .await
+                .expect("etcd answers")
+                .expect("6 layers fit")
+            })
+        })
+        .collect();
+    let mut placed = Vec::new();
+    for t in tasks {
+        placed.push(t.await.unwrap());
+    }
+    let mut ranges: Vec<_> = placed.iter().map(|(r, _, _)| r.clone()).collect();
+    ranges.sort_by_key(|r| r.start);
+    assert_eq!(ranges, [0..6, 6..12, 12..18, 18..24]);
+    assert_eq!(etcd.keys("/strata/placing/").len(), 4);
+    for (_, _, claim) in placed {
+        claim.release().await;
+    }
+    assert!(etcd.keys("/strata/placing/").is_empty());
+}

@@ -145,10 +145,10 @@ fn a_route_over_hosts_gives_one_processs_tokens() {
     drop((tracker, shards, etcd, one));
 }
 
-/// Three shards of Qwen2.5-Coder-0.5B on three hosts, each started with `--layers auto` and a
-/// weights budget of 45% of the file, one after another: each takes layers no live shard serves,
-/// the three ranges chain into a complete route with no range given by hand, and a tracker on a
-/// fifth host answers exactly as one process does.
+/// Three shards of Qwen2.5-Coder-0.5B on three hosts, started together with `--layers auto`
+/// and a weights budget of 45% of the file each: each takes layers no other shard serves or
+/// claims, the three ranges chain into a complete route with no range given by hand, and a
+/// tracker on a fifth host answers exactly as one process does.
 #[test]
 fn shards_placing_themselves_form_a_complete_route() {
     let mut net = match Net::new() {
@@ -163,36 +163,48 @@ fn shards_placing_themselves_form_a_complete_route() {
     let budget_mib = (std::fs::metadata(&model).unwrap().len() * 45 / 100) >> 20;
     let etcd = Etcd::start_on(&hosts[0]);
     let token = procs::token_file(TOKEN);
-    let mut shards = Vec::new();
+    // All three at once: each claims the range it chose while it loads, and the later of two
+    // overlapping claims places itself again.
+    let shards: Vec<Proc> = std::thread::scope(|scope| {
+        let started: Vec<_> = hosts[1..4]
+            .iter()
+            .enumerate()
+            .map(|(i, host)| {
+                let args: Vec<String> = [
+                    "shard",
+                    "--model",
+                    &model.display().to_string(),
+                    "--layers",
+                    "auto",
+                    "--weights-budget-mib",
+                    &budget_mib.to_string(),
+                    "--listen",
+                    &format!("{}:0", host.ip),
+                    "--cluster-token-file",
+                    &token.display().to_string(),
+                    "--threads",
+                    "1",
+                    "--registry",
+                    &etcd.endpoint(),
+                    "--registry-ttl-s",
+                    "2",
+                ]
+                .map(String::from)
+                .to_vec();
+                scope.spawn(move || {
+                    host.spawn(
+                        exe(),
+                        &args,
+                        "strata shard listening on ",
+                        &format!("auto shard {i}"),
+                    )
+                })
+            })
+            .collect();
+        started.into_iter().map(|h| h.join().unwrap()).collect()
+    });
     let mut ranges = Vec::new();
-    for (i, host) in hosts[1..4].iter().enumerate() {
-        let args: Vec<String> = [
-            "shard",
-            "--model",
-            &model.display().to_string(),
-            "--layers",
-            "auto",
-            "--weights-budget-mib",
-            &budget_mib.to_string(),
-            "--listen",
-            &format!("{}:0", host.ip),
-            "--cluster-token-file",
-            &token.display().to_string(),
-            "--threads",
-            "1",
-            "--registry",
-            &etcd.endpoint(),
-            "--registry-ttl-s",
-            "2",
-        ]
-        .map(String::from)
-        .to_vec();
-        let shard = host.spawn(
-            exe(),
-            &args,
-            "strata shard listening on ",
-            &format!("auto shard {i}"),
-        );
+    for shard in &shards {
         // Ready means announced: its record is in etcd, with the range it chose.
         let key = format!("/strata/shards/{}", shard.addr);
         let (value, _) = etcd
@@ -203,13 +215,10 @@ fn shards_placing_themselves_form_a_complete_route() {
             record["layer_start"].as_u64().unwrap(),
             record["layer_end"].as_u64().unwrap(),
         );
-        eprintln!(
-            "auto shard {i} on {} took layers {}..{}",
-            host.ip, range.0, range.1
-        );
+        eprintln!("{} took layers {}..{}", shard.name, range.0, range.1);
         ranges.push((range, record["n_layers"].as_u64().unwrap()));
-        shards.push(shard);
     }
+    ranges.sort();
     // The ranges chain from layer 0 to the last: a complete route, placed by the shards.
     let n_layers = ranges[0].1;
     assert_eq!(ranges[0].0 .0, 0, "{ranges:?}");
