@@ -17,13 +17,14 @@ fn exe() -> &'static Path {
 
 const TOKEN: &str = "test-hosts-token-0123456789abcdef";
 
-/// A SmolLM2 shard for `layers` on `host`, announced in `etcd` under a 2 s lease.
-fn shard_on(host: &Host, etcd: &Etcd, layers: &str) -> Proc {
+/// A shard of `model` on `host` for `layers` (a range, or `auto`), announced in `etcd` under
+/// a 2 s lease, with `extra` flags.
+fn shard_on(host: &Host, etcd: &Etcd, model: &Path, layers: &str, extra: &[&str]) -> Proc {
     let token = procs::token_file(TOKEN);
-    let args: Vec<String> = [
+    let mut args: Vec<String> = [
         "shard",
         "--model",
-        &testkit::real_model().display().to_string(),
+        &model.display().to_string(),
         "--layers",
         layers,
         "--listen",
@@ -39,12 +40,56 @@ fn shard_on(host: &Host, etcd: &Etcd, layers: &str) -> Proc {
     ]
     .map(String::from)
     .to_vec();
+    args.extend(extra.iter().map(|s| s.to_string()));
     host.spawn(
         exe(),
         &args,
         "strata shard listening on ",
         &format!("shard {layers}"),
     )
+}
+
+/// A tracker on `host` building its routes from `etcd`, returned once it answers a completion
+/// (a route is up), within 30 s.
+fn tracker_on(host: &Host, etcd: &Etcd) -> Proc {
+    let token = procs::token_file(TOKEN);
+    let args: Vec<String> = [
+        "tracker",
+        "--listen",
+        &format!("{}:0", host.ip),
+        "--cluster-token-file",
+        &token.display().to_string(),
+        "--registry",
+        &etcd.endpoint(),
+        "--health-period-ms",
+        "100",
+    ]
+    .map(String::from)
+    .to_vec();
+    let tracker = host.spawn(exe(), &args, "strata tracker listening on ", "tracker");
+    let t0 = Instant::now();
+    loop {
+        let r = testkit::http::post_json(
+            &tracker.addr,
+            "/v1/completions",
+            &json!({"prompt": "hi", "max_tokens": 1, "temperature": 0}),
+        );
+        if r.status == 200 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no route over the hosts within 30 s: {} {}",
+            r.status,
+            r.body
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "the route over the hosts answered {:?} after the tracker started",
+        t0.elapsed()
+    );
+    tracker
 }
 
 /// Greedy completions of a few prompts, each with its token ids.
@@ -78,11 +123,11 @@ fn a_route_over_hosts_gives_one_processs_tokens() {
         }
     };
     let hosts: Vec<Host> = (0..4).map(|_| net.host().expect("a host")).collect();
-    let (etcd_host, tracker_host) = (&hosts[0], &hosts[3]);
-    let etcd = Etcd::start_on(etcd_host);
+    let etcd = Etcd::start_on(&hosts[0]);
+    let model = testkit::real_model();
     let shards = [
-        shard_on(&hosts[1], &etcd, "0..15"),
-        shard_on(&hosts[2], &etcd, "15..30"),
+        shard_on(&hosts[1], &etcd, &model, "0..15", &[]),
+        shard_on(&hosts[2], &etcd, &model, "15..30", &[]),
     ];
     for (shard, host) in shards.iter().zip(&hosts[1..3]) {
         assert!(
@@ -93,53 +138,15 @@ fn a_route_over_hosts_gives_one_processs_tokens() {
             host.ip
         );
     }
-    let token = procs::token_file(TOKEN);
-    let args: Vec<String> = [
-        "tracker",
-        "--listen",
-        &format!("{}:0", tracker_host.ip),
-        "--cluster-token-file",
-        &token.display().to_string(),
-        "--registry",
-        &etcd.endpoint(),
-        "--health-period-ms",
-        "100",
-    ]
-    .map(String::from)
-    .to_vec();
-    let tracker = tracker_host.spawn(exe(), &args, "strata tracker listening on ", "tracker");
-    let addr = tracker.addr.clone();
-    let t0 = Instant::now();
-    loop {
-        let r = testkit::http::post_json(
-            &addr,
-            "/v1/completions",
-            &json!({"prompt": "hi", "max_tokens": 1, "temperature": 0}),
-        );
-        if r.status == 200 {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "no route over the hosts within 30 s: {} {}",
-            r.status,
-            r.body
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    eprintln!(
-        "route over hosts answered {:?} after the tracker started",
-        t0.elapsed()
-    );
-    let over_hosts = answers(&addr);
-
-    let one = procs::serve(exe(), &testkit::real_model(), "1", &[]);
+    let tracker = tracker_on(&hosts[3], &etcd);
+    let over_hosts = answers(&tracker.addr);
+    let one = procs::serve(exe(), &model, "1", &[]);
     let want = answers(&one.addr);
     assert_eq!(over_hosts, want, "a route over hosts against one process");
 
     // The second shard's link at 20 Mbit/s each way: slower seams, the same tokens.
     net.limit(&hosts[2], 20).expect("a bandwidth limit");
-    assert_eq!(answers(&addr), want, "with a 20 Mbit/s link");
+    assert_eq!(answers(&tracker.addr), want, "with a 20 Mbit/s link");
 
     // Processes go before the net that holds their namespaces.
     drop((tracker, shards, etcd, one));
@@ -160,44 +167,17 @@ fn shards_placing_themselves_form_a_complete_route() {
     };
     let hosts: Vec<Host> = (0..5).map(|_| net.host().expect("a host")).collect();
     let model = testkit::named_model("qwen2.5-coder-0.5b");
-    let budget_mib = (std::fs::metadata(&model).unwrap().len() * 45 / 100) >> 20;
+    let budget = ((std::fs::metadata(&model).unwrap().len() * 45 / 100) >> 20).to_string();
     let etcd = Etcd::start_on(&hosts[0]);
-    let token = procs::token_file(TOKEN);
     // All three at once: each claims the range it chose while it loads, and the later of two
     // overlapping claims places itself again.
     let shards: Vec<Proc> = std::thread::scope(|scope| {
         let started: Vec<_> = hosts[1..4]
             .iter()
-            .enumerate()
-            .map(|(i, host)| {
-                let args: Vec<String> = [
-                    "shard",
-                    "--model",
-                    &model.display().to_string(),
-                    "--layers",
-                    "auto",
-                    "--weights-budget-mib",
-                    &budget_mib.to_string(),
-                    "--listen",
-                    &format!("{}:0", host.ip),
-                    "--cluster-token-file",
-                    &token.display().to_string(),
-                    "--threads",
-                    "1",
-                    "--registry",
-                    &etcd.endpoint(),
-                    "--registry-ttl-s",
-                    "2",
-                ]
-                .map(String::from)
-                .to_vec();
+            .map(|host| {
+                let (etcd, model, budget) = (&etcd, &model, &budget);
                 scope.spawn(move || {
-                    host.spawn(
-                        exe(),
-                        &args,
-                        "strata shard listening on ",
-                        &format!("auto shard {i}"),
-                    )
+                    shard_on(host, etcd, model, "auto", &["--weights-budget-mib", budget])
                 })
             })
             .collect();
@@ -227,35 +207,7 @@ fn shards_placing_themselves_form_a_complete_route() {
     }
     assert_eq!(ranges[2].0 .1, n_layers, "{ranges:?}");
 
-    let args: Vec<String> = [
-        "tracker",
-        "--listen",
-        &format!("{}:0", hosts[4].ip),
-        "--cluster-token-file",
-        &token.display().to_string(),
-        "--registry",
-        &etcd.endpoint(),
-        "--health-period-ms",
-        "100",
-    ]
-    .map(String::from)
-    .to_vec();
-    let tracker = hosts[4].spawn(exe(), &args, "strata tracker listening on ", "tracker");
-    let t0 = Instant::now();
-    while testkit::http::post_json(
-        &tracker.addr,
-        "/v1/completions",
-        &json!({"prompt": "hi", "max_tokens": 1, "temperature": 0}),
-    )
-    .status
-        != 200
-    {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "no route within 30 s"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let tracker = tracker_on(&hosts[4], &etcd);
     let one = procs::serve(exe(), &model, "1", &[]);
     assert_eq!(
         answers(&tracker.addr),
