@@ -758,7 +758,20 @@ pub fn shard(a: ShardArgs) -> Result<()> {
             tls_identity,
             ..shard_config(&a.model, Some(layers), &a.limits, addr.clone(), link)
         };
-        let core = tokio::task::spawn_blocking(move || shard::ShardCore::load(config)).await??;
+        let loaded = tokio::task::spawn_blocking(move || shard::ShardCore::load(config))
+            .await
+            .map_err(anyhow::Error::from)
+            .and_then(|r| r.map_err(anyhow::Error::from));
+        let core = match loaded {
+            Ok(core) => core,
+            Err(e) => {
+                // A range it could not load is not kept from other shards for the claim's lease.
+                if let Some(claim) = claim {
+                    claim.release().await;
+                }
+                return Err(e);
+            }
+        };
         let announcer = match &registry {
             Some(connect) => Some(announce(&core, connect, &a.membership)?),
             None => None,
