@@ -130,6 +130,8 @@ struct PoolState {
     spare_ids: Vec<u32>,
     next_id: u32,
     keys: HashMap<PrefixKey, u64>,
+    /// The registered blocks that continue each registered block (or root), by its id.
+    children: HashMap<u64, Vec<u64>>,
     registered: HashMap<u64, Registered>,
     /// Registered blocks no cache holds, least recently released first.
     idle: BTreeMap<u64, u64>,
@@ -170,6 +172,12 @@ impl PoolState {
             .remove(&uid)
             .expect("idle blocks are registered");
         self.keys.remove(&r.key);
+        if let Some(siblings) = self.children.get_mut(&r.key.0) {
+            siblings.retain(|&c| c != uid);
+            if siblings.is_empty() {
+                self.children.remove(&r.key.0);
+            }
+        }
         assert_eq!(Arc::strong_count(&r.data), 1);
         self.spare.push(r.data);
         self.spare_ids.push(r.id);
@@ -257,6 +265,7 @@ impl KvPool {
                 spare_ids: Vec::new(),
                 next_id: 0,
                 keys: HashMap::new(),
+                children: HashMap::new(),
                 registered: HashMap::new(),
                 idle: BTreeMap::new(),
                 next_uid: 1,
@@ -374,36 +383,60 @@ impl KvPool {
     }
 
     /// Extends `cache` with the registered blocks that continue it along `tokens` (the tokens
-    /// of its next positions), at most `max_blocks` of them, and returns the positions added.
-    /// The cache must be empty (its blocks then start at `root`) or end on the boundary of a
-    /// registered block; otherwise nothing is added.
+    /// of its next positions), at most `max_positions` positions, and returns the positions
+    /// added: whole blocks while their 16 tokens match, then the leading positions of the
+    /// registered block that continues the last one with the most of the remaining tokens (a
+    /// conversation whose last message changed shares all but the block where it differs).
+    /// Such a partly used block stays shared until a position is written into it, which copies
+    /// it first ([`KvCache::reserve`]). The cache must be empty (its blocks then start at
+    /// `root`) or end on the boundary of a registered block; otherwise nothing is added.
     pub fn attach(
         &self,
         cache: &mut KvCache,
         tokens: &[u32],
         root: u64,
-        max_blocks: usize,
+        max_positions: usize,
     ) -> usize {
         let mut parent = match cache.blocks.last() {
             None => root,
             Some(b) if cache.len == cache.blocks.len() * BLOCK_POSITIONS => b.uid,
             Some(_) => 0,
         };
-        if parent == 0 || max_blocks == 0 || self.is_windowed() {
+        let tokens = &tokens[..tokens.len().min(max_positions)];
+        if parent == 0 || tokens.is_empty() || self.is_windowed() {
             return 0;
         }
         let mut s = self.lock();
         let before = cache.blocks.len();
-        for chunk in tokens.chunks_exact(BLOCK_POSITIONS).take(max_blocks) {
+        for chunk in tokens.chunks_exact(BLOCK_POSITIONS) {
             let key = (parent, chunk.try_into().expect("a full block of tokens"));
             let Some(&uid) = s.keys.get(&key) else { break };
             cache.blocks.push(s.hold(uid));
             parent = uid;
         }
-        let added = cache.blocks.len() - before;
-        s.attached_total += added as u64;
-        cache.len = cache.blocks.len() * BLOCK_POSITIONS;
-        added * BLOCK_POSITIONS
+        let whole = cache.blocks.len() - before;
+        let rest = &tokens[whole * BLOCK_POSITIONS..];
+        let rest = &rest[..rest.len().min(BLOCK_POSITIONS - 1)];
+        let partial = s.children.get(&parent).and_then(|children| {
+            children
+                .iter()
+                .map(|&uid| {
+                    let key = &s.registered[&uid].key.1;
+                    let same = key.iter().zip(rest).take_while(|(a, b)| a == b).count();
+                    (same, uid)
+                })
+                .filter(|&(same, _)| same > 0)
+                // The longest match; the oldest block among equals (the smallest id).
+                .max_by_key(|&(same, uid)| (same, std::cmp::Reverse(uid)))
+        });
+        let mut added = whole * BLOCK_POSITIONS;
+        if let Some((same, uid)) = partial {
+            cache.blocks.push(s.hold(uid));
+            added += same;
+        }
+        s.attached_total += (cache.blocks.len() - before) as u64;
+        cache.len += added;
+        added
     }
 
     /// Registers the full blocks of `cache` not yet registered; `tokens` are the cache's
@@ -447,6 +480,7 @@ impl KvPool {
                 let block = &mut cache.blocks[b];
                 block.uid = uid;
                 s.keys.insert(key, uid);
+                s.children.entry(parent).or_default().push(uid);
                 s.registered.insert(
                     uid,
                     Registered {
@@ -933,9 +967,9 @@ mod tests {
                     ShareOp::Open(n) => {
                         let mut c = pool.new_cache(1 << 20);
                         let want = tokens_of(0, n, 0);
-                        let got = pool.attach(&mut c, &want, root, n.saturating_sub(1) / BLOCK_POSITIONS);
+                        let got = pool.attach(&mut c, &want, root, n.saturating_sub(1));
                         prop_assert!(got < n.max(1));
-                        prop_assert_eq!(c.n_shared_blocks(), got / BLOCK_POSITIONS);
+                        prop_assert_eq!(c.n_shared_blocks(), got.div_ceil(BLOCK_POSITIONS));
                         caches.push((c, want[..got].to_vec()));
                     }
                     ShareOp::Extend(i, n) if !caches.is_empty() => {
@@ -943,8 +977,8 @@ mod tests {
                         let (c, tokens) = &mut caches[k];
                         let from = c.len();
                         let next = tokens_of(from, from + n, 0);
-                        let got = pool.attach(c, &next, root, n / BLOCK_POSITIONS);
-                        prop_assert!(got <= n && got.is_multiple_of(BLOCK_POSITIONS));
+                        let got = pool.attach(c, &next, root, n);
+                        prop_assert!(got <= n);
                         prop_assert!(got == 0 || from.is_multiple_of(BLOCK_POSITIONS));
                         tokens.extend_from_slice(&next[..got]);
                     }
@@ -1033,22 +1067,23 @@ mod tests {
         drop(a);
         assert_eq!((pool.blocks_in_use(), pool.idle_blocks()), (0, 2));
         let mut b = pool.new_cache(100);
-        // At most one block: the caller keeps at least one position to compute.
-        assert_eq!(pool.attach(&mut b, &tokens, root, 1), 16);
+        // At most the positions the caller allows (it keeps at least one to compute).
+        assert_eq!(pool.attach(&mut b, &tokens, root, 16), 16);
         assert_eq!((pool.blocks_in_use(), pool.idle_blocks()), (1, 1));
         let mut c = pool.new_cache(100);
-        assert_eq!(pool.attach(&mut c, &tokens, root, 5), 32);
+        // Positions 32..40 were never a full block, so never registered.
+        assert_eq!(pool.attach(&mut c, &tokens, root, 39), 32);
         assert_eq!(pool.blocks_in_use(), 2);
         // Dropping c would free only the block b does not share.
         assert_eq!(c.releasable_bytes(), pool.block_bytes());
         // Another root (another seam encoding) shares nothing.
         let mut d = pool.new_cache(100);
-        assert_eq!(pool.attach(&mut d, &tokens, KvPool::prefix_root(7), 5), 0);
+        assert_eq!(pool.attach(&mut d, &tokens, KvPool::prefix_root(7), 39), 0);
         // A different first block shares nothing either.
         let mut e = pool.new_cache(100);
-        assert_eq!(pool.attach(&mut e, &tokens_of(0, 40, 1), root, 5), 0);
+        assert_eq!(pool.attach(&mut e, &tokens_of(0, 40, 1), root, 39), 0);
         // A cache on a registered block boundary continues along the chain.
-        assert_eq!(pool.attach(&mut b, &tokens[16..], root, 5), 16);
+        assert_eq!(pool.attach(&mut b, &tokens[16..], root, 24), 16);
         assert_eq!((b.len(), pool.blocks_in_use()), (32, 2));
         assert_eq!(pool.attached_blocks_total(), 4);
     }

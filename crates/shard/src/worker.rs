@@ -453,7 +453,7 @@ impl Worker {
         if !f.prefix.is_empty() {
             let held = if self.config.prefix_cache {
                 self.kv_pool
-                    .attach(&mut s.kv, &f.prefix, root, f.prefix.len() / BLOCK_POSITIONS)
+                    .attach(&mut s.kv, &f.prefix, root, f.prefix.len())
             } else {
                 0
             };
@@ -476,15 +476,13 @@ impl Worker {
             && f.n_draft == 0
             && self.model.is_first()
         {
-            // Continue on the cached blocks of the longest registered prefix; a fragment that
-            // samples keeps at least one token to compute. The rest of the fragment goes on
-            // from there, naming the positions taken.
-            let max_blocks = if f.want_output {
-                f.tokens.len().saturating_sub(1) / BLOCK_POSITIONS
-            } else {
-                f.tokens.len() / BLOCK_POSITIONS
-            };
-            let held = self.kv_pool.attach(&mut s.kv, &f.tokens, root, max_blocks);
+            // Continue on the cached positions of the longest registered prefix; a fragment
+            // that samples keeps at least one token to compute. The rest of the fragment goes
+            // on from there, naming the positions taken.
+            let max_positions = f.tokens.len().saturating_sub(usize::from(f.want_output));
+            let held = self
+                .kv_pool
+                .attach(&mut s.kv, &f.tokens, root, max_positions);
             if held > 0 {
                 f.prefix = f.tokens.drain(..held).collect();
                 f.start_pos += held as u32;

@@ -574,13 +574,13 @@ fn a_session_started_on_a_shared_prefix_gives_bitwise_its_own_logits() {
             // Sliding-window pools share no prefixes (see `kv.rs`).
             assert_eq!(first.n_shared_blocks(), 0);
             let mut second = pool.new_cache(64);
-            assert_eq!(pool.attach(&mut second, &ids, root, 2), 0);
+            assert_eq!(pool.attach(&mut second, &ids, root, 32), 0);
             continue;
         }
         assert_eq!(first.n_shared_blocks(), 2);
         // A second starts on those blocks and computes only the rest.
         let mut second = pool.new_cache(64);
-        let held = pool.attach(&mut second, &ids, root, (ids.len() - 1) / 16);
+        let held = pool.attach(&mut second, &ids, root, ids.len() - 1);
         assert_eq!(held, 32);
         let got = feed(&m, &mut second, held, &ids[held..]);
         assert_eq!(
@@ -597,9 +597,64 @@ fn a_session_started_on_a_shared_prefix_gives_bitwise_its_own_logits() {
         assert_eq!(second.n_shared_blocks(), 1);
         drop(second);
         let mut third = pool.new_cache(64);
-        let held = pool.attach(&mut third, &ids, root, 2);
+        let held = pool.attach(&mut third, &ids, root, 32);
         let got = feed(&m, &mut third, held, &ids[held..]);
         assert_eq!(bits(&got), bits(&reference[held * n_vocab..]));
+    }
+}
+
+/// A conversation whose last message changed shares all but the block where it differs: the
+/// second session takes the first session's whole blocks and the leading positions of the block
+/// where the two part (copied before its own positions are written), computes only the rest, and
+/// gets bitwise the logits of its prompt computed alone; the first session's blocks are
+/// untouched (it continues exactly, and a third session with its prompt takes its registered
+/// blocks and computes the same logits).
+#[test]
+fn a_session_takes_the_cached_positions_of_the_block_where_it_parts() {
+    for spec in specs() {
+        let m = load(&spec, None, 2);
+        let n_vocab = m.config().n_vocab;
+        let pool = m.new_pool(usize::MAX);
+        if pool.is_windowed() {
+            continue;
+        }
+        let root = model::KvPool::prefix_root(0);
+        let ids = prompt(7, 56);
+        // The same first 37 tokens, then others.
+        let mut other = ids[..37].to_vec();
+        other.extend(prompt(8, 12));
+        let mut first = pool.new_cache(64);
+        feed(&m, &mut first, 0, &ids);
+        pool.register(&mut first, &ids, root);
+        assert_eq!(first.n_shared_blocks(), 3);
+        let mut second = pool.new_cache(64);
+        let held = pool.attach(&mut second, &other, root, other.len() - 1);
+        assert_eq!(held, 37, "{:?}", spec.weight_type);
+        let got = feed(&m, &mut second, held, &other[held..]);
+        let want = run_alone(&m, &other, other.len());
+        assert_eq!(
+            bits(&got),
+            bits(&want[held * n_vocab..]),
+            "{:?}",
+            spec.weight_type
+        );
+        // At most what the caller allows: a position short of the match, or whole blocks only.
+        let mut short = pool.new_cache(64);
+        assert_eq!(pool.attach(&mut short, &other, root, 35), 35);
+        let mut whole = pool.new_cache(64);
+        assert_eq!(pool.attach(&mut whole, &other, root, 32), 32);
+        // The first session goes on exactly, on blocks the second did not write into.
+        let more = prompt(9, 5);
+        let mut full: Vec<u32> = ids.clone();
+        full.extend(&more);
+        let went_on = feed(&m, &mut first, ids.len(), &more);
+        let alone = run_alone(&m, &full, full.len());
+        assert_eq!(bits(&went_on), bits(&alone[ids.len() * n_vocab..]));
+        // Its three registered blocks (its last, partial block was never registered).
+        let mut third = pool.new_cache(64);
+        assert_eq!(pool.attach(&mut third, &ids, root, ids.len() - 1), 48);
+        let got = feed(&m, &mut third, 48, &ids[48..]);
+        assert_eq!(bits(&got), bits(&alone[48 * n_vocab..56 * n_vocab]));
     }
 }
 

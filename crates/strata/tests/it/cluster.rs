@@ -923,8 +923,9 @@ fn every_link_of_a_long_response_chain_reuses_the_last_links_prompt() {
     );
 }
 
-/// A prompt seen before starts on the cached KV blocks of its full 16-position blocks on every
-/// shard of a 3-shard route (each shard takes the same positions from its cache), and the
+/// A prompt seen before starts on the cached KV of every position but its last on every shard
+/// of a 3-shard route (each shard takes the same positions from its cache: the full blocks, and
+/// the leading positions of the block the first answer's tokens filled), and the
 /// answers stay those of one process: asked again alone, by four sessions at once, and through
 /// a second tracker that prefills in 16-token chunks (each chunk taken from the cache). A route
 /// whose last shard keeps no prefix cache answers the first shard's reuse with cache_miss and
@@ -951,12 +952,13 @@ fn a_repeated_prompt_starts_on_cached_prefix_blocks_on_every_shard_with_the_same
         "nothing cached before the first request"
     );
     assert_eq!(complete_ids(&t, &prompt, 16), want);
-    let blocks = ((prompt.len() - 1) / 16 * 16) as f64;
-    assert_eq!(reused(&t, &c.shards), vec![blocks; 3]);
+    // 16 generated tokens filled the block where the prompt ends, so it is registered.
+    let positions = (prompt.len() - 1) as f64;
+    assert_eq!(reused(&t, &c.shards), vec![positions; 3]);
     for got in concurrently(&t, &vec![prompt.clone(); 4], 16) {
         assert_eq!(got, want);
     }
-    assert_eq!(reused(&t, &c.shards), vec![5.0 * blocks; 3]);
+    assert_eq!(reused(&t, &c.shards), vec![5.0 * positions; 3]);
 
     let token = procs::token_file("test-cluster-token-0123456789");
     let refs: Vec<&Proc> = c.shards.iter().collect();
@@ -974,7 +976,7 @@ fn a_repeated_prompt_starts_on_cached_prefix_blocks_on_every_shard_with_the_same
         ],
     );
     assert_eq!(complete_ids(&chunked.addr, &prompt, 16), want);
-    assert_eq!(reused(&chunked.addr, &c.shards), vec![6.0 * blocks; 3]);
+    assert_eq!(reused(&chunked.addr, &c.shards), vec![6.0 * positions; 3]);
     drop(c);
 
     let m = model();
@@ -996,6 +998,6 @@ fn a_repeated_prompt_starts_on_cached_prefix_blocks_on_every_shard_with_the_same
         assert_eq!(complete_ids(&tracker.addr, &prompt, 16), want);
     }
     let shards = [first, last];
-    assert_eq!(reused(&tracker.addr, &shards), vec![blocks, 0.0]);
+    assert_eq!(reused(&tracker.addr, &shards), vec![positions, 0.0]);
     assert_eq!(tracker_metric(&tracker.addr, "strata_replays_total"), 1.0);
 }

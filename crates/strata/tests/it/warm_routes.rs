@@ -209,9 +209,12 @@ fn eight_conversations_spread_over_two_routes_and_a_lost_route_costs_one_cold_tu
     // turn ends on the other route (offered there, or moved there when the dead route fails).
     r.shards[home].signal(9);
     let cold = conv.turn(&t, 5);
-    assert_eq!(
-        cold.cached, 0,
-        "the other route never saw this conversation"
+    // At most the leading tokens of the first block come from the cache there: those the key's
+    // other conversations share (the chat template and the system prompt before its topic).
+    assert!(
+        cold.cached < 16,
+        "the other route never saw this conversation, yet it took {} tokens from its cache",
+        cold.cached
     );
     for i in 6..8 {
         conv.warm_turn(&t, i);
