@@ -11,7 +11,9 @@ given, llama-server on the same model, threads and context, and per round sends 
   2. warm: the same conversation with only its last user message changed: a server that keeps
      the prompt's prefix computes only the new message.
 
-It prints each round and the medians, with the prompt's token count as each server reported it.
+It prints each round and the medians, with the prompt's token count as each server reported it,
+and each server's peak RSS at the end (its sessions' KV still held: with --ctx 32768 and
+--prompt-tokens 32000, what a 32k-token session costs).
 The servers take their requests in turn, so a slow phase of the machine hits both.
 
 Usage: bench/agent-prompt.py [--model NAME|PATH] [--threads 2] [--prompt-tokens 15000]
@@ -98,6 +100,15 @@ def conversation(round_no, n_tools, last):
     ]
 
 
+def peak_rss_mib(pid):
+    """The process's peak resident set (VmHWM) so far, in MiB: with its session still held."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) // 1024
+    return None
+
+
 def model_id(port):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
         return json.load(r)["data"][0]["id"]
@@ -174,10 +185,11 @@ def main():
                 print(f"round {rnd} {name}: {tokens} prompt tokens, cold {cold:.2f} s, last message changed {warm:.3f} s",
                       flush=True)
         print()
-        print("| server | prompt tokens | cold first token (s) | last message changed (s) |")
-        print("| --- | ---: | ---: | ---: |")
-        for name, r in results.items():
-            print(f"| {name} | {r['tokens']} | {statistics.median(r['cold']):.2f} | {statistics.median(r['warm']):.3f} |")
+        print("| server | prompt tokens | cold first token (s) | last message changed (s) | peak RSS (MiB) |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for (name, r), (_, _, proc) in zip(results.items(), servers):
+            print(f"| {name} | {r['tokens']} | {statistics.median(r['cold']):.2f} | {statistics.median(r['warm']):.3f} "
+                  f"| {peak_rss_mib(proc.pid)} |")
         if len(results) == 2:
             s, l = results["strata"], results["llama-server"]
             print(f"\ncold: llama-server / strata = {statistics.median(l['cold']) / statistics.median(s['cold']):.2f}x")

@@ -1,7 +1,9 @@
 //! Where a shard that places itself goes (`strata shard --layers auto`): from the live records
 //! of its model, the layers no shard serves first, then the layers the fewest shards serve, as
-//! many as its weights budget holds.
+//! many as its weights budget holds; and the routes (chains of shards covering every layer once)
+//! that trackers and `strata plan` find among the live records.
 
+use std::collections::HashSet;
 use std::ops::Range;
 use std::time::Duration;
 
@@ -45,6 +47,66 @@ pub fn place(coverage: &[u32], fits: impl Fn(usize, usize) -> bool) -> Option<Ra
         end += 1;
     }
     Some(start..end)
+}
+
+/// Up to `max` disjoint chains of `free` shards (one model's, none draining) that each cover `[0, n_layers)`
+/// exactly once, found greedily; linear in the shards for each chain (positions that lead
+/// nowhere are remembered).
+pub fn chains(mut free: Vec<&ShardRecord>, max: usize) -> Vec<Vec<&ShardRecord>> {
+    free.sort_by(|a, b| {
+        (a.layer_start, std::cmp::Reverse(a.layer_end), &a.address).cmp(&(
+            b.layer_start,
+            std::cmp::Reverse(b.layer_end),
+            &b.address,
+        ))
+    });
+    let mut out = Vec::new();
+    while out.len() < max {
+        let Some(n) = free.first().map(|r| r.n_layers) else {
+            return out;
+        };
+        let mut dead = HashSet::new();
+        let mut path = Vec::new();
+        if !cover(&free, 0, n, &mut dead, &mut path) {
+            return out;
+        }
+        let chain: Vec<&ShardRecord> = path.iter().map(|&i| free[i]).collect();
+        let mut taken: Vec<usize> = path;
+        taken.sort_unstable();
+        for i in taken.into_iter().rev() {
+            free.remove(i);
+        }
+        out.push(chain);
+    }
+    out
+}
+
+/// Depth first from `pos` to `n` over shards starting where the last ended.
+fn cover(
+    free: &[&ShardRecord],
+    pos: u32,
+    n: u32,
+    dead: &mut HashSet<u32>,
+    path: &mut Vec<usize>,
+) -> bool {
+    if pos == n {
+        return true;
+    }
+    if dead.contains(&pos) {
+        return false;
+    }
+    for (i, r) in free.iter().enumerate() {
+        let fits = r.layer_start == pos && r.layer_end > pos && r.layer_end <= n && r.n_layers == n;
+        if fits {
+            path.push(i);
+            if cover(free, r.layer_end, n, dead, path) {
+                return true;
+            }
+            path.pop();
+        }
+    }
+    dead.insert(pos);
+    false
 }
 
 /// The key under which a shard claims a range while it places itself and loads.
@@ -123,6 +185,18 @@ async fn read_swarm(
         })
         .collect();
     Ok((shards, claims))
+}
+
+/// What `strata plan` reads: every live shard record under `prefix` and the claims of shards
+/// placing themselves now (as records of the range each claims).
+pub async fn read_live(
+    connect: &Connect,
+    prefix: &str,
+) -> Result<(Vec<ShardRecord>, Vec<ShardRecord>), Error> {
+    let channel = channel(connect)?;
+    channel.login().await?;
+    let (shards, claims) = read_swarm(&channel, prefix, "").await?;
+    Ok((shards, claims.into_iter().map(|(r, _)| r).collect()))
 }
 
 /// Places a shard (`me`: its address, model digest and layer count; the range is filled in)
@@ -276,5 +350,57 @@ mod tests {
         let fits = |s: usize, e: usize| (e - s) + usize::from(s == 0) * 2 <= 3;
         assert_eq!(place(&[0, 0, 0, 0], fits), Some(0..1));
         assert_eq!(place(&[1, 0, 0, 0], fits), Some(1..4));
+    }
+
+    fn names(c: &[Vec<&ShardRecord>]) -> Vec<Vec<String>> {
+        c.iter()
+            .map(|ch| ch.iter().map(|r| r.address.clone()).collect())
+            .collect()
+    }
+
+    fn rec(address: &str, a: u32, b: u32) -> ShardRecord {
+        record(address, a..b, 28, "d")
+    }
+
+    #[test]
+    fn replicas_cut_differently_make_two_routes() {
+        let s = [
+            rec("a", 0, 10),
+            rec("b", 10, 28),
+            rec("c", 0, 14),
+            rec("d", 14, 28),
+        ];
+        let c = chains(s.iter().collect(), usize::MAX);
+        assert_eq!(names(&c), [["c", "d"], ["a", "b"]]);
+    }
+
+    #[test]
+    fn a_gap_an_overlap_or_a_lone_half_makes_no_route() {
+        let s = [
+            rec("a", 0, 10),
+            rec("b", 12, 28),
+            rec("c", 0, 14),
+            rec("d", 9, 28),
+        ];
+        assert!(chains(s.iter().collect(), usize::MAX).is_empty());
+        // A dead end is left for a shard that completes the chain.
+        let s = [rec("a", 0, 10), rec("c", 0, 14), rec("d", 14, 28)];
+        assert_eq!(names(&chains(s.iter().collect(), usize::MAX)), [["c", "d"]]);
+        // A whole-model shard is a route of one.
+        let s = [rec("w", 0, 28), rec("x", 0, 5)];
+        assert_eq!(names(&chains(s.iter().collect(), usize::MAX)), [["w"]]);
+    }
+
+    #[test]
+    fn many_shards_are_chained_without_blowing_up() {
+        // 40 one-layer shards at each of positions 0..27 but none at 27: no chain, and the
+        // search ends (dead positions are remembered; without that it would try 40^27 paths).
+        let mut s = Vec::new();
+        for i in 0..27u32 {
+            for k in 0..40 {
+                s.push(rec(&format!("{i}-{k}"), i, i + 1));
+            }
+        }
+        assert!(chains(s.iter().collect(), usize::MAX).is_empty());
     }
 }

@@ -8,7 +8,9 @@ mod config;
 mod local;
 mod model_cmd;
 mod models;
+mod plan_cmd;
 mod serve_cmd;
+mod shard_cmd;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -68,8 +70,11 @@ enum Command {
     /// Inspect a model file and what loading it costs.
     #[command(subcommand)]
     Model(model_cmd::ModelCommand),
+    /// What a registry's swarm serves of a model: shards, coverage per layer, routes, what a
+    /// new shard of a given budget would take, and each route's predicted time per token.
+    Plan(plan_cmd::PlanArgs),
     /// Serve one layer range of a model over gRPC.
-    Shard(cluster_cmd::ShardArgs),
+    Shard(shard_cmd::ShardArgs),
     /// Drive sessions through a route of shards and serve the OpenAI-compatible API.
     Tracker(cluster_cmd::TrackerArgs),
     /// Start a local cluster: N shard processes and a tracker (N = 1: one process).
@@ -241,7 +246,8 @@ fn main() {
         Command::Tokenize(a) => tokenize(a),
         Command::Bench(a) => bench::run(a),
         Command::Model(c) => model_cmd::run(c),
-        Command::Shard(a) => cluster_cmd::shard(a),
+        Command::Plan(a) => plan_cmd::plan(a),
+        Command::Shard(a) => shard_cmd::shard(a),
         Command::Tracker(a) => cluster_cmd::tracker(a),
         Command::Serve(a) => serve_cmd::serve(a),
     };

@@ -17,6 +17,7 @@ mod hosts;
 mod isolation;
 mod mixed_isa;
 mod pipelined_prefill;
+mod plan;
 mod probes;
 mod residency;
 mod serve;

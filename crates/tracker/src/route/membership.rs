@@ -149,7 +149,7 @@ impl State {
         let room = MAX_JOINS - self.joining.len();
         let mut found: Vec<(u32, Chain)> = by_model
             .into_values()
-            .flat_map(|free| chains(free, room))
+            .flat_map(|free| registry::placement::chains(free, room))
             .map(|chain| {
                 let key: Chain = chain
                     .iter()
@@ -314,122 +314,9 @@ fn publish(starter: &RouteStarter, m: &Members) {
     }
 }
 
-/// Up to `max` disjoint chains of `free` shards (one model's) that each cover `[0, n_layers)`
-/// exactly once, found greedily; linear in the shards for each chain (positions that lead
-/// nowhere are remembered).
-fn chains(mut free: Vec<&ShardRecord>, max: usize) -> Vec<Vec<&ShardRecord>> {
-    free.sort_by(|a, b| {
-        (a.layer_start, std::cmp::Reverse(a.layer_end), &a.address).cmp(&(
-            b.layer_start,
-            std::cmp::Reverse(b.layer_end),
-            &b.address,
-        ))
-    });
-    let mut out = Vec::new();
-    while out.len() < max {
-        let Some(n) = free.first().map(|r| r.n_layers) else {
-            return out;
-        };
-        let mut dead = HashSet::new();
-        let mut path = Vec::new();
-        if !cover(&free, 0, n, &mut dead, &mut path) {
-            return out;
-        }
-        let chain: Vec<&ShardRecord> = path.iter().map(|&i| free[i]).collect();
-        let mut taken: Vec<usize> = path;
-        taken.sort_unstable();
-        for i in taken.into_iter().rev() {
-            free.remove(i);
-        }
-        out.push(chain);
-    }
-    out
-}
-
-/// Depth first from `pos` to `n` over shards starting where the last ended.
-fn cover(
-    free: &[&ShardRecord],
-    pos: u32,
-    n: u32,
-    dead: &mut HashSet<u32>,
-    path: &mut Vec<usize>,
-) -> bool {
-    if pos == n {
-        return true;
-    }
-    if dead.contains(&pos) {
-        return false;
-    }
-    for (i, r) in free.iter().enumerate() {
-        let fits = r.layer_start == pos && r.layer_end > pos && r.layer_end <= n && r.n_layers == n;
-        if fits {
-            path.push(i);
-            if cover(free, r.layer_end, n, dead, path) {
-                return true;
-            }
-            path.pop();
-        }
-    }
-    dead.insert(pos);
-    false
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn rec(addr: &str, a: u32, b: u32) -> ShardRecord {
-        ShardRecord {
-            address: addr.into(),
-            instance: "1".into(),
-            model: "m".into(),
-            digest: "d".into(),
-            layer_start: a,
-            layer_end: b,
-            n_layers: 28,
-            recipe: String::new(),
-            kv_budget_bytes: 0,
-            kv_free_bytes: 0,
-            max_sessions: 0,
-            sessions: 0,
-            draining: false,
-        }
-    }
-
-    fn names(c: &[Vec<&ShardRecord>]) -> Vec<Vec<String>> {
-        c.iter()
-            .map(|ch| ch.iter().map(|r| r.address.clone()).collect())
-            .collect()
-    }
-
-    #[test]
-    fn replicas_cut_differently_make_two_routes() {
-        let s = [
-            rec("a", 0, 10),
-            rec("b", 10, 28),
-            rec("c", 0, 14),
-            rec("d", 14, 28),
-        ];
-        let c = chains(s.iter().collect(), usize::MAX);
-        assert_eq!(names(&c), [["c", "d"], ["a", "b"]]);
-    }
-
-    #[test]
-    fn a_gap_an_overlap_or_a_lone_half_makes_no_route() {
-        let s = [
-            rec("a", 0, 10),
-            rec("b", 12, 28),
-            rec("c", 0, 14),
-            rec("d", 9, 28),
-        ];
-        assert!(chains(s.iter().collect(), usize::MAX).is_empty());
-        // A dead end is left for a shard that completes the chain.
-        let s = [rec("a", 0, 10), rec("c", 0, 14), rec("d", 14, 28)];
-        assert_eq!(names(&chains(s.iter().collect(), usize::MAX)), [["c", "d"]]);
-        // A whole-model shard is a route of one.
-        let s = [rec("w", 0, 28), rec("x", 0, 5)];
-        assert_eq!(names(&chains(s.iter().collect(), usize::MAX)), [["w"]]);
-    }
 
     #[test]
     fn a_failing_member_backs_off_exponentially_up_to_a_bound() {
@@ -442,18 +329,5 @@ mod tests {
         assert_eq!(back_off(4), RETRY_AFTER * 8);
         assert_eq!(back_off(50), MAX_RETRY_AFTER);
         assert_eq!(back_off(u32::MAX), MAX_RETRY_AFTER);
-    }
-
-    #[test]
-    fn many_shards_are_chained_without_blowing_up() {
-        // 40 one-layer shards at each of positions 0..27 but none at 27: no chain, and the
-        // search ends (dead positions are remembered; without that it would try 40^27 paths).
-        let mut s = Vec::new();
-        for i in 0..27u32 {
-            for k in 0..40 {
-                s.push(rec(&format!("{i}-{k}"), i, i + 1));
-            }
-        }
-        assert!(chains(s.iter().collect(), usize::MAX).is_empty());
     }
 }

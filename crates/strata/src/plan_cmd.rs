@@ -1,0 +1,336 @@
+//! `strata plan`: what a registry's swarm serves of one model file: each live shard, how many
+//! shards serve each layer, the routes a tracker builds from them, what a new shard of a given
+//! weights budget would take (`--layers auto` places it the same way), and each route's
+//! predicted time per token.
+//!
+//! The prediction is a model of single-stream decode, printed with its inputs: compute is the
+//! weight bytes a token reads on every shard of the route (each layer's tensors, and the head
+//! on the last shard) at the memory read bandwidth measured on this host, as if every shard
+//! host read as fast; seams are one message per hop (tracker to the first shard, shard to
+//! shard, the last shard back to the tracker), each half the TCP round trip measured from this
+//! host to the shard it reaches.
+
+use std::net::ToSocketAddrs;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Result};
+use clap::Args;
+use registry::placement::{chains, coverage, place, read_live};
+use registry::ShardRecord;
+
+use crate::cluster_cmd::{runtime, RegistryAccess};
+
+#[derive(Args)]
+pub struct PlanArgs {
+    /// etcd endpoints of the swarm (`http://host:port`, or `https://` with `--registry-ca`;
+    /// comma separated).
+    #[arg(long)]
+    registry: String,
+    #[command(flatten)]
+    registry_access: RegistryAccess,
+    /// Key prefix of the cluster in the registry.
+    #[arg(long, default_value = "/strata/")]
+    registry_prefix: String,
+    /// The GGUF model file (or a known model name) whose shards to plan: records match it by
+    /// its SHA-256, and its header gives each layer's bytes.
+    #[arg(long, value_parser = crate::models::model_path)]
+    model: PathBuf,
+    /// Also say what a new shard with this weights budget would take (as `strata shard
+    /// --layers auto --weights-budget-mib N` would place itself now) and the routes then.
+    #[arg(long)]
+    weights_budget_mib: Option<u64>,
+    /// Memory read bandwidth of the shard hosts in GB/s, for the compute part of the
+    /// prediction (default: measured on this host, all cores).
+    #[arg(long)]
+    read_gbps: Option<f64>,
+}
+
+/// Bytes of weights one decoded token reads on a shard of `start..end`: every tensor of its
+/// layers, and on the last shard the output norm and head (the embedding is looked up, one row
+/// a token, unless the head is tied to it).
+fn bytes_per_token(sizes: &model::WeightSizes, start: usize, end: usize) -> u64 {
+    let layers: u64 = sizes.layers[start..end].iter().sum();
+    let head = if end == sizes.layers.len() {
+        sizes.output_norm + if sizes.tied { sizes.embd } else { sizes.head }
+    } else {
+        0
+    };
+    layers + head
+}
+
+/// GB/s of a streaming read of 256 MiB over `threads` threads (the best of three passes).
+fn measure_read_gbps(threads: usize) -> f64 {
+    const BYTES: usize = 256 << 20;
+    let words = BYTES / 8;
+    let data: Vec<u64> = (0..words as u64).collect();
+    let per = words.div_ceil(threads);
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let sum: u64 = std::thread::scope(|s| {
+            let handles: Vec<_> = data
+                .chunks(per)
+                .map(|c| s.spawn(move || c.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a summing thread"))
+                .fold(0u64, u64::wrapping_add)
+        });
+        std::hint::black_box(sum);
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    BYTES as f64 / best / 1e9
+}
+
+/// The TCP connect time to `address` (one round trip), or `None` when it does not answer
+/// within a second.
+fn round_trip(address: &str) -> Option<Duration> {
+    let addr = address.to_socket_addrs().ok()?.next()?;
+    let t0 = Instant::now();
+    std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
+    Some(t0.elapsed())
+}
+
+/// Layer runs of equal coverage: `0..12 x1, 12..24 x0`.
+fn coverage_runs(cover: &[u32]) -> String {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for i in 1..=cover.len() {
+        if i == cover.len() || cover[i] != cover[start] {
+            out.push(format!("{start}..{i} x{}", cover[start]));
+            start = i;
+        }
+    }
+    out.join(", ")
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
+/// A route's predicted milliseconds per token: compute, seams, and the two summed.
+struct Prediction {
+    compute_ms: f64,
+    seams_ms: Option<f64>,
+}
+
+impl Prediction {
+    fn of(
+        route: &[&ShardRecord],
+        sizes: &model::WeightSizes,
+        gbps: f64,
+        rtt: &dyn Fn(&str) -> Option<Duration>,
+    ) -> Prediction {
+        let bytes: u64 = route
+            .iter()
+            .map(|r| bytes_per_token(sizes, r.layer_start as usize, r.layer_end as usize))
+            .sum();
+        // One message into each shard and one back from the last: each hop half a round trip
+        // to the shard it reaches (the way back to the tracker counts the last shard's).
+        let hops: Option<Vec<f64>> = route
+            .iter()
+            .map(|r| rtt(&r.address).map(|d| d.as_secs_f64() * 1e3 / 2.0))
+            .collect();
+        let seams_ms = hops.map(|h| h.iter().sum::<f64>() + h.last().copied().unwrap_or(0.0));
+        Prediction {
+            compute_ms: bytes as f64 / (gbps * 1e9) * 1e3,
+            seams_ms,
+        }
+    }
+}
+
+impl std::fmt::Display for Prediction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.seams_ms {
+            Some(s) => write!(
+                f,
+                "{:.2} ms a token (compute {:.2} + seams {:.2})",
+                self.compute_ms + s,
+                self.compute_ms,
+                s
+            ),
+            None => write!(
+                f,
+                "compute {:.2} ms a token; seams unknown (a shard did not answer a TCP connect)",
+                self.compute_ms
+            ),
+        }
+    }
+}
+
+pub fn plan(a: PlanArgs) -> Result<()> {
+    let connect = a
+        .registry_access
+        .connect(Some(&a.registry))?
+        .ok_or_else(|| anyhow!("--registry is required"))?;
+    let path = a.model.clone();
+    let digest = shard::file_digest(&path)?;
+    let sizes = model::WeightSizes::of(&gguf::GgufFile::open(&path)?)?;
+    let n_layers = sizes.layers.len();
+    if n_layers == 0 {
+        bail!("{} has no layers", path.display());
+    }
+    let rt = runtime(1)?;
+    let (records, claims) = rt
+        .block_on(read_live(&connect, &a.registry_prefix))
+        .map_err(|e| anyhow!("reading the registry: {e}"))?;
+    let mine: Vec<&ShardRecord> = records
+        .iter()
+        .filter(|r| r.digest == digest && r.n_layers as usize == n_layers && r.plausible())
+        .collect();
+    let others = records.len() - mine.len();
+    let claiming: Vec<&ShardRecord> = claims
+        .iter()
+        .filter(|r| r.digest == digest && r.n_layers as usize == n_layers)
+        .collect();
+
+    println!(
+        "model {} ({n_layers} layers, sha256 {}..., {:.1} MiB of weights)",
+        path.display(),
+        &digest[..12],
+        mib(sizes.range(0, n_layers))
+    );
+    println!(
+        "registry {} prefix {}: {} shards of this model ({} draining), {others} of other models, {} placing themselves now",
+        a.registry,
+        a.registry_prefix,
+        mine.len(),
+        mine.iter().filter(|r| r.draining).count(),
+        claiming.len()
+    );
+    let mut sorted = mine.clone();
+    sorted.sort_by_key(|r| (r.layer_start, r.layer_end, r.address.clone()));
+    for r in &sorted {
+        println!(
+            "  shard {} layers {}..{}{}: {:.1} MiB of weights, {} sessions, KV {:.0} of {:.0} MiB free",
+            r.address,
+            r.layer_start,
+            r.layer_end,
+            if r.draining { " (draining)" } else { "" },
+            mib(sizes.range(r.layer_start as usize, r.layer_end as usize)),
+            r.sessions,
+            mib(r.kv_free_bytes),
+            mib(r.kv_budget_bytes),
+        );
+    }
+    for r in &claiming {
+        println!(
+            "  placing {} layers {}..{} (loading)",
+            r.address, r.layer_start, r.layer_end
+        );
+    }
+    let cover = coverage(mine.iter().copied(), &digest, n_layers as u32);
+    println!(
+        "layers served (shards taking sessions per layer): {}",
+        coverage_runs(&cover)
+    );
+
+    let gbps = match a.read_gbps {
+        Some(g) if g.is_finite() && g > 0.0 => g,
+        Some(g) => bail!("--read-gbps must be a positive number of GB/s, not {g}"),
+        None => {
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let g = measure_read_gbps(threads);
+            println!("memory read bandwidth measured here: {g:.1} GB/s ({threads} threads)");
+            g
+        }
+    };
+    let rtt = |address: &str| round_trip(address);
+    let live: Vec<&ShardRecord> = mine.iter().copied().filter(|r| !r.draining).collect();
+    let routes = chains(live.clone(), usize::MAX);
+    println!(
+        "routes (chains of shards covering layers 0..{n_layers} once, as a tracker builds them): {}",
+        routes.len()
+    );
+    for (i, route) in routes.iter().enumerate() {
+        let hops: Vec<String> = route
+            .iter()
+            .map(|r| format!("{} ({}..{})", r.address, r.layer_start, r.layer_end))
+            .collect();
+        println!(
+            "  route {}: {}: {}",
+            i + 1,
+            hops.join(" -> "),
+            Prediction::of(route, &sizes, gbps, &rtt)
+        );
+    }
+
+    if let Some(budget_mib) = a.weights_budget_mib {
+        let budget = budget_mib << 20;
+        let counted = coverage(
+            mine.iter().copied().chain(claiming.iter().copied()),
+            &digest,
+            n_layers as u32,
+        );
+        match place(&counted, |s, e| sizes.range(s, e) <= budget) {
+            None => println!(
+                "a new shard with {budget_mib} MiB for weights holds no layer (the smallest one-layer range needs {:.1} MiB)",
+                (0..n_layers)
+                    .map(|i| mib(sizes.range(i, i + 1)))
+                    .fold(f64::MAX, f64::min)
+            ),
+            Some(range) => {
+                let new = ShardRecord {
+                    address: "(new shard)".into(),
+                    instance: String::new(),
+                    model: path.display().to_string(),
+                    digest: digest.clone(),
+                    layer_start: range.start as u32,
+                    layer_end: range.end as u32,
+                    n_layers: n_layers as u32,
+                    recipe: String::new(),
+                    kv_budget_bytes: 0,
+                    kv_free_bytes: 0,
+                    max_sessions: 0,
+                    sessions: 0,
+                    draining: false,
+                };
+                let mut with_new = live.clone();
+                with_new.push(&new);
+                let after = chains(with_new, usize::MAX);
+                println!(
+                    "a new shard with {budget_mib} MiB for weights would take layers {}..{} ({:.1} MiB); routes then: {}",
+                    range.start,
+                    range.end,
+                    mib(sizes.range(range.start, range.end)),
+                    after.len()
+                );
+                // The new shard's seam is predicted like the slowest one measured.
+                let slowest = live.iter().filter_map(|r| rtt(&r.address)).max();
+                let rtt_new = |address: &str| {
+                    if address == new.address {
+                        slowest
+                    } else {
+                        rtt(address)
+                    }
+                };
+                for route in after.iter().filter(|c| c.iter().any(|r| r.address == new.address)) {
+                    let hops: Vec<String> = route
+                        .iter()
+                        .map(|r| format!("{} ({}..{})", r.address, r.layer_start, r.layer_end))
+                        .collect();
+                    println!(
+                        "  new route: {}: {}",
+                        hops.join(" -> "),
+                        Prediction::of(route, &sizes, gbps, &rtt_new)
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::coverage_runs;
+
+    #[test]
+    fn coverage_is_printed_as_runs_of_equal_counts() {
+        assert_eq!(coverage_runs(&[1, 1, 2, 0, 0]), "0..2 x1, 2..3 x2, 3..5 x0");
+        assert_eq!(coverage_runs(&[0]), "0..1 x0");
+        assert_eq!(coverage_runs(&[]), "");
+    }
+}

@@ -1,0 +1,132 @@
+//! `strata plan` against a real etcd and real shards on 127.0.0.1: what it prints of an empty
+//! registry, of shards that form one route and a lone replica of the first layers, and where a
+//! new shard of a given budget would go (the range `--layers auto` takes, and the route it
+//! completes); a registry that does not answer is an error that says so.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use testkit::etcd::Etcd;
+use testkit::procs::{self, Proc};
+
+fn exe() -> &'static Path {
+    procs::strata_bin(env!("CARGO_BIN_EXE_strata"))
+}
+
+const TOKEN: &str = "test-plan-token-0123456789";
+
+fn announced(etcd: &Etcd, range: &str) -> Proc {
+    let token = procs::token_file(TOKEN);
+    let m = testkit::real_model();
+    procs::announced(
+        exe(),
+        &m,
+        range,
+        &token,
+        "127.0.0.1:0",
+        &etcd.endpoint(),
+        &[],
+    )
+}
+
+/// `strata plan`'s exit status and standard output (standard error on failure).
+fn plan(endpoint: &str, extra: &[&str]) -> (bool, String) {
+    let m = testkit::real_model();
+    let out = Command::new(exe())
+        .args(["plan", "--registry", endpoint, "--model"])
+        .arg(&m)
+        .args(["--read-gbps", "10"])
+        .args(extra)
+        .output()
+        .expect("strata plan runs");
+    let text = if out.status.success() {
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    } else {
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    (out.status.success(), text)
+}
+
+fn line_with<'a>(text: &'a str, start: &str) -> &'a str {
+    text.lines()
+        .find(|l| l.trim_start().starts_with(start))
+        .unwrap_or_else(|| panic!("no line starting {start:?} in:\n{text}"))
+}
+
+#[test]
+fn plan_prints_the_swarm_its_routes_and_where_a_new_shard_would_go() {
+    let etcd = Etcd::start();
+    let ep = etcd.endpoint();
+    // Nothing announced: no route, and a new shard starts at layer 0.
+    let (ok, text) = plan(&ep, &["--weights-budget-mib", "4096"]);
+    assert!(ok, "{text}");
+    assert!(
+        line_with(&text, "registry").contains(": 0 shards of this model"),
+        "{text}"
+    );
+    assert_eq!(
+        line_with(&text, "layers served"),
+        "layers served (shards taking sessions per layer): 0..30 x0"
+    );
+    assert!(line_with(&text, "routes").ends_with(": 0"), "{text}");
+    assert!(
+        line_with(&text, "a new shard").contains("would take layers 0..30"),
+        "{text}"
+    );
+    assert!(line_with(&text, "new route:").contains("(new shard) (0..30)"));
+
+    // One route (0..15, 15..30) and a replica of the first ten layers that completes nothing.
+    let _shards: Vec<Proc> = ["0..15", "15..30", "0..10"]
+        .iter()
+        .map(|r| announced(&etcd, r))
+        .collect();
+    let t = Instant::now();
+    while etcd.keys("/strata/shards/").len() < 3 {
+        assert!(t.elapsed() < Duration::from_secs(20), "three records");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (ok, text) = plan(&ep, &["--weights-budget-mib", "4096"]);
+    assert!(ok, "{text}");
+    eprintln!("{text}");
+    assert!(
+        line_with(&text, "registry").contains(": 3 shards of this model (0 draining)"),
+        "{text}"
+    );
+    assert_eq!(
+        text.lines().filter(|l| l.starts_with("  shard ")).count(),
+        3
+    );
+    assert_eq!(
+        line_with(&text, "layers served"),
+        "layers served (shards taking sessions per layer): 0..10 x2, 10..30 x1"
+    );
+    assert!(line_with(&text, "routes").ends_with(": 1"), "{text}");
+    let route = line_with(&text, "route 1:");
+    assert!(
+        route.contains("(0..15) -> ") && route.contains("(15..30): "),
+        "{route}"
+    );
+    // Both shards answered a TCP connect, so the seams are measured, not unknown.
+    assert!(route.contains("ms a token (compute "), "{route}");
+    // The least-served layers start at 10: a new shard takes 10..30, and the 0..10 replica
+    // then chains with it into a second route.
+    let new = line_with(&text, "a new shard");
+    assert!(new.contains("would take layers 10..30"), "{new}");
+    assert!(new.ends_with("routes then: 2"), "{new}");
+    assert!(
+        line_with(&text, "new route:").contains("(0..10) -> (new shard) (10..30)"),
+        "{text}"
+    );
+    // A budget that holds no layer says so.
+    let (ok, text) = plan(&ep, &["--weights-budget-mib", "0"]);
+    assert!(ok, "{text}");
+    assert!(line_with(&text, "a new shard").contains("holds no layer"));
+}
+
+#[test]
+fn plan_against_a_registry_that_does_not_answer_fails_saying_so() {
+    let (ok, text) = plan("http://127.0.0.1:9", &[]);
+    assert!(!ok);
+    assert!(text.contains("reading the registry"), "{text}");
+}
