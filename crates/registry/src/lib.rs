@@ -710,12 +710,31 @@ type Snapshot = (
 
 /// Every record under the prefix, read in pages all at one revision (the first page's).
 async fn snapshot(channel: &Etcd, prefix: &str, key: &[u8], end: &[u8]) -> Result<Snapshot, Error> {
-    let mut kv = KvClient::new(channel.svc()).max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let (entries, revision) = read_range(channel, key, end).await?;
     let mut shards = BTreeMap::new();
     let mut rejected = BTreeMap::new();
+    for e in &entries {
+        match parse_record(prefix, &e.key, &e.value) {
+            Ok(r) => {
+                shards.insert(String::from_utf8_lossy(&e.key).into_owned(), r);
+            }
+            Err(reason) => *rejected.entry(reason).or_default() += 1,
+        }
+    }
+    Ok((shards, revision, rejected))
+}
+
+/// Every entry of `[key, end)`, at most [`MAX_MEMBERS`], read in pages all at one revision (the
+/// first page's), and that revision.
+async fn read_range(
+    channel: &Etcd,
+    key: &[u8],
+    end: &[u8],
+) -> Result<(Vec<etcd::KeyValue>, i64), Error> {
+    let mut kv = KvClient::new(channel.svc()).max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let mut entries = Vec::new();
     let mut from = key.to_vec();
     let mut revision = 0;
-    let mut read = 0usize;
     loop {
         let page = call(kv.range(etcd::RangeRequest {
             key: from.clone(),
@@ -727,30 +746,23 @@ async fn snapshot(channel: &Etcd, prefix: &str, key: &[u8], end: &[u8]) -> Resul
         if revision == 0 {
             revision = page.header.map_or(0, |h| h.revision);
         }
-        read += page.kvs.len();
-        for e in &page.kvs {
-            match parse_record(prefix, &e.key, &e.value) {
-                Ok(r) => {
-                    shards.insert(String::from_utf8_lossy(&e.key).into_owned(), r);
-                }
-                Err(reason) => *rejected.entry(reason).or_default() += 1,
-            }
-        }
-        match page.kvs.last() {
-            Some(last) if page.more && read < MAX_MEMBERS => {
+        let more = page.more;
+        entries.extend(page.kvs);
+        match entries.last() {
+            Some(last) if more && entries.len() < MAX_MEMBERS => {
                 from = last.key.clone();
                 from.push(0);
             }
             _ => break,
         }
     }
-    if read >= MAX_MEMBERS {
+    if entries.len() >= MAX_MEMBERS {
         tracing::warn!(
             limit = MAX_MEMBERS,
             "registry: more entries than a tracker reads; the rest are ignored"
         );
     }
-    Ok((shards, revision, rejected))
+    Ok((entries, revision))
 }
 
 /// Watches `[key, end)` from just after `revision`, applying every event to the membership.

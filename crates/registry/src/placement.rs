@@ -8,7 +8,10 @@ use std::ops::Range;
 use std::time::Duration;
 
 use crate::etcd::{self, kv_client::KvClient, lease_client::LeaseClient};
-use crate::{call, channel, prefix_end, Connect, Error, Etcd, ShardRecord, MAX_RECORD_BYTES};
+use crate::{
+    call, channel, prefix_end, read_range, snapshot, Connect, Error, Etcd, ShardRecord,
+    MAX_RECORD_BYTES,
+};
 
 /// Per layer of a model of `n_layers` layers (the file `digest` names), how many live shards of
 /// it that take new sessions (not draining) serve it. Records of other models, or whose range
@@ -130,58 +133,24 @@ impl Claim {
     }
 }
 
-/// Every value under `key..end` with its modification revision, read at one revision.
-async fn read_all(channel: &Etcd, key: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>, i64)>, Error> {
-    let mut kv = KvClient::new(channel.svc()).max_decoding_message_size(crate::MAX_MESSAGE_BYTES);
-    let end = prefix_end(key);
-    let mut out = Vec::new();
-    let (mut from, mut revision) = (key.to_vec(), 0);
-    loop {
-        let page = call(kv.range(etcd::RangeRequest {
-            key: from.clone(),
-            range_end: end.clone(),
-            limit: crate::PAGE,
-            revision,
-        }))
-        .await?;
-        if revision == 0 {
-            revision = page.header.map_or(0, |h| h.revision);
-        }
-        out.extend(
-            page.kvs
-                .iter()
-                .map(|e| (e.key.clone(), e.value.clone(), e.mod_revision)),
-        );
-        match page.kvs.last() {
-            Some(last) if page.more && out.len() < crate::MAX_MEMBERS => {
-                from = last.key.clone();
-                from.push(0);
-            }
-            _ => return Ok(out),
-        }
-    }
-}
-
 /// The live records and the claims (with their revisions) of shards other than `me`.
 async fn read_swarm(
     channel: &Etcd,
     prefix: &str,
     me: &str,
 ) -> Result<(Vec<ShardRecord>, Vec<(ShardRecord, i64)>), Error> {
-    let shards = read_all(channel, format!("{prefix}shards/").as_bytes())
-        .await?
+    let key = format!("{prefix}shards/").into_bytes();
+    let (shards, _, _) = snapshot(channel, prefix, &key, &prefix_end(&key)).await?;
+    let shards = shards.into_values().filter(|r| r.address != me).collect();
+    let key = format!("{prefix}placing/").into_bytes();
+    let (entries, _) = read_range(channel, &key, &prefix_end(&key)).await?;
+    let claims = entries
         .into_iter()
-        .filter_map(|(k, v, _)| crate::parse_record(prefix, &k, &v).ok())
-        .filter(|r| r.address != me)
-        .collect();
-    let claims = read_all(channel, format!("{prefix}placing/").as_bytes())
-        .await?
-        .into_iter()
-        .filter(|(_, v, _)| v.len() <= MAX_RECORD_BYTES)
-        .filter_map(|(k, v, rev)| {
-            let r: ShardRecord = serde_json::from_slice(&v).ok()?;
-            (r.plausible() && claim_key(prefix, &r.address).as_bytes() == k && r.address != me)
-                .then_some((r, rev))
+        .filter(|e| e.value.len() <= MAX_RECORD_BYTES)
+        .filter_map(|e| {
+            let r: ShardRecord = serde_json::from_slice(&e.value).ok()?;
+            (r.plausible() && claim_key(prefix, &r.address).as_bytes() == e.key && r.address != me)
+                .then_some((r, e.mod_revision))
         })
         .collect();
     Ok((shards, claims))
