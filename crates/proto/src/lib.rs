@@ -49,6 +49,18 @@ pub fn rss_bytes() -> (u64, u64) {
     (field("VmHWM:"), field("VmRSS:"))
 }
 
+/// Values per block of a q8_0 seam.
+pub const Q8_0_BLOCK: usize = 32;
+
+/// Bytes that `n` activations take on a seam of `dtype`.
+pub fn seam_bytes(dtype: SeamDtype, n: usize) -> usize {
+    match dtype {
+        SeamDtype::SeamF32 => 4 * n,
+        SeamDtype::SeamF16 => 2 * n,
+        SeamDtype::SeamQ80 => n + 2 * n.div_ceil(Q8_0_BLOCK),
+    }
+}
+
 /// Encodes activations for the seam.
 pub fn encode_activations(x: &[f32], dtype: SeamDtype) -> Vec<u8> {
     match dtype {
@@ -57,6 +69,22 @@ pub fn encode_activations(x: &[f32], dtype: SeamDtype) -> Vec<u8> {
             .iter()
             .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
             .collect(),
+        SeamDtype::SeamQ80 => {
+            let mut out = Vec::with_capacity(seam_bytes(dtype, x.len()));
+            for block in x.chunks(Q8_0_BLOCK) {
+                let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let scale = half::f16::from_f32(amax / 127.0);
+                let d = scale.to_f32();
+                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                out.extend_from_slice(&scale.to_le_bytes());
+                out.extend(
+                    block
+                        .iter()
+                        .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+                );
+            }
+            out
+        }
     }
 }
 
@@ -75,6 +103,19 @@ pub fn decode_activations(bytes: &[u8], dtype: SeamDtype) -> Option<Vec<f32>> {
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect()
         }),
+        SeamDtype::SeamQ80 => {
+            // Whole blocks of 2 + 32 bytes, then a last block of 2 + r bytes (0 < r < 32).
+            let block = 2 + Q8_0_BLOCK;
+            if matches!(bytes.len() % block, 1 | 2) {
+                return None;
+            }
+            let mut out = Vec::with_capacity(bytes.len());
+            for b in bytes.chunks(block) {
+                let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                out.extend(b[2..].iter().map(|&q| f32::from(q as i8) * d));
+            }
+            Some(out)
+        }
     }
 }
 
@@ -99,5 +140,54 @@ mod tests {
             assert!((a - b).abs() <= a.abs() * 1e-3 + 1e-4, "{a} vs {b}");
         }
         assert!(decode_activations(&[1, 2, 3], SeamDtype::SeamF16).is_none());
+    }
+
+    /// q8_0: about a quarter of f32's bytes (34 a block of 32 values); each value within half
+    /// a step of its block's scale; a short last block keeps only its values; a block of zeros
+    /// stays zeros; byte counts no encoding gives are refused.
+    #[test]
+    fn q8_0_seam_takes_34_bytes_a_block_and_keeps_each_value_within_half_a_step() {
+        let x: Vec<f32> = (0..1000)
+            .map(|i| {
+                ((i * 7919) % 1000) as f32 * 0.0123 - 6.0 + if i % 97 == 0 { 40.0 } else { 0.0 }
+            })
+            .collect();
+        let b = encode_activations(&x, SeamDtype::SeamQ80);
+        assert_eq!(b.len(), 31 * 34 + 2 + 8);
+        assert_eq!(b.len(), seam_bytes(SeamDtype::SeamQ80, x.len()));
+        let y = decode_activations(&b, SeamDtype::SeamQ80).unwrap();
+        assert_eq!(y.len(), x.len());
+        for (block_x, block_y) in x.chunks(32).zip(y.chunks(32)) {
+            let amax = block_x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let step = half::f16::from_f32(amax / 127.0).to_f32();
+            for (a, b) in block_x.iter().zip(block_y) {
+                assert!(
+                    (a - b).abs() <= step * 0.5 + amax * 1e-3,
+                    "{a} vs {b} (step {step})"
+                );
+            }
+        }
+        let zeros = encode_activations(&[0.0; 64], SeamDtype::SeamQ80);
+        assert_eq!(
+            decode_activations(&zeros, SeamDtype::SeamQ80).unwrap(),
+            [0.0; 64]
+        );
+        for n in [0, 1, 31, 32, 33, 64, 65] {
+            assert_eq!(
+                seam_bytes(SeamDtype::SeamQ80, n),
+                encode_activations(&vec![1.0; n], SeamDtype::SeamQ80).len()
+            );
+        }
+        for bad in [1, 2, 35, 36] {
+            assert!(
+                decode_activations(&vec![0; bad], SeamDtype::SeamQ80).is_none(),
+                "{bad}"
+            );
+        }
+        // Any other count decodes (a peer's bytes never panic), to the values it encodes.
+        assert_eq!(
+            decode_activations(&[0, 0, 5], SeamDtype::SeamQ80).unwrap(),
+            [0.0]
+        );
     }
 }

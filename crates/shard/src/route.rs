@@ -50,6 +50,12 @@ where
         }
     };
     check_setup(&core, &setup)?;
+    let seam = SeamDtype::try_from(setup.seam_dtype).map_err(|_| {
+        Status::invalid_argument(format!(
+            "seam encoding {} is not one shard {label} knows (f32, f16, q8_0)",
+            setup.seam_dtype
+        ))
+    })?;
     // On a route of several shards the last answers the tracker directly, on the Replies
     // stream the tracker opened on it; its upstream stream carries acknowledgements.
     let several = !setup.downstream.is_empty() || !core.is_first();
@@ -61,7 +67,6 @@ where
         })?),
         None => None,
     };
-    let seam = SeamDtype::try_from(setup.seam_dtype).unwrap_or(SeamDtype::SeamF32);
     let stream_id = core.new_stream_id();
     let (up_tx, up_rx) = mpsc::channel::<Result<RouteReply, Status>>(256);
     // Tells the step loop to stop when the downstream hop dies.
@@ -92,7 +97,7 @@ where
         None => None,
     };
     let task = RouteTask {
-        prefix_scope: if seam == SeamDtype::SeamF16 {
+        prefix_scope: if seam != SeamDtype::SeamF32 {
             stream_id
         } else {
             0
@@ -365,12 +370,8 @@ impl RouteTask {
             return Vec::new();
         }
         let n_rows: usize = step.fragments.iter().map(|f| f.tokens.len()).sum();
-        let seam_width = if self.seam == SeamDtype::SeamF16 {
-            2
-        } else {
-            4
-        };
-        let out_bytes = (n_rows * self.core.info.n_embd as usize * seam_width) as u64;
+        let out_bytes =
+            (n_rows * proto::seam_bytes(self.seam, self.core.info.n_embd as usize)) as u64;
         let in_flight = self.core.counters.inflight_bytes.load(Ordering::Relaxed);
         let budget = self.core.config.inflight_budget_bytes as u64;
         if in_flight + out_bytes <= budget {

@@ -237,7 +237,8 @@ pub(crate) fn listen_addr(s: &str) -> Result<String, String> {
 /// Route settings shared by `tracker` and `serve`.
 #[derive(Args, Clone)]
 pub struct RouteArgs {
-    /// Activation encoding across seams: f32 (exact) or f16 (half the bytes).
+    /// Activation encoding across seams: f32 (exact), f16 (half the bytes) or q8_0 (blocks of
+    /// 32 values as 8-bit integers and an f16 scale: 34 bytes where f32 takes 128).
     #[arg(long, default_value = "f32")]
     seam: String,
     /// Tokens one step may carry (decode and prefill together).
@@ -433,7 +434,8 @@ impl RouteArgs {
         match self.seam.as_str() {
             "f32" => Ok(SeamDtype::SeamF32),
             "f16" => Ok(SeamDtype::SeamF16),
-            other => bail!("unknown --seam `{other}` (expected f32 or f16)"),
+            "q8_0" => Ok(SeamDtype::SeamQ80),
+            other => bail!("unknown --seam `{other}` (expected f32, f16 or q8_0)"),
         }
     }
 }

@@ -77,7 +77,7 @@ pub(crate) async fn open(
     epoch: u64,
     digest: &str,
 ) -> Result<Route, tonic::Status> {
-    open_with(core, epoch, digest, vec![]).await
+    open_with(core, epoch, digest, vec![], 0).await
 }
 
 async fn open_with(
@@ -85,13 +85,14 @@ async fn open_with(
     epoch: u64,
     digest: &str,
     recipes: Vec<CacheRecipe>,
+    seam_dtype: i32,
 ) -> Result<Route, tonic::Status> {
     let (tx, rx) = mpsc::channel(8);
     let setup = RouteSetup {
         protocol_version: proto::PROTOCOL_VERSION,
         epoch,
         downstream: vec![],
-        seam_dtype: 0,
+        seam_dtype,
         model_digest: digest.into(),
         recipes,
         reply_key: 0,
@@ -207,7 +208,7 @@ async fn a_route_expecting_another_cache_recipe_is_refused_naming_the_field() {
     for (field, change) in changes {
         let mut expected = own.clone();
         change(&mut expected);
-        let err = open_with(&core, 1, &digest, vec![expected])
+        let err = open_with(&core, 1, &digest, vec![expected], 0)
             .await
             .err()
             .expect("a different recipe is refused");
@@ -218,9 +219,34 @@ async fn a_route_expecting_another_cache_recipe_is_refused_naming_the_field() {
         );
     }
     // The recipe the shard describes is accepted.
-    let mut route = open_with(&core, 1, &digest, vec![own]).await.unwrap();
+    let mut route = open_with(&core, 1, &digest, vec![own], 0).await.unwrap();
     let r = route.step(1, vec![frag(1, 0, &[1, 2])], vec![]).await;
     assert!(r.errors.is_empty() && r.outputs.len() == 1);
+}
+
+/// A seam encoding the shard does not know is refused at setup, naming it (never read as f32);
+/// each one it knows opens a route.
+#[tokio::test]
+async fn a_route_with_an_unknown_seam_encoding_is_refused_naming_it() {
+    let core = core(64 << 20);
+    let digest = core.info.model_digest.clone();
+    for unknown in [3, -1, 1000] {
+        let err = open_with(&core, 1, &digest, vec![], unknown)
+            .await
+            .err()
+            .expect("an unknown seam encoding is refused");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(
+            err.message().contains(&format!("seam encoding {unknown}")),
+            "{}",
+            err.message()
+        );
+    }
+    for known in [0, 1, 2] {
+        let mut route = open_with(&core, 1, &digest, vec![], known).await.unwrap();
+        let r = route.step(1, vec![frag(1, 0, &[1, 2])], vec![]).await;
+        assert!(r.errors.is_empty() && r.outputs.len() == 1, "seam {known}");
+    }
 }
 
 #[tokio::test]

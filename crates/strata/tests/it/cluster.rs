@@ -504,12 +504,18 @@ fn a_route_with_a_gap_or_overlap_is_refused_naming_the_shard() {
     );
 }
 
+/// Seam bytes per token: 576 activations as f32, f16, or q8_0 (18 blocks of 32 values, 34
+/// bytes each); the lossy encodings still answer.
 #[test]
-fn an_f16_seam_carries_half_the_bytes_per_token_and_still_answers() {
+fn f16_and_q8_0_seams_carry_a_half_and_about_a_quarter_of_the_bytes_per_token() {
     let _serial = serial();
     let token = procs::token_file("test-cluster-token-0123456789");
     let m = model();
-    for (seam, bytes_per_token) in [("f32", 576.0 * 4.0), ("f16", 576.0 * 2.0)] {
+    for (seam, bytes_per_token) in [
+        ("f32", 576.0 * 4.0),
+        ("f16", 576.0 * 2.0),
+        ("q8_0", 18.0 * 34.0),
+    ] {
         let a = procs::shard(exe(), &m, "0..15", &token, &["--threads", "1"]);
         let b = procs::shard(exe(), &m, "15..30", &token, &["--threads", "1"]);
         let t = procs::tracker(

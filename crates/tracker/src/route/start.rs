@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use proto::v1::SeamDtype;
 use proto::ShardTransport;
 use text::{ChatTemplate, Tokenizer};
 use tokio::sync::{mpsc, watch};
@@ -147,11 +146,6 @@ fn step_limits(config: &TrackerConfig, name: &str, cluster: &Cluster) -> engine:
         0 => cluster.shards.len(),
         n => n,
     };
-    let seam_width = if config.seam == SeamDtype::SeamF16 {
-        2
-    } else {
-        4
-    };
     let n_embd = cluster
         .infos
         .first()
@@ -166,7 +160,8 @@ fn step_limits(config: &TrackerConfig, name: &str, cluster: &Cluster) -> engine:
             limit = limit.min(b.max_step_tokens as usize);
         }
         if b.inflight_bytes > 0 && i.layer_end < i.n_layers {
-            limit = limit.min(b.inflight_bytes as usize / (depth * n_embd * seam_width));
+            let row = proto::seam_bytes(config.seam, n_embd);
+            limit = limit.min(b.inflight_bytes as usize / (depth * row));
         }
     }
     let limit = limit.max(1);
