@@ -27,7 +27,7 @@
 //! owner sees as a cache miss. Such pools do not share prefixes: a prefix's windowed part
 //! would have to stay for every session that might continue it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use half::f16;
@@ -113,6 +113,10 @@ struct Registered {
     idle: Option<u64>,
 }
 
+/// How many registered blocks a prompt parting inside a block compares its tokens with, at
+/// most, to take the leading positions of one.
+const MAX_PARTIAL_CANDIDATES: usize = 64;
+
 struct PoolState {
     /// The budget in bytes (whole blocks).
     capacity: usize,
@@ -130,8 +134,10 @@ struct PoolState {
     spare_ids: Vec<u32>,
     next_id: u32,
     keys: HashMap<PrefixKey, u64>,
-    /// The registered blocks that continue each registered block (or root), by its id.
-    children: HashMap<u64, Vec<u64>>,
+    /// The registered blocks that continue each registered block (or root), by its id and
+    /// their first token: where a prompt parting inside a block looks for the one to take
+    /// the leading positions of.
+    children: HashMap<(u64, u32), BTreeSet<u64>>,
     registered: HashMap<u64, Registered>,
     /// Registered blocks no cache holds, least recently released first.
     idle: BTreeMap<u64, u64>,
@@ -172,10 +178,11 @@ impl PoolState {
             .remove(&uid)
             .expect("idle blocks are registered");
         self.keys.remove(&r.key);
-        if let Some(siblings) = self.children.get_mut(&r.key.0) {
-            siblings.retain(|&c| c != uid);
+        let family = (r.key.0, r.key.1[0]);
+        if let Some(siblings) = self.children.get_mut(&family) {
+            siblings.remove(&uid);
             if siblings.is_empty() {
-                self.children.remove(&r.key.0);
+                self.children.remove(&family);
             }
         }
         assert_eq!(Arc::strong_count(&r.data), 1);
@@ -417,18 +424,25 @@ impl KvPool {
         let whole = cache.blocks.len() - before;
         let rest = &tokens[whole * BLOCK_POSITIONS..];
         let rest = &rest[..rest.len().min(BLOCK_POSITIONS - 1)];
-        let partial = s.children.get(&parent).and_then(|children| {
-            children
-                .iter()
-                .map(|&uid| {
-                    let key = &s.registered[&uid].key.1;
-                    let same = key.iter().zip(rest).take_while(|(a, b)| a == b).count();
-                    (same, uid)
-                })
-                .filter(|&(same, _)| same > 0)
-                // The longest match; the oldest block among equals (the smallest id).
-                .max_by_key(|&(same, uid)| (same, std::cmp::Reverse(uid)))
-        });
+        // Among the blocks continuing `parent` that start with the next token, the newest
+        // `MAX_PARTIAL_CANDIDATES` (a bound on the work whatever the prompts seen before).
+        let first = rest.first().copied();
+        let partial = first
+            .and_then(|t| s.children.get(&(parent, t)))
+            .and_then(|children| {
+                children
+                    .iter()
+                    .rev()
+                    .take(MAX_PARTIAL_CANDIDATES)
+                    .map(|&uid| {
+                        let key = &s.registered[&uid].key.1;
+                        let same = key.iter().zip(rest).take_while(|(a, b)| a == b).count();
+                        (same, uid)
+                    })
+                    .filter(|&(same, _)| same > 0)
+                    // The longest match; the oldest block among equals (the smallest id).
+                    .max_by_key(|&(same, uid)| (same, std::cmp::Reverse(uid)))
+            });
         let mut added = whole * BLOCK_POSITIONS;
         if let Some((same, uid)) = partial {
             cache.blocks.push(s.hold(uid));
@@ -480,7 +494,10 @@ impl KvPool {
                 let block = &mut cache.blocks[b];
                 block.uid = uid;
                 s.keys.insert(key, uid);
-                s.children.entry(parent).or_default().push(uid);
+                s.children
+                    .entry((parent, key.1[0]))
+                    .or_default()
+                    .insert(uid);
                 s.registered.insert(
                     uid,
                     Registered {

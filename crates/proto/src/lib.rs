@@ -25,7 +25,7 @@ pub use transport::{
 };
 
 /// Bumped on any incompatible change of the messages.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// The metadata key every connection carries the cluster token in.
 pub const TOKEN_HEADER: &str = "x-strata-cluster-token";
@@ -72,8 +72,15 @@ pub fn encode_activations(x: &[f32], dtype: SeamDtype) -> Vec<u8> {
         SeamDtype::SeamQ80 => {
             let mut out = Vec::with_capacity(seam_bytes(dtype, x.len()));
             for block in x.chunks(Q8_0_BLOCK) {
+                // A block holding a value that is not finite decodes to NaN throughout (the
+                // fault shows, as f32 would show it); magnitudes past 127 times f16's largest
+                // saturate there.
                 let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let scale = half::f16::from_f32(amax / 127.0);
+                let scale = if block.iter().all(|v| v.is_finite()) {
+                    half::f16::from_f32(amax / 127.0).min(half::f16::MAX)
+                } else {
+                    half::f16::NAN
+                };
                 let d = scale.to_f32();
                 let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
                 out.extend_from_slice(&scale.to_le_bytes());
@@ -189,5 +196,19 @@ mod tests {
             decode_activations(&[0, 0, 5], SeamDtype::SeamQ80).unwrap(),
             [0.0]
         );
+        // Past f16's range the block saturates (no NaN); a value that is not finite makes its
+        // block NaN, never zero; the other blocks keep theirs.
+        let q8 = SeamDtype::SeamQ80;
+        let mut big = vec![1.0f32; 64];
+        big[0] = 1e7;
+        let y = decode_activations(&encode_activations(&big, q8), q8).unwrap();
+        assert!(y.iter().all(|v| v.is_finite()) && y[0] > 8e6, "{}", y[0]);
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut x = vec![1.0f32; 64];
+            x[3] = bad;
+            let y = decode_activations(&encode_activations(&x, q8), q8).unwrap();
+            assert!(y[..32].iter().all(|v| v.is_nan()), "{bad}");
+            assert!(y[32..].iter().all(|v| (v - 1.0).abs() < 0.01), "{bad}");
+        }
     }
 }

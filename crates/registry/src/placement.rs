@@ -65,7 +65,8 @@ pub fn chains(mut free: Vec<&ShardRecord>, max: usize) -> Vec<Vec<&ShardRecord>>
     });
     let mut out = Vec::new();
     while out.len() < max {
-        let Some(n) = free.first().map(|r| r.n_layers) else {
+        // A model of no layers has no route (and an empty chain would never end the loop).
+        let Some(n) = free.first().map(|r| r.n_layers).filter(|&n| n > 0) else {
             return out;
         };
         let mut dead = HashSet::new();
@@ -371,5 +372,9 @@ mod tests {
             }
         }
         assert!(chains(s.iter().collect(), usize::MAX).is_empty());
+        // Records of a model of no layers (never plausible, yet given) make no route, and
+        // the search ends.
+        let empty = record("z", 0..0, 0, "d");
+        assert!(chains(vec![&empty], usize::MAX).is_empty());
     }
 }

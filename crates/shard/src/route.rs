@@ -56,6 +56,15 @@ where
             setup.seam_dtype
         ))
     })?;
+    // A q8_0 block never spans two rows, so each row's encoding is its own whatever the batch.
+    if seam == SeamDtype::SeamQ80 && !(core.info.n_embd as usize).is_multiple_of(proto::Q8_0_BLOCK)
+    {
+        return Err(Status::invalid_argument(format!(
+            "shard {label}: a q8_0 seam needs rows of a multiple of {} values; this model's are {}",
+            proto::Q8_0_BLOCK,
+            core.info.n_embd
+        )));
+    }
     // On a route of several shards the last answers the tracker directly, on the Replies
     // stream the tracker opened on it; its upstream stream carries acknowledgements.
     let several = !setup.downstream.is_empty() || !core.is_first();

@@ -237,8 +237,13 @@ pub fn plan(a: PlanArgs) -> Result<()> {
             g
         }
     };
-    let rtt = |address: &str| round_trip(address);
     let live: Vec<&ShardRecord> = mine.iter().copied().filter(|r| !r.draining).collect();
+    // Each shard's round trip, measured once.
+    let rtts: std::collections::HashMap<&str, Option<Duration>> = live
+        .iter()
+        .map(|r| (r.address.as_str(), round_trip(&r.address)))
+        .collect();
+    let rtt = |address: &str| rtts.get(address).copied().flatten();
     let routes = chains(live.clone(), usize::MAX);
     println!(
         "routes (chains of shards covering layers 0..{n_layers} once, as a tracker builds them): {}",
@@ -258,7 +263,7 @@ pub fn plan(a: PlanArgs) -> Result<()> {
     }
 
     if let Some(budget_mib) = a.weights_budget_mib {
-        let budget = budget_mib << 20;
+        let budget = budget_mib.saturating_mul(1 << 20);
         let counted = coverage(
             mine.iter().copied().chain(claiming.iter().copied()),
             &digest,
