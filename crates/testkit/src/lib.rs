@@ -5,6 +5,7 @@
 //! weight type the kernels support, so the unit suite needs no download.
 
 pub use client as http;
+pub mod delay;
 pub mod etcd;
 pub mod net;
 pub mod observe;

@@ -395,6 +395,11 @@ pub fn declare(m: &Metrics) {
             "round trip across a seam as its sending shard measured it: a step to the next shard and back its acknowledgement, less the time the next shard held the step",
         ),
         (
+            "strata_route_token_interval_seconds",
+            "gauge",
+            "the route's measured time between consecutive tokens of a session, smoothed (each interval weighs a fifth): new sessions go to routes within twice the fastest's first",
+        ),
+        (
             "strata_route_overhead_seconds",
             "histogram",
             "messaging time of a step: its round trip from the tracker less the time the shards held it",

@@ -206,6 +206,8 @@ pub struct RunnerParts {
     /// The prompt prefixes its shards cache, for choosing routes: a session's prompt blocks
     /// go in once its prefill is done.
     pub prefixes: Arc<super::prefixes::PrefixIndex>,
+    /// Its sessions' time between tokens, published for choosing routes.
+    pub pace: Arc<super::table::Pace>,
 }
 
 /// The prefix-cache partition of a session of tenant `tenant` (0 is the partition every
@@ -287,6 +289,7 @@ pub struct Runner {
     load: Arc<std::sync::atomic::AtomicUsize>,
     /// The prompt prefixes its shards cache ([`RunnerParts::prefixes`]).
     prefixes: Arc<super::prefixes::PrefixIndex>,
+    pace: Arc<super::table::Pace>,
     /// Retired: no new session; the loop ends once it holds none.
     retired: bool,
     /// Nothing can send it commands any more (the route left the table and every handle
@@ -376,6 +379,7 @@ impl Runner {
             failover: p.failover,
             load: p.load,
             prefixes: p.prefixes,
+            pace: p.pace,
             route_up: p.route_up,
             admission: p.admission,
             ledger: p.ledger,
@@ -1215,12 +1219,16 @@ impl Runner {
                 LATENCY_BUCKETS,
                 (now - live.started).as_secs_f64(),
             ),
-            Some(t) => self.metrics.observe(
-                "strata_inter_token_seconds",
-                &[],
-                LATENCY_BUCKETS,
-                (now - t).as_secs_f64(),
-            ),
+            Some(t) => {
+                let interval = (now - t).as_secs_f64();
+                self.metrics
+                    .observe("strata_inter_token_seconds", &[], LATENCY_BUCKETS, interval);
+                self.pace.observe(interval);
+                if let Some(pace) = self.pace.seconds() {
+                    self.metrics
+                        .set("strata_route_token_interval_seconds", &[], pace);
+                }
+            }
         }
         live.last_token = Some(now);
         if let Some(t) = live.moved_at.take() {
