@@ -74,6 +74,33 @@ pub struct ShardRecord {
 pub const MAX_LAYERS: u32 = 4096;
 
 impl ShardRecord {
+    /// A record of a shard not serving yet (no budget, no sessions) of the model file `digest`
+    /// names, covering `layers`: what a shard placing itself claims, or a planned shard.
+    pub fn placing(
+        address: &str,
+        instance: &str,
+        model: &str,
+        digest: &str,
+        layers: std::ops::Range<u32>,
+        n_layers: u32,
+    ) -> ShardRecord {
+        ShardRecord {
+            address: address.to_string(),
+            instance: instance.to_string(),
+            model: model.to_string(),
+            digest: digest.to_string(),
+            layer_start: layers.start,
+            layer_end: layers.end,
+            n_layers,
+            recipe: String::new(),
+            kv_budget_bytes: 0,
+            kv_free_bytes: 0,
+            max_sessions: 0,
+            sessions: 0,
+            draining: false,
+        }
+    }
+
     /// A layer range that can exist: non-empty, inside a model of at most [`MAX_LAYERS`].
     pub fn plausible(&self) -> bool {
         self.n_layers > 0

@@ -255,21 +255,7 @@ mod tests {
     use super::*;
 
     fn record(address: &str, layers: Range<u32>, n_layers: u32, digest: &str) -> ShardRecord {
-        ShardRecord {
-            address: address.into(),
-            instance: "1".into(),
-            model: "m".into(),
-            digest: digest.into(),
-            layer_start: layers.start,
-            layer_end: layers.end,
-            n_layers,
-            recipe: String::new(),
-            kv_budget_bytes: 0,
-            kv_free_bytes: 0,
-            max_sessions: 1,
-            sessions: 0,
-            draining: false,
-        }
+        ShardRecord::placing(address, "1", "m", digest, layers, n_layers)
     }
 
     /// Three shards that each hold 45% of a 24-layer model (10 layers) arrive one after

@@ -106,6 +106,15 @@ fn coverage_runs(cover: &[u32]) -> String {
     out.join(", ")
 }
 
+/// A route as `address (start..end) -> ...`.
+fn hops(route: &[&ShardRecord]) -> String {
+    let hops: Vec<String> = route
+        .iter()
+        .map(|r| format!("{} ({}..{})", r.address, r.layer_start, r.layer_end))
+        .collect();
+    hops.join(" -> ")
+}
+
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 20) as f64
 }
@@ -250,14 +259,10 @@ pub fn plan(a: PlanArgs) -> Result<()> {
         routes.len()
     );
     for (i, route) in routes.iter().enumerate() {
-        let hops: Vec<String> = route
-            .iter()
-            .map(|r| format!("{} ({}..{})", r.address, r.layer_start, r.layer_end))
-            .collect();
         println!(
             "  route {}: {}: {}",
             i + 1,
-            hops.join(" -> "),
+            hops(route),
             Prediction::of(route, &sizes, gbps, &rtt)
         );
     }
@@ -277,21 +282,14 @@ pub fn plan(a: PlanArgs) -> Result<()> {
                     .fold(f64::MAX, f64::min)
             ),
             Some(range) => {
-                let new = ShardRecord {
-                    address: "(new shard)".into(),
-                    instance: String::new(),
-                    model: path.display().to_string(),
-                    digest: digest.clone(),
-                    layer_start: range.start as u32,
-                    layer_end: range.end as u32,
-                    n_layers: n_layers as u32,
-                    recipe: String::new(),
-                    kv_budget_bytes: 0,
-                    kv_free_bytes: 0,
-                    max_sessions: 0,
-                    sessions: 0,
-                    draining: false,
-                };
+                let new = ShardRecord::placing(
+                    "(new shard)",
+                    "",
+                    &path.display().to_string(),
+                    &digest,
+                    range.start as u32..range.end as u32,
+                    n_layers as u32,
+                );
                 let mut with_new = live.clone();
                 with_new.push(&new);
                 let after = chains(with_new, usize::MAX);
@@ -312,13 +310,9 @@ pub fn plan(a: PlanArgs) -> Result<()> {
                     }
                 };
                 for route in after.iter().filter(|c| c.iter().any(|r| r.address == new.address)) {
-                    let hops: Vec<String> = route
-                        .iter()
-                        .map(|r| format!("{} ({}..{})", r.address, r.layer_start, r.layer_end))
-                        .collect();
                     println!(
                         "  new route: {}: {}",
-                        hops.join(" -> "),
+                        hops(route),
                         Prediction::of(route, &sizes, gbps, &rtt_new)
                     );
                 }

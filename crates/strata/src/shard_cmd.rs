@@ -197,21 +197,14 @@ async fn place_itself(
     })
     .await??;
     let n_layers = sizes.layers.len();
-    let me = registry::ShardRecord {
-        address: address.to_string(),
-        instance: std::process::id().to_string(),
-        model: model.display().to_string(),
-        digest,
-        layer_start: 0,
-        layer_end: n_layers as u32,
-        n_layers: n_layers as u32,
-        recipe: String::new(),
-        kv_budget_bytes: 0,
-        kv_free_bytes: 0,
-        max_sessions: 0,
-        sessions: 0,
-        draining: false,
-    };
+    let me = registry::ShardRecord::placing(
+        address,
+        &std::process::id().to_string(),
+        &model.display().to_string(),
+        &digest,
+        0..n_layers as u32,
+        n_layers as u32,
+    );
     let budget = (limits.weights_budget_mib() as u64) << 20;
     let placed = registry::placement::place_and_claim(
         connect,
