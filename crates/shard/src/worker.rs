@@ -691,14 +691,21 @@ impl Worker {
         let t0 = Instant::now();
         let mut out = StepOutcome::default();
         self.roll_back(job.stream_id, &job.rollback);
+        let root = self.prefix_root(&job);
         for &id in &job.release {
-            self.sessions.remove(&SessionKey {
+            let released = self.sessions.remove(&SessionKey {
                 stream: job.stream_id,
                 id,
             });
+            // A session's last positions may have come from early steps, whose blocks wait
+            // for a step of the tracker's: its release is one (the tracker releases a session
+            // after its last token, so every shard has computed them).
+            if let Some(mut s) = released.filter(|_| self.config.prefix_cache && !early) {
+                let root = s.prefix_root(root);
+                self.kv_pool.register(&mut s.kv, &s.tokens, root);
+            }
         }
         self.expire(&job);
-        let root = self.prefix_root(&job);
         let accepted = self.admit(&mut job, root, !early, &mut out);
         let (n_rows, n_out) = accepted.iter().fold((0, 0), |(r, o), &i| {
             let f = &job.fragments[i];

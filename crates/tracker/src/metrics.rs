@@ -397,7 +397,7 @@ pub fn declare(m: &Metrics) {
         (
             "strata_route_token_interval_seconds",
             "gauge",
-            "the route's measured time between consecutive tokens of a session, smoothed (each interval weighs a fifth): new sessions go to routes within twice the fastest's first",
+            "the route's measured time between consecutive tokens of a session, smoothed (each interval weighs a fifth)",
         ),
         (
             "strata_route_overhead_seconds",

@@ -206,8 +206,6 @@ pub struct RunnerParts {
     /// The prompt prefixes its shards cache, for choosing routes: a session's prompt blocks
     /// go in once its prefill is done.
     pub prefixes: Arc<super::prefixes::PrefixIndex>,
-    /// Its sessions' time between tokens, published for choosing routes.
-    pub pace: Arc<super::table::Pace>,
 }
 
 /// The prefix-cache partition of a session of tenant `tenant` (0 is the partition every
@@ -289,7 +287,8 @@ pub struct Runner {
     load: Arc<std::sync::atomic::AtomicUsize>,
     /// The prompt prefixes its shards cache ([`RunnerParts::prefixes`]).
     prefixes: Arc<super::prefixes::PrefixIndex>,
-    pace: Arc<super::table::Pace>,
+    /// Its sessions' time between tokens (`strata_route_token_interval_seconds`).
+    pace: super::table::Pace,
     /// Retired: no new session; the loop ends once it holds none.
     retired: bool,
     /// Nothing can send it commands any more (the route left the table and every handle
@@ -379,7 +378,7 @@ impl Runner {
             failover: p.failover,
             load: p.load,
             prefixes: p.prefixes,
-            pace: p.pace,
+            pace: super::table::Pace::default(),
             route_up: p.route_up,
             admission: p.admission,
             ledger: p.ledger,

@@ -86,7 +86,6 @@ async fn start(name: &str) -> Route {
         failover: Some(failover),
         replicas: Arc::new(Alone),
         load: Arc::clone(&load),
-        pace: Default::default(),
         prefixes: Arc::new(crate::route::prefixes::PrefixIndex::new(64)),
     });
     let (commands, rx) = mpsc::channel(16);

@@ -47,13 +47,10 @@ pub struct RouteHandle {
     pub submitting: std::sync::atomic::AtomicUsize,
     /// The prompt prefixes its shards' caches hold, as far as this tracker saw.
     pub prefixes: Arc<super::prefixes::PrefixIndex>,
-    /// How fast its sessions get their tokens, as measured (published by its loop).
-    pub pace: Arc<Pace>,
 }
 
 /// A route's measured time between consecutive tokens of a session, smoothed (each new
-/// interval weighs a fifth): what choosing a route for a new session compares. Written only
-/// by the route's loop.
+/// interval weighs a fifth). Written only by the route's loop.
 #[derive(Default)]
 pub struct Pace(std::sync::atomic::AtomicU64);
 
