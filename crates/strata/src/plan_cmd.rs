@@ -10,8 +10,9 @@
 //! shard, the last shard back to the tracker), each half the TCP round trip measured from this
 //! host to the shard it reaches.
 
+use std::collections::HashMap;
 use std::net::ToSocketAddrs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Result};
@@ -169,37 +170,97 @@ impl std::fmt::Display for Prediction {
     }
 }
 
+/// The model file as `plan` sees it: its digest and what each range of it weighs.
+struct Planned<'a> {
+    path: &'a Path,
+    digest: String,
+    sizes: model::WeightSizes,
+    n_layers: usize,
+}
+
 pub fn plan(a: PlanArgs) -> Result<()> {
+    if let Some(g) = a.read_gbps.filter(|g| !(g.is_finite() && *g > 0.0)) {
+        bail!("--read-gbps must be a positive number of GB/s, not {g}");
+    }
     let connect = a
         .registry_access
         .connect(Some(&a.registry))?
         .ok_or_else(|| anyhow!("--registry is required"))?;
-    let path = a.model.clone();
-    let digest = shard::file_digest(&path)?;
-    let sizes = model::WeightSizes::of(&gguf::GgufFile::open(&path)?)?;
-    let n_layers = sizes.layers.len();
-    if n_layers == 0 {
-        bail!("{} has no layers", path.display());
+    let sizes = model::WeightSizes::of(&gguf::GgufFile::open(&a.model)?)?;
+    let m = Planned {
+        path: &a.model,
+        digest: shard::file_digest(&a.model)?,
+        n_layers: sizes.layers.len(),
+        sizes,
+    };
+    if m.n_layers == 0 {
+        bail!("{} has no layers", m.path.display());
     }
-    let rt = runtime(1)?;
-    let (records, claims) = rt
+    let (records, claims) = runtime(1)?
         .block_on(read_live(&connect, &a.registry_prefix))
         .map_err(|e| anyhow!("reading the registry: {e}"))?;
+    let ours = |r: &&ShardRecord| r.digest == m.digest && r.n_layers as usize == m.n_layers;
     let mine: Vec<&ShardRecord> = records
         .iter()
-        .filter(|r| r.digest == digest && r.n_layers as usize == n_layers && r.plausible())
+        .filter(ours)
+        .filter(|r| r.plausible())
         .collect();
-    let others = records.len() - mine.len();
-    let claiming: Vec<&ShardRecord> = claims
-        .iter()
-        .filter(|r| r.digest == digest && r.n_layers as usize == n_layers)
-        .collect();
+    let claiming: Vec<&ShardRecord> = claims.iter().filter(ours).collect();
+    print_swarm(&a, &m, &mine, records.len() - mine.len(), &claiming);
 
+    let gbps = a.read_gbps.unwrap_or_else(|| {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let g = measure_read_gbps(threads);
+        println!("memory read bandwidth measured here: {g:.1} GB/s ({threads} threads)");
+        g
+    });
+    let live: Vec<&ShardRecord> = mine.iter().copied().filter(|r| !r.draining).collect();
+    // Each shard's round trip, measured once.
+    let rtts: HashMap<&str, Option<Duration>> = live
+        .iter()
+        .map(|r| (r.address.as_str(), round_trip(&r.address)))
+        .collect();
+    let rtt = |address: &str| rtts.get(address).copied().flatten();
+    let routes = chains(live.clone(), usize::MAX);
     println!(
-        "model {} ({n_layers} layers, sha256 {}..., {:.1} MiB of weights)",
-        path.display(),
-        &digest[..12],
-        mib(sizes.range(0, n_layers))
+        "routes (chains of shards covering layers 0..{} once, as a tracker builds them): {}",
+        m.n_layers,
+        routes.len()
+    );
+    for (i, route) in routes.iter().enumerate() {
+        println!(
+            "  route {}: {}: {}",
+            i + 1,
+            hops(route),
+            Prediction::of(route, &m.sizes, gbps, &rtt)
+        );
+    }
+    if let Some(budget_mib) = a.weights_budget_mib {
+        let counted = coverage(
+            mine.iter().chain(&claiming).copied(),
+            &m.digest,
+            m.n_layers as u32,
+        );
+        print_new_shard(&m, budget_mib, &counted, &live, gbps, &rtt);
+    }
+    Ok(())
+}
+
+/// The model, the registry's shards of it (and how many of other models), the claims of
+/// shards placing themselves, and the coverage per layer.
+fn print_swarm(
+    a: &PlanArgs,
+    m: &Planned,
+    mine: &[&ShardRecord],
+    others: usize,
+    claiming: &[&ShardRecord],
+) {
+    println!(
+        "model {} ({} layers, sha256 {}..., {:.1} MiB of weights)",
+        m.path.display(),
+        m.n_layers,
+        &m.digest[..12],
+        mib(m.sizes.range(0, m.n_layers))
     );
     println!(
         "registry {} prefix {}: {} shards of this model ({} draining), {others} of other models, {} placing themselves now",
@@ -209,7 +270,7 @@ pub fn plan(a: PlanArgs) -> Result<()> {
         mine.iter().filter(|r| r.draining).count(),
         claiming.len()
     );
-    let mut sorted = mine.clone();
+    let mut sorted = mine.to_vec();
     sorted.sort_by_key(|r| (r.layer_start, r.layer_end, r.address.clone()));
     for r in &sorted {
         println!(
@@ -218,108 +279,82 @@ pub fn plan(a: PlanArgs) -> Result<()> {
             r.layer_start,
             r.layer_end,
             if r.draining { " (draining)" } else { "" },
-            mib(sizes.range(r.layer_start as usize, r.layer_end as usize)),
+            mib(m.sizes.range(r.layer_start as usize, r.layer_end as usize)),
             r.sessions,
             mib(r.kv_free_bytes),
             mib(r.kv_budget_bytes),
         );
     }
-    for r in &claiming {
+    for r in claiming {
         println!(
             "  placing {} layers {}..{} (loading)",
             r.address, r.layer_start, r.layer_end
         );
     }
-    let cover = coverage(mine.iter().copied(), &digest, n_layers as u32);
+    let cover = coverage(mine.iter().copied(), &m.digest, m.n_layers as u32);
     println!(
         "layers served (shards taking sessions per layer): {}",
         coverage_runs(&cover)
     );
+}
 
-    let gbps = match a.read_gbps {
-        Some(g) if g.is_finite() && g > 0.0 => g,
-        Some(g) => bail!("--read-gbps must be a positive number of GB/s, not {g}"),
-        None => {
-            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let g = measure_read_gbps(threads);
-            println!("memory read bandwidth measured here: {g:.1} GB/s ({threads} threads)");
-            g
+/// Where a new shard of `budget_mib` would go given the layers' coverage (`counted`, claims
+/// included), the routes then, and the prediction of each new one (its seams like the slowest
+/// measured).
+fn print_new_shard(
+    m: &Planned,
+    budget_mib: u64,
+    counted: &[u32],
+    live: &[&ShardRecord],
+    gbps: f64,
+    rtt: &dyn Fn(&str) -> Option<Duration>,
+) {
+    let budget = budget_mib.saturating_mul(1 << 20);
+    let Some(range) = place(counted, |s, e| m.sizes.range(s, e) <= budget) else {
+        println!(
+            "a new shard with {budget_mib} MiB for weights holds no layer (the smallest one-layer range needs {:.1} MiB)",
+            (0..m.n_layers)
+                .map(|i| mib(m.sizes.range(i, i + 1)))
+                .fold(f64::MAX, f64::min)
+        );
+        return;
+    };
+    let new = ShardRecord::placing(
+        "(new shard)",
+        "",
+        &m.path.display().to_string(),
+        &m.digest,
+        range.start as u32..range.end as u32,
+        m.n_layers as u32,
+    );
+    let mut with_new = live.to_vec();
+    with_new.push(&new);
+    let after = chains(with_new, usize::MAX);
+    println!(
+        "a new shard with {budget_mib} MiB for weights would take layers {}..{} ({:.1} MiB); routes then: {}",
+        range.start,
+        range.end,
+        mib(m.sizes.range(range.start, range.end)),
+        after.len()
+    );
+    let slowest = live.iter().filter_map(|r| rtt(&r.address)).max();
+    let rtt_new = |address: &str| {
+        if address == new.address {
+            slowest
+        } else {
+            rtt(address)
         }
     };
-    let live: Vec<&ShardRecord> = mine.iter().copied().filter(|r| !r.draining).collect();
-    // Each shard's round trip, measured once.
-    let rtts: std::collections::HashMap<&str, Option<Duration>> = live
+    for route in after
         .iter()
-        .map(|r| (r.address.as_str(), round_trip(&r.address)))
-        .collect();
-    let rtt = |address: &str| rtts.get(address).copied().flatten();
-    let routes = chains(live.clone(), usize::MAX);
-    println!(
-        "routes (chains of shards covering layers 0..{n_layers} once, as a tracker builds them): {}",
-        routes.len()
-    );
-    for (i, route) in routes.iter().enumerate() {
+        .filter(|c| c.iter().any(|r| r.address == new.address))
+    {
         println!(
-            "  route {}: {}: {}",
-            i + 1,
+            "  new route: {}: {}",
             hops(route),
-            Prediction::of(route, &sizes, gbps, &rtt)
+            Prediction::of(route, &m.sizes, gbps, &rtt_new)
         );
     }
-
-    if let Some(budget_mib) = a.weights_budget_mib {
-        let budget = budget_mib.saturating_mul(1 << 20);
-        let counted = coverage(
-            mine.iter().copied().chain(claiming.iter().copied()),
-            &digest,
-            n_layers as u32,
-        );
-        match place(&counted, |s, e| sizes.range(s, e) <= budget) {
-            None => println!(
-                "a new shard with {budget_mib} MiB for weights holds no layer (the smallest one-layer range needs {:.1} MiB)",
-                (0..n_layers)
-                    .map(|i| mib(sizes.range(i, i + 1)))
-                    .fold(f64::MAX, f64::min)
-            ),
-            Some(range) => {
-                let new = ShardRecord::placing(
-                    "(new shard)",
-                    "",
-                    &path.display().to_string(),
-                    &digest,
-                    range.start as u32..range.end as u32,
-                    n_layers as u32,
-                );
-                let mut with_new = live.clone();
-                with_new.push(&new);
-                let after = chains(with_new, usize::MAX);
-                println!(
-                    "a new shard with {budget_mib} MiB for weights would take layers {}..{} ({:.1} MiB); routes then: {}",
-                    range.start,
-                    range.end,
-                    mib(sizes.range(range.start, range.end)),
-                    after.len()
-                );
-                // The new shard's seam is predicted like the slowest one measured.
-                let slowest = live.iter().filter_map(|r| rtt(&r.address)).max();
-                let rtt_new = |address: &str| {
-                    if address == new.address {
-                        slowest
-                    } else {
-                        rtt(address)
-                    }
-                };
-                for route in after.iter().filter(|c| c.iter().any(|r| r.address == new.address)) {
-                    println!(
-                        "  new route: {}: {}",
-                        hops(route),
-                        Prediction::of(route, &sizes, gbps, &rtt_new)
-                    );
-                }
-            }
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -287,8 +287,9 @@ pub struct Runner {
     load: Arc<std::sync::atomic::AtomicUsize>,
     /// The prompt prefixes its shards cache ([`RunnerParts::prefixes`]).
     prefixes: Arc<super::prefixes::PrefixIndex>,
-    /// Its sessions' time between tokens (`strata_route_token_interval_seconds`).
-    pace: super::table::Pace,
+    /// Its sessions' time between tokens, smoothed (each new interval weighs a fifth):
+    /// `strata_route_token_interval_seconds`; `None` before a session's second token.
+    pace: Option<f64>,
     /// Retired: no new session; the loop ends once it holds none.
     retired: bool,
     /// Nothing can send it commands any more (the route left the table and every handle
@@ -378,7 +379,7 @@ impl Runner {
             failover: p.failover,
             load: p.load,
             prefixes: p.prefixes,
-            pace: super::table::Pace::default(),
+            pace: None,
             route_up: p.route_up,
             admission: p.admission,
             ledger: p.ledger,
@@ -1222,11 +1223,10 @@ impl Runner {
                 let interval = (now - t).as_secs_f64();
                 self.metrics
                     .observe("strata_inter_token_seconds", &[], LATENCY_BUCKETS, interval);
-                self.pace.observe(interval);
-                if let Some(pace) = self.pace.seconds() {
-                    self.metrics
-                        .set("strata_route_token_interval_seconds", &[], pace);
-                }
+                let pace = self.pace.map_or(interval, |p| p * 0.8 + interval * 0.2);
+                self.pace = Some(pace);
+                self.metrics
+                    .set("strata_route_token_interval_seconds", &[], pace);
             }
         }
         live.last_token = Some(now);

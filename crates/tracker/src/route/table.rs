@@ -49,31 +49,6 @@ pub struct RouteHandle {
     pub prefixes: Arc<super::prefixes::PrefixIndex>,
 }
 
-/// A route's measured time between consecutive tokens of a session, smoothed (each new
-/// interval weighs a fifth). Written only by the route's loop.
-#[derive(Default)]
-pub struct Pace(std::sync::atomic::AtomicU64);
-
-impl Pace {
-    pub fn observe(&self, seconds: f64) {
-        use std::sync::atomic::Ordering::Relaxed;
-        if !seconds.is_finite() || seconds < 0.0 {
-            return;
-        }
-        let next = match self.seconds() {
-            None => seconds,
-            Some(old) => old * 0.8 + seconds * 0.2,
-        };
-        self.0.store(next.to_bits(), Relaxed);
-    }
-
-    /// `None` until a session of the route got a second token.
-    pub fn seconds(&self) -> Option<f64> {
-        let bits = self.0.load(std::sync::atomic::Ordering::Relaxed);
-        (bits != 0).then(|| f64::from_bits(bits))
-    }
-}
-
 impl RouteHandle {
     pub fn resident(&self) -> bool {
         !self.evicted.load(std::sync::atomic::Ordering::Acquire)
