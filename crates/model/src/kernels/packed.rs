@@ -826,14 +826,17 @@ mod tests {
             }
             x[100] = 3.0e4;
             x[200] = -1.0e-30;
-            if kind.is_k() && n > 256 {
-                // A block of 256 with a NaN and with its largest magnitude twice, of both
-                // signs (the first is the signed maximum).
+            if n > 256 {
+                // A NaN, and (a block of 256) the largest magnitude twice, of both signs (the
+                // first is the signed maximum).
                 x[300] = f32::NAN;
                 x[320] = -2.5e3;
                 x[400] = 2.5e3;
-                x[512..768].fill(0.0);
-                // A block whose scale overflows (-127 / 1e-38), with a subnormal in it.
+                x[512..n.min(768)].fill(0.0);
+            }
+            if n > 1024 {
+                // Blocks whose scale overflows (-127 / 1e-38 for a K-quant, 127 / (1e-38 /
+                // 127) for the others), with a subnormal in one.
                 x[768..1024].fill(1.0e-38);
                 x[800] = -1.0e-39;
             }

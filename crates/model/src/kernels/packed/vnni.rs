@@ -62,7 +62,10 @@ unsafe fn bcast4(a: *const u8, at: usize) -> __m512i {
 }
 
 /// `v * scale` rounded half away from zero, as the scalar quantizers round: truncation plus a
-/// step where the (exact) remainder reaches one half.
+/// step where the (exact) remainder reaches one half. Outside the i32 range it saturates as
+/// the scalar conversion does (a NaN is 0, at or above 2^31 is `i32::MAX`; the instruction
+/// alone gives `i32::MIN` for both): only garbage activations get there, a block of
+/// denormals scaled by infinity or a NaN.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 fn round_scaled(v: __m512, scale: __m512) -> __m512i {
@@ -77,12 +80,18 @@ fn round_scaled(v: __m512, scale: __m512) -> __m512i {
         q,
         one,
     );
-    _mm512_mask_sub_epi32(
+    let q = _mm512_mask_sub_epi32(
         q,
         _mm512_cmp_ps_mask::<_CMP_LE_OQ>(frac, _mm512_set1_ps(-0.5)),
         q,
         one,
-    )
+    );
+    let q = _mm512_mask_set1_epi32(
+        q,
+        _mm512_cmp_ps_mask::<_CMP_GE_OQ>(y, _mm512_set1_ps(2147483648.0)),
+        i32::MAX,
+    );
+    _mm512_mask_set1_epi32(q, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y, y), 0)
 }
 
 /// [`super::quantize_act_row`], 16 values per instruction and bitwise equal to it: the
@@ -138,19 +147,19 @@ pub unsafe fn quantize_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
                 )
             };
             let id = _mm512_set1_ps(ids[i]);
-            let (q0, q1) = (round_scaled(x0, id), round_scaled(x1, id));
+            // The stored bytes are the low bytes of the rounded values, as `as i8` keeps
+            // them, and the sum is theirs (the values differ only for garbage activations).
+            let q0 = _mm512_cvtepi32_epi8(round_scaled(x0, id));
+            let q1 = _mm512_cvtepi32_epi8(round_scaled(x1, id));
             // SAFETY: as above.
             unsafe {
-                _mm_storeu_si128(
-                    out.as_mut_ptr().add(QK * b) as *mut __m128i,
-                    _mm512_cvtepi32_epi8(q0),
-                );
-                _mm_storeu_si128(
-                    out.as_mut_ptr().add(QK * b + 16) as *mut __m128i,
-                    _mm512_cvtepi32_epi8(q1),
-                );
+                _mm_storeu_si128(out.as_mut_ptr().add(QK * b) as *mut __m128i, q0);
+                _mm_storeu_si128(out.as_mut_ptr().add(QK * b + 16) as *mut __m128i, q1);
             }
-            *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(
+                _mm512_cvtepi8_epi32(q0),
+                _mm512_cvtepi8_epi32(q1),
+            ));
         }
         let f16_round =
             |v: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
