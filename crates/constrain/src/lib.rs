@@ -18,9 +18,10 @@ pub mod limits;
 use std::sync::Arc;
 
 use llguidance::api::TopLevelGrammar;
+use llguidance::earley::SlicedBiasComputer;
 use llguidance::{Matcher, ParserFactory};
 use text::{TokenKind, Tokenizer};
-use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use toktrie::{InferenceCapabilities, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
 /// What went wrong: a grammar that does not compile (or that asks for something llguidance
 /// does not support), or tokens the grammar does not allow.
@@ -160,10 +161,24 @@ impl std::fmt::Debug for Vocabulary {
     }
 }
 
+/// What a [`Vocabulary`] is for, which decides what it precomputes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Purpose {
+    /// Token masks, one per sampled token (the shard that samples): llguidance's token sets
+    /// for the regexes JSON strings and whitespace use are built once, so a mask inside a long
+    /// string costs a fraction of a walk of the whole vocabulary. They take memory in
+    /// proportion to the vocabulary (about 70 MiB at 150k tokens).
+    Masks,
+    /// Only compiling grammars, to refuse one that does not compile before anything is queued
+    /// (the tracker): no token sets, since no mask is computed. A mask computed anyway is the
+    /// same, only slower.
+    Checks,
+}
+
 impl Vocabulary {
     /// The vocabulary of `tokenizer`; generation ends with its end-of-turn token where it has
     /// one (what a chat answer ends with), else its end-of-sequence token.
-    pub fn new(tokenizer: Arc<Tokenizer>) -> Result<Self, Error> {
+    pub fn new(tokenizer: Arc<Tokenizer>, purpose: Purpose) -> Result<Self, Error> {
         let n = tokenizer.n_vocab();
         let words: Vec<Vec<u8>> = (0..n as u32)
             .map(|id| match tokenizer.kind(id) {
@@ -186,7 +201,12 @@ impl Vocabulary {
         };
         let trie = TokTrie::from(&info, &words);
         let env: TokEnv = Arc::new(Env { trie, tokenizer });
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| Error::Grammar(brief(e)))?;
+        let slices = match purpose {
+            Purpose::Masks => SlicedBiasComputer::general_slices(),
+            Purpose::Checks => Vec::new(),
+        };
+        let mut factory = ParserFactory::new(&env, InferenceCapabilities::default(), &slices)
+            .map_err(|e| Error::Grammar(brief(e)))?;
         factory.quiet();
         // Errors say what went wrong, not the parser's state and the whole grammar.
         factory.limits_mut().verbose_errors = false;
@@ -341,6 +361,7 @@ impl Constraint {
 /// first constrained request does not wait for it.
 pub struct LazyVocabulary {
     tokenizer: Arc<Tokenizer>,
+    purpose: Purpose,
     cell: std::sync::OnceLock<Result<Arc<Vocabulary>, String>>,
 }
 
@@ -351,20 +372,23 @@ impl std::fmt::Debug for LazyVocabulary {
 }
 
 impl LazyVocabulary {
-    pub fn new(tokenizer: Arc<Tokenizer>) -> Arc<Self> {
+    pub fn new(tokenizer: Arc<Tokenizer>, purpose: Purpose) -> Arc<Self> {
         Arc::new(LazyVocabulary {
             tokenizer,
+            purpose,
             cell: std::sync::OnceLock::new(),
         })
     }
 
-    /// Starts building it on a thread of its own.
-    pub fn warm(self: &Arc<Self>) {
+    /// Starts building it on a thread of its own, which then calls `after` (building it
+    /// allocates and frees far more than it keeps).
+    pub fn warm(self: &Arc<Self>, after: fn()) {
         let me = Arc::clone(self);
         let _ = std::thread::Builder::new()
             .name("strata-grammar-vocab".into())
             .spawn(move || {
                 let _ = me.get();
+                after();
             });
     }
 
@@ -372,7 +396,7 @@ impl LazyVocabulary {
     pub fn get(&self) -> Result<&Arc<Vocabulary>, Error> {
         self.cell
             .get_or_init(|| {
-                Vocabulary::new(Arc::clone(&self.tokenizer))
+                Vocabulary::new(Arc::clone(&self.tokenizer), self.purpose)
                     .map(Arc::new)
                     .map_err(|e| e.to_string())
             })

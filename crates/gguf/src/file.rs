@@ -10,21 +10,69 @@
 //! shard loads from the parts that hold its layers and nothing else.
 
 use std::collections::HashMap;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::{parse, Error, Header, TensorInfo};
 
 enum Backing {
-    Mmap(memmap2::Mmap),
+    /// The mapping, and the open file for [`GgufFile::in_file`].
+    Mmap(memmap2::Mmap, Arc<std::fs::File>, PathBuf),
     Owned(Vec<u8>),
 }
 
 impl Backing {
     fn bytes(&self) -> &[u8] {
         match self {
-            Backing::Mmap(m) => m,
+            Backing::Mmap(m, ..) => m,
             Backing::Owned(v) => v,
         }
+    }
+}
+
+/// A tensor's bytes in an open model file (see [`GgufFile::in_file`]).
+#[derive(Clone, Debug)]
+pub struct InFile {
+    file: Arc<std::fs::File>,
+    path: Arc<Path>,
+    start: u64,
+    len: u64,
+}
+
+impl InFile {
+    /// The tensor's size in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Reads `out.len()` bytes at `offset` into the tensor. A read past the tensor, or a file
+    /// cut short since it was opened, is an error.
+    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+        let io = |source| Error::Io {
+            path: self.path.display().to_string(),
+            source,
+        };
+        if offset
+            .checked_add(out.len() as u64)
+            .is_none_or(|end| end > self.len)
+        {
+            return Err(io(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "{} bytes at {offset} are outside a tensor of {} bytes",
+                    out.len(),
+                    self.len
+                ),
+            )));
+        }
+        self.file
+            .read_exact_at(out, self.start + offset)
+            .map_err(io)
     }
 }
 
@@ -71,7 +119,10 @@ fn map(path: &Path) -> Result<(Backing, Header), Error> {
     // and every access is bounds-checked against the length validated by `parse`.
     let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
     let header = parse(&mmap)?;
-    Ok((Backing::Mmap(mmap), header))
+    Ok((
+        Backing::Mmap(mmap, Arc::new(file), path.to_path_buf()),
+        header,
+    ))
 }
 
 /// `(prefix, number, count)` of a part's path, `PREFIX-0000N-of-0000M.gguf`, if it is named so.
@@ -231,7 +282,7 @@ impl GgufFile {
     /// as well. Nothing happens for a file read into memory.
     pub fn release(&self, info: &TensorInfo, range: std::ops::Range<usize>) {
         let (part, base) = self.locate(info);
-        if let Backing::Mmap(m) = &part.backing {
+        if let Backing::Mmap(m, ..) = &part.backing {
             let page = 4096u64;
             let start = (base + range.start as u64).div_ceil(page) * page;
             let end = (base + range.end.min(info.n_bytes as usize) as u64) / page * page;
@@ -246,6 +297,24 @@ impl GgufFile {
                     )
                 };
             }
+        }
+    }
+
+    /// A tensor's data to be read from the file when needed, not through the mapping: for a
+    /// table read a row at a time (an embedding), which then costs no resident memory at all.
+    /// (Read through a mapping, each row would map a whole page-cache folio, up to 2 MiB on
+    /// current kernels, so a conversation's few thousand rows would map all of it.) `None` for a
+    /// file read into memory.
+    pub fn in_file(&self, info: &TensorInfo) -> Option<InFile> {
+        let (part, start) = self.locate(info);
+        match &part.backing {
+            Backing::Mmap(_, file, path) => Some(InFile {
+                file: Arc::clone(file),
+                path: Arc::from(path.as_path()),
+                start,
+                len: info.n_bytes,
+            }),
+            Backing::Owned(_) => None,
         }
     }
 

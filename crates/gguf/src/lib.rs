@@ -19,7 +19,7 @@ mod value;
 mod writer;
 
 pub use error::Error;
-pub use file::GgufFile;
+pub use file::{GgufFile, InFile};
 pub use reader::{parse, Header, TensorInfo};
 pub use types::GgmlType;
 pub use value::{Value, ValueType};

@@ -125,6 +125,8 @@ struct Workspace {
     groups: Vec<std::ops::Range<usize>>,
     /// A lane's rows, sessions renumbered from its first.
     rows: Vec<Row>,
+    /// An embedding row as read from the model file.
+    embd_row: Vec<u8>,
 }
 
 impl Model {
@@ -204,6 +206,13 @@ impl Model {
     /// Bytes of weights this range holds.
     pub fn weight_bytes(&self) -> usize {
         self.weights.n_bytes()
+    }
+
+    /// Bytes of the embedding this range reads from the model file a row at a time instead of
+    /// holding it (not in [`Model::weight_bytes`]): where it starts at layer 0 and its output
+    /// head is not tied to the embedding.
+    pub fn in_file_weight_bytes(&self) -> usize {
+        self.weights.in_file_bytes()
     }
 
     pub fn is_first(&self) -> bool {
@@ -301,7 +310,7 @@ impl Model {
                     .expect("validated: first range has the embedding");
                 ws.x.resize(n * d, 0.0);
                 for (row, out) in rows.iter().zip(ws.x.chunks_exact_mut(d)) {
-                    embd.dequantize_row(row.token as usize, out);
+                    embd.dequantize_row(row.token as usize, out, &mut ws.embd_row)?;
                     if let Some(scale) = c.embd_scale {
                         out.iter_mut().for_each(|v| *v *= scale);
                     }

@@ -124,7 +124,7 @@ impl LayerWeights {
 /// final norm and output head when it ends at the last layer. Tensor bytes are copied out of the
 /// mapping so resident memory is exactly what the range holds.
 pub struct Weights {
-    pub embd: Option<QMatrix>,
+    pub embd: Option<Embedding>,
     pub layers: Vec<LayerWeights>,
     pub output_norm: Option<Vec<f32>>,
     pub output: Option<QMatrix>,
@@ -160,6 +160,72 @@ fn matrix(
     Ok(m)
 }
 
+/// The token embedding: a row looked up per token.
+pub enum Embedding {
+    /// Held in memory: the range's output head too (tied), or a file read into memory.
+    Held(QMatrix),
+    /// Read from the model file a row at a time, in ggml's layout: it costs no resident memory
+    /// (a 150k-token vocabulary's table is 90 to 200 MiB, of which a conversation uses a few
+    /// thousand rows), and a row read costs far less than the layers computing on it.
+    InFile {
+        ty: gguf::GgmlType,
+        n_cols: usize,
+        rows: gguf::InFile,
+    },
+}
+
+impl Embedding {
+    /// Decodes row `r` into `out` (`buf`: room for the encoded row, reused across calls).
+    pub fn dequantize_row(
+        &self,
+        r: usize,
+        out: &mut [f32],
+        buf: &mut Vec<u8>,
+    ) -> Result<(), Error> {
+        match self {
+            Embedding::Held(m) => m.dequantize_row(r, out),
+            Embedding::InFile { ty, n_cols, rows } => {
+                let row_bytes = ty.row_bytes(*n_cols);
+                buf.resize(row_bytes, 0);
+                rows.read_at((r * row_bytes) as u64, buf)?;
+                gguf::quant::dequantize(*ty, buf, out)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes it holds in memory.
+    fn held_bytes(&self) -> usize {
+        match self {
+            Embedding::Held(m) => m.data.len(),
+            Embedding::InFile { .. } => 0,
+        }
+    }
+}
+
+/// The token embedding of a range that does not also use it as its output head: left in the
+/// file (see [`Embedding::InFile`]), or copied for a file read into memory.
+fn embedding(f: &GgufFile, c: &ModelConfig) -> Result<Embedding, Error> {
+    let name = "token_embd.weight";
+    let (info, src) = f.tensor(name)?;
+    let expected = vec![c.n_embd as u64, c.n_vocab as u64];
+    if info.shape != expected {
+        return Err(Error::BadShape {
+            name: name.into(),
+            found: info.shape.clone(),
+            expected,
+        });
+    }
+    Ok(match f.in_file(info) {
+        Some(rows) => Embedding::InFile {
+            ty: info.ty,
+            n_cols: c.n_embd,
+            rows,
+        },
+        None => Embedding::Held(QMatrix::copied_from(info.ty, c.n_vocab, c.n_embd, src)),
+    })
+}
+
 fn vector(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, Error> {
     let (info, data) = f.tensor(name)?;
     if info.shape != [n as u64] {
@@ -187,9 +253,21 @@ impl Weights {
             .collect::<Result<Vec<_>, Error>>()?;
         let first = range.start == 0;
         let last = range.end == c.n_layers;
-        let embd = first
-            .then(|| matrix(f, "token_embd.weight", c.n_embd, c.n_vocab, pack))
-            .transpose()?;
+        let tied = f.header().tensor("output.weight").is_none();
+        let embd = if !first {
+            None
+        } else if tied && last {
+            // Also the output head, which reads all of it every token: loaded like a matrix.
+            Some(Embedding::Held(matrix(
+                f,
+                "token_embd.weight",
+                c.n_embd,
+                c.n_vocab,
+                pack,
+            )?))
+        } else {
+            Some(embedding(f, c)?)
+        };
         let (output_norm, output) = if last {
             if f.header().tensor("output.weight").is_none() && !f.absent_parts().is_empty() {
                 // Tied to the embedding, or in a part not present: which, cannot be told.
@@ -198,8 +276,8 @@ impl Weights {
             let head = match (f.header().tensor("output.weight"), &embd) {
                 (Some(_), _) => matrix(f, "output.weight", c.n_embd, c.n_vocab, pack)?,
                 // A tied head: share the embedding's bytes when this range holds it.
-                (None, Some(e)) => e.clone(),
-                (None, None) => matrix(f, "token_embd.weight", c.n_embd, c.n_vocab, pack)?,
+                (None, Some(Embedding::Held(e))) => e.clone(),
+                (None, _) => matrix(f, "token_embd.weight", c.n_embd, c.n_vocab, pack)?,
             };
             (Some(vector(f, "output_norm.weight", c.n_embd)?), Some(head))
         } else {
@@ -213,16 +291,29 @@ impl Weights {
         })
     }
 
+    /// Bytes of the embedding read from the model file a row at a time (not held).
+    pub fn in_file_bytes(&self) -> usize {
+        match &self.embd {
+            Some(Embedding::InFile { rows, .. }) => rows.len() as usize,
+            _ => 0,
+        }
+    }
+
     /// Bytes of weights held (what this range costs in memory; shared bytes count once).
     pub fn n_bytes(&self) -> usize {
         let m = |q: &QMatrix| q.data.len();
         let shared_head = match (&self.embd, &self.output) {
-            (Some(e), Some(o)) if std::sync::Arc::ptr_eq(&e.data, &o.data) => o.data.len(),
+            (Some(Embedding::Held(e)), Some(o)) if std::sync::Arc::ptr_eq(&e.data, &o.data) => {
+                o.data.len()
+            }
             _ => 0,
         };
         let v = |x: &Vec<f32>| x.len() * 4;
         let layers: usize = self.layers.iter().map(LayerWeights::n_bytes).sum();
-        layers + self.embd.as_ref().map_or(0, m) + self.output.as_ref().map_or(0, m) - shared_head
+        layers
+            + self.embd.as_ref().map_or(0, Embedding::held_bytes)
+            + self.output.as_ref().map_or(0, m)
+            - shared_head
             + self.output_norm.as_ref().map_or(0, v)
     }
 }
@@ -234,13 +325,11 @@ impl Weights {
 pub struct WeightSizes {
     /// Bytes of each layer's tensors.
     pub layers: Vec<u64>,
-    /// The token embedding (held by a range starting at layer 0).
-    pub embd: u64,
-    /// The output head and its norm (held by a range ending at the last layer); a head tied to
-    /// the embedding shares the embedding's bytes when the range holds both.
+    /// The output head and its norm (held by a range ending at the last layer; a head tied to
+    /// the embedding is the embedding, looked up there too). A range starting at layer 0 holds
+    /// no other embedding: it reads it from the file a row at a time ([`Embedding::InFile`]).
     pub head: u64,
     pub output_norm: u64,
-    pub tied: bool,
 }
 
 impl WeightSizes {
@@ -264,29 +353,23 @@ impl WeightSizes {
                 *bytes += loaded_bytes(info);
             }
         }
-        let embd = size("token_embd.weight")?;
         let tied = h.tensor("output.weight").is_none();
         Ok(WeightSizes {
             layers,
-            embd,
-            head: if tied { embd } else { size("output.weight")? },
+            head: size(if tied {
+                "token_embd.weight"
+            } else {
+                "output.weight"
+            })?,
             output_norm: size("output_norm.weight")?,
-            tied,
         })
     }
 
     /// Bytes a shard of layers `start..end` holds (as [`Weights::n_bytes`] counts them).
     pub fn range(&self, start: usize, end: usize) -> u64 {
-        let (first, last) = (start == 0, end == self.layers.len());
         let mut bytes: u64 = self.layers[start..end].iter().sum();
-        if first {
-            bytes += self.embd;
-        }
-        if last {
-            bytes += self.output_norm;
-            if !(self.tied && first) {
-                bytes += self.head;
-            }
+        if end == self.layers.len() {
+            bytes += self.output_norm + self.head;
         }
         bytes
     }

@@ -220,14 +220,15 @@ impl ShardCore {
         let grammars = if model.is_last() {
             text::Tokenizer::from_header(file.header())
                 .ok()
-                .map(|t| constrain::LazyVocabulary::new(Arc::new(t)))
+                .map(|t| constrain::LazyVocabulary::new(Arc::new(t), constrain::Purpose::Masks))
         } else {
             None
         };
         if let Some(g) = &grammars {
-            g.warm();
+            g.warm(proto::release_freed_memory);
         }
         drop(file);
+        proto::release_freed_memory();
         let counters = Arc::new(Counters::default());
         let (tx, rx) = std::sync::mpsc::channel();
         let worker = Worker::new(

@@ -46,8 +46,9 @@ pub fn run(cmd: ModelCommand) -> Result<()> {
     let ModelCommand::Info(a) = cmd;
     let path: PathBuf = a.run.model.clone();
     let file = gguf::GgufFile::open(&path)?;
-    // Measured after the header is parsed, so the growth below is the weights alone.
-    let (_, rss_before) = proto::rss_bytes();
+    // Memory no file backs, so the growth below is the weights alone (not the pages of the
+    // header just read, unmapped with the file after loading).
+    let anon_before = proto::anon_rss_bytes();
     let config = model::ModelConfig::from_header(file.header())?;
     let range = match &a.layers {
         Some(s) => {
@@ -80,13 +81,16 @@ pub fn run(cmd: ModelCommand) -> Result<()> {
     let m = Model::load(&file, Some(range), a.run.options()?)?;
     drop(file);
     let (peak, rss_after) = proto::rss_bytes();
+    let anon_after = proto::anon_rss_bytes();
     let v = json!({
         "model": path.display().to_string(),
         "layers": format!("{range}"),
         "n_layers": config.n_layers,
         "range_tensor_bytes": own,
         "weight_bytes": m.weight_bytes(),
-        "rss_before_load_bytes": rss_before,
+        "in_file_weight_bytes": m.in_file_weight_bytes(),
+        "anon_rss_before_load_bytes": anon_before,
+        "anon_rss_after_load_bytes": anon_after,
         "rss_after_load_bytes": rss_after,
         "peak_rss_bytes": peak,
         "isa": m.isa().name(),
@@ -102,10 +106,17 @@ pub fn run(cmd: ModelCommand) -> Result<()> {
             mib(own)
         );
         println!("weights held {:.2} MiB", mib(m.weight_bytes() as u64));
+        if m.in_file_weight_bytes() > 0 {
+            println!(
+                "embedding    {:.2} MiB read from the file a row per token, not held",
+                mib(m.in_file_weight_bytes() as u64)
+            );
+        }
         println!(
-            "rss          {:.2} MiB before load, {:.2} MiB after, peak {:.2} MiB",
-            mib(rss_before),
+            "rss          {:.2} MiB after load (heap {:.2} MiB before, {:.2} MiB after), peak {:.2} MiB",
             mib(rss_after),
+            mib(anon_before),
+            mib(anon_after),
             mib(peak)
         );
     }

@@ -53,7 +53,7 @@ pub struct PlanArgs {
 fn bytes_per_token(sizes: &model::WeightSizes, start: usize, end: usize) -> u64 {
     let layers: u64 = sizes.layers[start..end].iter().sum();
     let head = if end == sizes.layers.len() {
-        sizes.output_norm + if sizes.tied { sizes.embd } else { sizes.head }
+        sizes.output_norm + sizes.head
     } else {
         0
     };

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use constrain::{grammar, Vocabulary};
+use constrain::{grammar, Purpose, Vocabulary};
 use serde_json::json;
 use text::Tokenizer;
 
@@ -54,7 +54,7 @@ fn documents_inside_the_schema_pass_and_others_do_not() {
         tiny(),
         tokenizer(&testkit::named_model("qwen2.5-coder-0.5b")),
     ] {
-        let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+        let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok), Purpose::Masks).unwrap());
         let g = grammar::json_schema(&schema()).unwrap();
         let good = r#"{"city": "Paris", "days": [1, 2], "unit": "c"}"#;
         assert_eq!(walk(&vocab, &tok, &g, good), (true, true));
@@ -82,10 +82,34 @@ fn documents_inside_the_schema_pass_and_others_do_not() {
     }
 }
 
+/// A vocabulary built only to check grammars (no precomputed token sets) computes the same
+/// masks as the sampler's, token after token, inside strings, numbers and whitespace.
+#[test]
+fn a_checking_vocabulary_computes_the_masks_a_sampling_one_does() {
+    let tok = tokenizer(&testkit::named_model("qwen2.5-coder-0.5b"));
+    let masks = Arc::new(Vocabulary::new(Arc::clone(&tok), Purpose::Masks).unwrap());
+    let checks = Arc::new(Vocabulary::new(Arc::clone(&tok), Purpose::Checks).unwrap());
+    let g = grammar::json_schema(&schema()).unwrap();
+    let ids = tok.encode(
+        r#"{"city": "Rio de Janeiro, a long name", "days": [12, 3], "unit": "c"}"#,
+        false,
+        false,
+    );
+    let (mut a, mut b) = (masks.compile(&g).unwrap(), checks.compile(&g).unwrap());
+    for k in 0..=ids.len() {
+        assert_eq!(a.mask().unwrap(), b.mask().unwrap(), "after {k} tokens");
+        if k < ids.len() {
+            a.advance(&ids[..=k]).unwrap();
+            b.advance(&ids[..=k]).unwrap();
+        }
+    }
+    assert!(a.is_complete() && b.is_complete());
+}
+
 #[test]
 fn a_rewound_constraint_continues_the_same_document() {
     let tok = tiny();
-    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok), Purpose::Masks).unwrap());
     let g = grammar::json_schema(&schema()).unwrap();
     let ids = tok.encode(
         r#"{"city": "Oslo", "days": [3], "unit": "f"}"#,
@@ -110,7 +134,7 @@ fn a_rewound_constraint_continues_the_same_document() {
 #[test]
 fn unsupported_schema_features_and_garbage_are_named() {
     let tok = tiny();
-    let vocab = Arc::new(Vocabulary::new(tok).unwrap());
+    let vocab = Arc::new(Vocabulary::new(tok, Purpose::Masks).unwrap());
     let g = grammar::json_schema(
         &json!({"type": "object", "patternProperties": {"^a": {}}, "unevaluatedProperties": false}),
     )
@@ -132,7 +156,7 @@ const REQUIRED: grammar::CallRules = grammar::CallRules {
 #[test]
 fn tool_calls_parse_and_their_arguments_match() {
     let tok = tokenizer(&testkit::named_model("qwen2.5-coder-0.5b"));
-    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok), Purpose::Masks).unwrap());
     let weather = [grammar::Tool {
         name: "get_weather".into(),
         parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
@@ -161,7 +185,7 @@ fn tool_calls_parse_and_their_arguments_match() {
 #[test]
 fn a_lazy_tool_grammar_leaves_text_free_and_holds_every_call_it_opens() {
     let tok = tokenizer(&testkit::named_model("qwen2.5-coder-0.5b"));
-    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok), Purpose::Masks).unwrap());
     let weather = [grammar::Tool {
         name: "get_weather".into(),
         parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": false}),
@@ -248,7 +272,7 @@ fn a_lazy_tool_grammar_leaves_text_free_and_holds_every_call_it_opens() {
 #[test]
 fn calls_in_the_json_format_are_bare_objects_with_parameters() {
     let tok = tokenizer(&testkit::named_model("qwen2.5-coder-0.5b"));
-    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok), Purpose::Masks).unwrap());
     let weather = [grammar::Tool {
         name: "get_weather".into(),
         parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": false}),
@@ -287,7 +311,7 @@ fn calls_in_the_json_format_are_bare_objects_with_parameters() {
 fn vocabulary_build_time() {
     let tok = tokenizer(&testkit::named_model("qwen2.5-coder-0.5b"));
     let t = std::time::Instant::now();
-    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok), Purpose::Masks).unwrap());
     eprintln!("vocabulary: {:?}", t.elapsed());
     let g = grammar::json_schema(&schema()).unwrap();
     let t = std::time::Instant::now();
@@ -313,7 +337,7 @@ fn vocabulary_build_time() {
 #[test]
 fn a_tool_whose_parameters_use_definitions_compiles_and_holds() {
     let tok = tiny();
-    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap());
+    let vocab = Arc::new(Vocabulary::new(Arc::clone(&tok), Purpose::Masks).unwrap());
     // As pydantic writes a model with a nested one.
     let g = grammar::tool_calls(
         &[grammar::Tool {

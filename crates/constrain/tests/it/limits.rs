@@ -8,14 +8,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use constrain::limits::LIMITS;
-use constrain::{grammar, Error, Vocabulary};
+use constrain::{grammar, Error, Purpose, Vocabulary};
 use serde_json::{json, Value};
 use text::Tokenizer;
 
 fn qwen() -> (Arc<Vocabulary>, Arc<Tokenizer>) {
     let f = gguf::GgufFile::open(testkit::named_model("qwen2.5-coder-0.5b")).unwrap();
     let tok = Arc::new(Tokenizer::from_header(f.header()).unwrap());
-    (Arc::new(Vocabulary::new(Arc::clone(&tok)).unwrap()), tok)
+    (
+        Arc::new(Vocabulary::new(Arc::clone(&tok), Purpose::Masks).unwrap()),
+        tok,
+    )
 }
 
 /// An object of `n` optional integer properties `p0`.. (none required: the hard case, every

@@ -157,3 +157,51 @@ fn unsupported_rope_scaling_and_bad_sizes_name_the_field() {
     let e = load(&f).err().unwrap().to_string();
     assert!(e.contains("head_count_kv"), "{e}");
 }
+
+/// The embedding of a first range with an untied head is read from the file as tokens come: a
+/// file cut short while it is served makes a step an error naming the file, not a panic, and
+/// the model runs again once the file is whole.
+#[test]
+fn a_model_file_cut_short_while_served_fails_the_step_with_a_named_error() {
+    use model::{Batch, Row};
+    let spec = TinySpec {
+        tied_head: false,
+        ..TinySpec::default()
+    };
+    let path = testkit::write_tiny_model(&spec, "cut-short-while-served");
+    // A copy of its own, since the tiny model's file is shared by name with other tests.
+    let own = path.with_file_name("cut-short-while-served-own.gguf");
+    std::fs::copy(&path, &own).unwrap();
+    let m = load(&GgufFile::open(&own).unwrap()).unwrap();
+    assert!(m.in_file_weight_bytes() > 0);
+    let step = |token: u32| {
+        let rows = [Row {
+            seq: 0,
+            pos: 0,
+            token,
+            want_logits: true,
+        }];
+        let mut cache = m.new_cache(4);
+        m.forward(
+            Batch {
+                rows: &rows,
+                hidden: None,
+            },
+            &mut [&mut cache],
+        )
+        .map(|_| ())
+    };
+    step(5).unwrap();
+    let whole = std::fs::read(&own).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&own)
+        .unwrap()
+        .set_len(64)
+        .unwrap();
+    let err = step(5).unwrap_err().to_string();
+    assert!(err.contains("cut-short-while-served-own.gguf"), "{err}");
+    std::fs::write(&own, whole).unwrap();
+    step(5).unwrap();
+    std::fs::remove_file(&own).unwrap();
+}

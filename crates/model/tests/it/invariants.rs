@@ -726,21 +726,62 @@ fn a_sliding_window_layer_keeps_kv_only_inside_its_window() {
 }
 
 /// What a shard placing itself reads from the header alone (`WeightSizes`) is exactly what each
-/// range holds once loaded, in every weight type (packed or not, tied head or not).
+/// range holds once loaded from its file, in every weight type (packed or not, tied head or
+/// not); a first range whose head is not tied reads the embedding from the file instead of
+/// holding it, with bitwise the activations of a held one.
 #[test]
 fn weight_sizes_from_the_header_equal_what_every_range_loads() {
-    for spec in specs() {
-        let f = GgufFile::from_bytes(testkit::tiny_model_bytes(&spec)).unwrap();
+    for (i, spec) in specs().into_iter().enumerate() {
+        let path = testkit::write_tiny_model(&spec, &format!("weight-sizes-{i}"));
+        let f = GgufFile::open(&path).unwrap();
         let sizes = model::WeightSizes::of(&f).unwrap();
         let n = sizes.layers.len();
         assert_eq!(n, spec.n_layers, "{spec:?}");
+        let ids = prompt(3, 7);
         for (start, end) in [(0, n), (0, 1), (1, n), (1, n - 1), (n - 1, n)] {
-            let m = load(&spec, Some(LayerRange { start, end }), 1);
+            let range = Some(LayerRange { start, end });
+            let options = ModelOptions {
+                n_threads: 1,
+                isa: None,
+            };
+            let m = Model::load(&f, range, options).unwrap();
             assert_eq!(
                 sizes.range(start, end),
                 m.weight_bytes() as u64,
                 "{spec:?} layers {start}..{end}"
             );
+            let in_file = start == 0 && !(spec.tied_head && end == n);
+            assert_eq!(
+                m.in_file_weight_bytes() > 0,
+                in_file,
+                "{spec:?} {start}..{end}"
+            );
+            if start == 0 {
+                let held = load(&spec, range, 1);
+                assert_eq!(held.in_file_weight_bytes(), 0);
+                let out = |m: &Model| {
+                    let rows: Vec<Row> = (ids.iter().enumerate())
+                        .map(|(pos, &token)| Row {
+                            seq: 0,
+                            pos,
+                            token,
+                            want_logits: true,
+                        })
+                        .collect();
+                    let mut cache = m.new_cache(16);
+                    match m.forward(
+                        Batch {
+                            rows: &rows,
+                            hidden: None,
+                        },
+                        &mut [&mut cache],
+                    ) {
+                        Ok(Output::Logits(v) | Output::Hidden(v)) => bits(&v),
+                        Err(e) => panic!("{e}"),
+                    }
+                };
+                assert_eq!(out(&m), out(&held), "{spec:?} {start}..{end}");
+            }
         }
     }
 }

@@ -174,14 +174,22 @@ fn resident_weight_memory_follows_the_layer_range() {
         ]));
         let own = out["range_tensor_bytes"].as_f64().unwrap();
         let held = out["weight_bytes"].as_f64().unwrap();
-        let rss_growth = out["rss_after_load_bytes"].as_f64().unwrap()
-            - out["rss_before_load_bytes"].as_f64().unwrap();
+        let in_file = out["in_file_weight_bytes"].as_f64().unwrap();
+        let rss_growth = out["anon_rss_after_load_bytes"].as_f64().unwrap()
+            - out["anon_rss_before_load_bytes"].as_f64().unwrap();
         // Weights are held in the kernels' panel layout (the file's bytes, plus zero rows
-        // completing a matrix's last panel), and resident memory follows what is held.
-        let packing = held / own;
+        // completing a matrix's last panel), but for the embedding of a first shard whose head
+        // is not tied to it (SmolLM2's is): read from the file a row at a time. Resident memory
+        // follows what is held.
+        let packing = (held + in_file) / own;
         assert!(
             (1.0..=1.25).contains(&packing),
-            "{layers}: held {held} bytes for {own} bytes of tensors"
+            "{layers}: held {held} bytes and {in_file} in the file for {own} bytes of tensors"
+        );
+        assert_eq!(
+            in_file > 0.0,
+            layers == "0..15",
+            "{layers}: {in_file} bytes in the file"
         );
         let ratio = rss_growth / held;
         eprintln!(
@@ -190,8 +198,11 @@ fn resident_weight_memory_follows_the_layer_range() {
             held / 1048576.0,
             rss_growth / 1048576.0
         );
+        // Within 10%, or 6 MiB for the smallest range (the allocator reuses a few MiB the
+        // header's parse freed, resident before the load).
+        let slack = (0.1 * held).max(6.0 * 1048576.0);
         assert!(
-            (0.9..=1.1).contains(&ratio),
+            (rss_growth - held).abs() <= slack,
             "{layers}: rss grew {rss_growth} for {held} bytes held"
         );
     }

@@ -197,23 +197,13 @@ async fn check_grammar(
     let (vocab, g) = (Arc::clone(&model.grammars), grammar.to_string());
     tokio::task::spawn_blocking(move || {
         let checked = vocab.get().and_then(|v| v.check(&g));
-        release_freed_memory();
+        // Compiling a large grammar allocates tens of megabytes on this thread's arena.
+        proto::release_freed_memory();
         checked
     })
     .await
     .map_err(|_| Refusal::unavailable("compiling the grammar failed"))?
     .map_err(|e| crate::api::agent::grammar_error(param, e))
-}
-
-/// Hands the heap's free pages back to the system. Compiling a large grammar allocates tens
-/// of megabytes on the checking thread's arena and frees them; without this, glibc keeps them
-/// and the tracker's resident memory stays at its peak after a burst of large schemas.
-fn release_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only walks the allocator's own free lists.
-    unsafe {
-        libc::malloc_trim(0);
-    }
 }
 
 /// The ids of a fill-in-the-middle prompt (`prompt` before the gap, `suffix` after it) in the

@@ -124,8 +124,9 @@ async fn model_entry(cluster: &Cluster) -> Result<ModelEntry, String> {
         .map(Arc::new);
     // Request grammars are compiled here first, so a schema llguidance cannot take is a 400
     // before anything is queued.
-    let grammars = constrain::LazyVocabulary::new(Arc::clone(&tokenizer));
-    grammars.warm();
+    let grammars =
+        constrain::LazyVocabulary::new(Arc::clone(&tokenizer), constrain::Purpose::Checks);
+    grammars.warm(proto::release_freed_memory);
     Ok(ModelEntry {
         id: cluster.model_name.clone(),
         digest: cluster.model_digest.clone(),
