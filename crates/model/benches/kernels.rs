@@ -8,6 +8,7 @@ use half::f16;
 use model::kernels::{act, attn, packed, Kernels, PANEL_ACTS};
 use model::matmul::{matmul, ActScratch, Product, QMatrix};
 use model::pool::ThreadPool;
+use model::Isa;
 
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -253,7 +254,14 @@ fn fused_attention(c: &mut Criterion) {
 /// 4096-position context, 6 heads of width 128 sharing one KV head (Qwen2.5-1.5B's shape), in
 /// blocks of 1, 2, 4 and 8 rows (GFLOP/s as above). K and V (2 MiB) come from beyond L2.
 fn prefill_attention(c: &mut Criterion) {
-    let k = Kernels::detect();
+    for isa in [Isa::Avx2, Isa::Avx512Vnni] {
+        if let Some(k) = Kernels::new(isa) {
+            prefill_attention_on(c, &k, isa);
+        }
+    }
+}
+
+fn prefill_attention_on(c: &mut Criterion, k: &Kernels, isa: Isa) {
     let (g, n_ctx, hd, n_rows) = (6, 4096, 128, 8);
     let q: Vec<f32> = values(n_rows * g * hd, 9)
         .into_iter()
@@ -266,7 +274,7 @@ fn prefill_attention(c: &mut Criterion) {
     let mut scores = vec![0f32; g * n_rows * n_ctx];
     let mut out = vec![0f32; n_rows * g * hd];
     let mut tile = vec![0f32; attn::tile_floats(hd)];
-    let mut grp = c.benchmark_group("prefill_attention");
+    let mut grp = c.benchmark_group(format!("prefill_attention/{}", isa.name()));
     let flops: usize = ranges.iter().map(|r| g * r.1 * hd * 4).sum();
     grp.throughput(Throughput::Elements(flops as u64));
     for block in [1, 2, 4, 8] {

@@ -1,7 +1,8 @@
 //! An agent's conversation stays warm over replica routes (issue 46): each turn goes to the
 //! route whose shards hold the last turn's prompt in their prefix cache, so it computes only
 //! what is new; conversations still spread over the routes, a route's loss costs one cold
-//! turn, and a key is routed by its own blocks only.
+//! turn, and a key is routed by its own blocks only. New sessions go to a fast route before one
+//! measured more than three times as slow, while the fast one has room (issue 32).
 
 use std::path::{Path, PathBuf};
 
@@ -219,4 +220,97 @@ fn eight_conversations_spread_over_two_routes_and_a_lost_route_costs_one_cold_tu
     for i in 6..8 {
         conv.warm_turn(&t, i);
     }
+}
+
+/// A completion's token ids through `addr`.
+fn completion_ids(addr: &str, prompt: &str) -> Vec<u64> {
+    let body =
+        json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": true});
+    let r = request("POST", addr, "/v1/completions", Some(&body), &[]).unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
+/// Speed-aware choice (issue 32): two replica routes of one thread each, the slow one reached
+/// through a link that delays every message 20 ms each way (`testkit::delay`). Of ten requests
+/// one after another, at most two go to the slow route (an unmeasured route counts as fast, so
+/// the first ones measure both), and every answer is the same; while the fast route is full
+/// (one session at most), a request at the same time goes to the slow one instead of waiting.
+#[test]
+fn new_sessions_go_to_the_fast_route_while_it_has_room() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let m = model();
+    let fast = procs::shard(
+        exe(),
+        &m,
+        "0..30",
+        &token,
+        &["--threads", "1", "--max-sessions", "1"],
+    );
+    let slow = procs::shard(exe(), &m, "0..30", &token, &["--threads", "1"]);
+    let link = testkit::delay::DelayProxy::start(&slow.addr, std::time::Duration::from_millis(20));
+    let args: Vec<String> = [
+        "tracker",
+        "--listen",
+        "127.0.0.1:0",
+        "--cluster-token-file",
+        token.to_str().unwrap(),
+        "--route",
+        &format!("fast={}", fast.addr),
+        "--route",
+        &format!("slow={}", link.addr),
+        "--health-period-ms",
+        "100",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let tracker = procs::spawn(exe(), &args, "strata tracker listening on ", "tracker");
+    let t = tracker.addr.clone();
+    let sessions = |route: &str| {
+        tracker_metric_with(
+            &t,
+            "strata_ttft_seconds_count",
+            &format!("route=\"{route}\""),
+        )
+    };
+    let pace = |route: &str| {
+        tracker_metric_with(
+            &t,
+            "strata_route_token_interval_seconds",
+            &format!("route=\"{route}\""),
+        )
+    };
+    let prompt = "The quick brown fox jumps over the lazy dog. Write the next sentence:";
+    let want = completion_ids(&t, prompt);
+    for _ in 0..9 {
+        assert_eq!(completion_ids(&t, prompt), want);
+    }
+    let (on_fast, on_slow) = (sessions("fast"), sessions("slow"));
+    eprintln!(
+        "sessions: fast {on_fast}, slow {on_slow}; pace: fast {} s, slow {} s",
+        pace("fast"),
+        pace("slow")
+    );
+    assert_eq!(on_fast + on_slow, 10.0);
+    assert!(on_slow <= 2.0, "fast {on_fast}, slow {on_slow}");
+    // Two at once: the fast route holds one session at most, so the other goes to the slow one.
+    let both: Vec<Vec<u64>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|_| s.spawn(|| completion_ids(&t, prompt)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(both.iter().all(|ids| *ids == want));
+    assert_eq!(sessions("fast") + sessions("slow"), 12.0);
+    assert!(
+        sessions("slow") > on_slow,
+        "the second went to the slow route"
+    );
 }

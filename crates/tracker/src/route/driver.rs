@@ -206,6 +206,8 @@ pub struct RunnerParts {
     /// The prompt prefixes its shards cache, for choosing routes: a session's prompt blocks
     /// go in once its prefill is done.
     pub prefixes: Arc<super::prefixes::PrefixIndex>,
+    /// Its time per token, from its decode steps, published for choosing routes.
+    pub pace: Arc<super::pace::Pace>,
 }
 
 /// The prefix-cache partition of a session of tenant `tenant` (0 is the partition every
@@ -287,9 +289,8 @@ pub struct Runner {
     load: Arc<std::sync::atomic::AtomicUsize>,
     /// The prompt prefixes its shards cache ([`RunnerParts::prefixes`]).
     prefixes: Arc<super::prefixes::PrefixIndex>,
-    /// Its sessions' time between tokens, smoothed (each new interval weighs a fifth):
-    /// `strata_route_token_interval_seconds`; `None` before a session's second token.
-    pace: Option<f64>,
+    /// Its time per token ([`RunnerParts::pace`]): `strata_route_token_interval_seconds`.
+    pace: Arc<super::pace::Pace>,
     /// Retired: no new session; the loop ends once it holds none.
     retired: bool,
     /// Nothing can send it commands any more (the route left the table and every handle
@@ -322,6 +323,8 @@ pub struct Runner {
 struct InFlight {
     plan: engine::StepPlan,
     sent: Instant,
+    /// Sent while no other step was on the route: its round trip is the route's alone.
+    alone: bool,
 }
 
 /// What the loop woke up for.
@@ -379,7 +382,7 @@ impl Runner {
             failover: p.failover,
             load: p.load,
             prefixes: p.prefixes,
-            pace: None,
+            pace: p.pace,
             route_up: p.route_up,
             admission: p.admission,
             ledger: p.ledger,
@@ -636,6 +639,16 @@ impl Runner {
             ));
             return;
         }
+        // One token of one session, alone on the route: the route's time per token, whatever
+        // else it may be asked to carry.
+        if f.alone && f.plan.items.len() == 1 && f.plan.items[0].tokens.len() == 1 {
+            let now = Instant::now();
+            self.pace.observe((now - f.sent).as_secs_f64(), now);
+            if let Some(pace) = self.pace.seconds(now) {
+                self.metrics
+                    .set("strata_route_token_interval_seconds", &[], pace);
+            }
+        }
         self.apply(f.plan, reply, f.sent);
     }
 
@@ -704,6 +717,7 @@ impl Runner {
             self.last_heard = Instant::now();
         }
         self.in_flight.push_back(InFlight {
+            alone: self.in_flight.is_empty(),
             plan,
             sent: Instant::now(),
         });
@@ -1219,15 +1233,12 @@ impl Runner {
                 LATENCY_BUCKETS,
                 (now - live.started).as_secs_f64(),
             ),
-            Some(t) => {
-                let interval = (now - t).as_secs_f64();
-                self.metrics
-                    .observe("strata_inter_token_seconds", &[], LATENCY_BUCKETS, interval);
-                let pace = self.pace.map_or(interval, |p| p * 0.8 + interval * 0.2);
-                self.pace = Some(pace);
-                self.metrics
-                    .set("strata_route_token_interval_seconds", &[], pace);
-            }
+            Some(t) => self.metrics.observe(
+                "strata_inter_token_seconds",
+                &[],
+                LATENCY_BUCKETS,
+                (now - t).as_secs_f64(),
+            ),
         }
         live.last_token = Some(now);
         if let Some(t) = live.moved_at.take() {

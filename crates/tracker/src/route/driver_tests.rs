@@ -87,6 +87,7 @@ async fn start(name: &str) -> Route {
         replicas: Arc::new(Alone),
         load: Arc::clone(&load),
         prefixes: Arc::new(crate::route::prefixes::PrefixIndex::new(64)),
+        pace: Default::default(),
     });
     let (commands, rx) = mpsc::channel(16);
     tokio::spawn(runner.run(rx));

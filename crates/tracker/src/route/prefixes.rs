@@ -114,25 +114,30 @@ impl Default for RouteChoice {
 
 impl RouteChoice {
     /// The order in which to offer a session to routes, given each route's load (sessions
-    /// held and on their way) and the leading blocks of the prompt each holds: the least
-    /// loaded first (ties in the given order), except that the route holding the most
-    /// blocks goes first while its load is within the slack of the least loaded's.
-    pub fn order(&self, load: &[usize], matched: &[usize]) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..load.len()).collect();
+    /// held and on their way), the leading blocks of the prompt each holds and its measured
+    /// time per token (`pace`, `None` before it has one; see [`super::pace`]): routes slower
+    /// than [`super::pace::SLOW_FACTOR`] times the fastest go last, slowest last; among the
+    /// others the least loaded first (ties in the given order), except that the route holding
+    /// the most blocks goes first while its load is within the slack of the least loaded's.
+    pub fn order(&self, load: &[usize], matched: &[usize], pace: &[Option<f64>]) -> Vec<usize> {
+        let slow = super::pace::slow(pace);
+        let (mut order, mut slow_ones): (Vec<usize>, Vec<usize>) =
+            (0..load.len()).partition(|&i| !slow[i]);
+        slow_ones.sort_by(|&a, &b| pace[a].partial_cmp(&pace[b]).expect("finite paces"));
         order.sort_by_key(|&i| load[i]);
-        if !self.by_cache || order.is_empty() {
-            return order;
+        if self.by_cache && !order.is_empty() {
+            let least = load[order[0]];
+            let best = order
+                .iter()
+                .copied()
+                .filter(|&i| matched[i] > 0 && load[i] <= least + self.slack)
+                .max_by_key(|&i| (matched[i], std::cmp::Reverse(load[i])));
+            if let Some(best) = best {
+                order.retain(|&i| i != best);
+                order.insert(0, best);
+            }
         }
-        let least = load[order[0]];
-        let best = order
-            .iter()
-            .copied()
-            .filter(|&i| matched[i] > 0 && load[i] <= least + self.slack)
-            .max_by_key(|&i| (matched[i], std::cmp::Reverse(load[i])));
-        if let Some(best) = best {
-            order.retain(|&i| i != best);
-            order.insert(0, best);
-        }
+        order.extend(slow_ones);
         order
     }
 }
@@ -177,16 +182,53 @@ mod tests {
             slack: 2,
         };
         // Route 1 holds 10 blocks, route 2 holds 3; route 0 is least loaded.
-        assert_eq!(choice.order(&[0, 2, 0], &[0, 10, 3]), vec![1, 0, 2]);
+        assert_eq!(
+            choice.order(&[0, 2, 0], &[0, 10, 3], &[None; 3]),
+            vec![1, 0, 2]
+        );
         // Route 1 is 3 sessions over the least loaded: past the slack of 2, route 2 holds
         // the most within it.
-        assert_eq!(choice.order(&[0, 3, 1], &[0, 10, 3]), vec![2, 0, 1]);
+        assert_eq!(
+            choice.order(&[0, 3, 1], &[0, 10, 3], &[None; 3]),
+            vec![2, 0, 1]
+        );
         // Nothing cached: by load alone.
-        assert_eq!(choice.order(&[2, 1, 3], &[0, 0, 0]), vec![1, 0, 2]);
+        assert_eq!(
+            choice.order(&[2, 1, 3], &[0, 0, 0], &[None; 3]),
+            vec![1, 0, 2]
+        );
         let load_only = RouteChoice {
             by_cache: false,
             ..choice
         };
-        assert_eq!(load_only.order(&[0, 2, 0], &[0, 10, 3]), vec![0, 2, 1]);
+        assert_eq!(
+            load_only.order(&[0, 2, 0], &[0, 10, 3], &[None; 3]),
+            vec![0, 2, 1]
+        );
+    }
+
+    /// A route more than three times as slow as the fastest goes last whatever its load or
+    /// cache (the slowest last); within the factor, and before a route has a pace, load and
+    /// cache decide as before.
+    #[test]
+    fn slow_routes_go_last_and_paces_within_the_factor_change_nothing() {
+        let choice = RouteChoice::default();
+        let fast = Some(0.010);
+        // Route 0 is idle but 5x slower; route 2 holds the prompt but is 3.5x slower.
+        assert_eq!(
+            choice.order(&[0, 3, 1], &[0, 0, 5], &[Some(0.050), fast, Some(0.035)]),
+            vec![1, 2, 0]
+        );
+        // Within the factor (2.9x): the least loaded, as without paces.
+        assert_eq!(
+            choice.order(&[0, 3], &[0, 0], &[Some(0.029), fast]),
+            vec![0, 1]
+        );
+        // A route with no pace yet counts as fast: it gets measured.
+        assert_eq!(choice.order(&[0, 3], &[0, 0], &[None, fast]), vec![0, 1]);
+        assert_eq!(
+            choice.order(&[3, 0], &[0, 0], &[fast, Some(0.5)]),
+            vec![0, 1]
+        );
     }
 }

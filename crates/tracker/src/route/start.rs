@@ -244,6 +244,7 @@ async fn start_route(
     let prefixes = Arc::new(super::prefixes::PrefixIndex::new(
         super::prefixes::DEFAULT_CAPACITY,
     ));
+    let pace = Arc::new(super::pace::Pace::default());
     let runner = driver::Runner::new(driver::RunnerParts {
         config: driver::RunnerConfig {
             scheduler,
@@ -263,6 +264,7 @@ async fn start_route(
         replicas: table,
         load: Arc::clone(&load),
         prefixes: Arc::clone(&prefixes),
+        pace: Arc::clone(&pace),
     });
     tokio::spawn(runner.run(cmd_rx));
     // Ready means the route is open end to end, not just that the shards answered.
@@ -281,5 +283,6 @@ async fn start_route(
         load,
         submitting: std::sync::atomic::AtomicUsize::new(0),
         prefixes,
+        pace,
     })
 }

@@ -47,6 +47,8 @@ pub struct RouteHandle {
     pub submitting: std::sync::atomic::AtomicUsize,
     /// The prompt prefixes its shards' caches hold, as far as this tracker saw.
     pub prefixes: Arc<super::prefixes::PrefixIndex>,
+    /// Its measured time per token (published by its loop).
+    pub pace: Arc<super::pace::Pace>,
 }
 
 impl RouteHandle {

@@ -1,0 +1,109 @@
+//! A route's measured time per token, for choosing among a model's routes ([`Pace`]).
+//!
+//! What a session waits for each token on a route is the round trip of the step carrying it.
+//! Measured on every step, that swings with whatever else the step carries (another session's
+//! prompt chunk makes it many times longer, more sessions make it longer) and with the steps
+//! queued before it, so two equal routes can measure far apart. A [`Pace`] keeps only steps
+//! that carried one token of one session, sent while no other step was on the route, and
+//! takes the least of the last [`WINDOW`] of them: the route's own speed (its shards' compute
+//! and its links), which load only ever adds to. A busy route has no such step and so no pace
+//! after [`STALE`]: load alone places sessions there, as it does on an unmeasured route. A
+//! route avoided for being slow is likewise measured afresh once its pace is stale.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Decode steps a pace remembers.
+pub const WINDOW: usize = 16;
+
+/// How long a pace stands without a new decode step.
+pub const STALE: Duration = Duration::from_secs(30);
+
+/// A route more than this many times slower than the fastest of its model is slow: new
+/// sessions go to it only when every faster route refuses them. Three, not less: routes
+/// sharing a host's cores measure up to twice apart while one of them computes a prompt, and
+/// such routes must keep sharing the load (a link of 20 ms each way makes a 10 ms route's
+/// tokens five times slower).
+pub const SLOW_FACTOR: f64 = 3.0;
+
+/// One route's recent lone one-token steps' round trips. Written by the route's loop, read by every
+/// request choosing a route.
+#[derive(Debug, Default)]
+pub struct Pace(Mutex<Window>);
+
+#[derive(Debug, Default)]
+struct Window {
+    seconds: VecDeque<f64>,
+    last: Option<Instant>,
+}
+
+impl Pace {
+    /// A lone one-token step's round trip, `seconds`, seen at `now`.
+    pub fn observe(&self, seconds: f64, now: Instant) {
+        if !seconds.is_finite() || seconds < 0.0 {
+            return;
+        }
+        let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if w.seconds.len() == WINDOW {
+            w.seconds.pop_front();
+        }
+        w.seconds.push_back(seconds);
+        w.last = Some(now);
+    }
+
+    /// The least round trip of the last [`WINDOW`] lone one-token steps; `None` before the
+    /// first, or once the last is older than [`STALE`].
+    pub fn seconds(&self, now: Instant) -> Option<f64> {
+        let w = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let last = w.last?;
+        if now.saturating_duration_since(last) > STALE {
+            return None;
+        }
+        w.seconds.iter().copied().reduce(f64::min)
+    }
+}
+
+/// Which of `pace` (each route's, `None` where unmeasured) are slow: over [`SLOW_FACTOR`]
+/// times the fastest measured.
+pub fn slow(pace: &[Option<f64>]) -> Vec<bool> {
+    let fastest = pace.iter().flatten().copied().fold(f64::INFINITY, f64::min);
+    pace.iter()
+        .map(|p| p.is_some_and(|p| p > fastest * SLOW_FACTOR))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The least of the window: one long step (a stall) changes nothing, a route that became slower shows it once the window has passed, and a pace
+    /// with no step for [`STALE`] is forgotten.
+    #[test]
+    fn a_pace_is_the_least_recent_decode_step_and_is_forgotten_when_stale() {
+        let p = Pace::default();
+        let t0 = Instant::now();
+        assert_eq!(p.seconds(t0), None);
+        for s in [0.020, 0.021, 0.300, 0.019, 0.022] {
+            p.observe(s, t0);
+        }
+        p.observe(f64::NAN, t0);
+        p.observe(-1.0, t0);
+        assert_eq!(p.seconds(t0), Some(0.019));
+        for _ in 0..WINDOW {
+            p.observe(0.050, t0);
+        }
+        assert_eq!(p.seconds(t0), Some(0.050));
+        assert_eq!(p.seconds(t0 + STALE), Some(0.050));
+        assert_eq!(p.seconds(t0 + STALE + Duration::from_millis(1)), None);
+    }
+
+    #[test]
+    fn routes_over_three_times_the_fastest_are_slow_and_unmeasured_ones_are_not() {
+        assert_eq!(
+            slow(&[Some(0.010), Some(0.035), None, Some(0.029)]),
+            vec![false, true, false, false]
+        );
+        assert_eq!(slow(&[None, None]), vec![false, false]);
+    }
+}
