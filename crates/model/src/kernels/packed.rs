@@ -827,9 +827,10 @@ mod tests {
             x[100] = 3.0e4;
             x[200] = -1.0e-30;
             if n > 256 {
-                // A NaN, and (a block of 256) the largest magnitude twice, of both signs (the
-                // first is the signed maximum).
+                // NaNs (in either half of a block of 32), and (a block of 256) the largest
+                // magnitude twice, of both signs (the first is the signed maximum).
                 x[300] = f32::NAN;
+                x[350] = f32::NAN;
                 x[320] = -2.5e3;
                 x[400] = 2.5e3;
                 x[512..n.min(768)].fill(0.0);

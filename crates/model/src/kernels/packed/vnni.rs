@@ -122,7 +122,11 @@ pub unsafe fn quantize_act_row(layout: &Layout, x: &[f32], out: &mut [u8]) {
                 let p = x.as_ptr().add(QK * (g0 + i));
                 (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)))
             };
-            *m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            // `max` returns its second operand when either is NaN: each value goes first
+            // against one that is not NaN, so a NaN is skipped as `f32::max` skips it.
+            let zero = _mm512_setzero_ps();
+            let m01 = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), zero));
+            *m = _mm512_reduce_max_ps(m01);
         }
         // SAFETY: sixteen floats.
         let d = _mm512_div_ps(
