@@ -18,8 +18,18 @@ use crate::{parse, Error, Header, TensorInfo};
 
 enum Backing {
     /// The mapping, and the open file for [`GgufFile::in_file`].
-    Mmap(memmap2::Mmap, Arc<std::fs::File>, PathBuf),
+    Mmap(memmap2::Mmap, Arc<OpenFile>),
     Owned(Vec<u8>),
+}
+
+/// An open model file and what it was when opened, so reads from it after loading can tell
+/// that it changed.
+#[derive(Debug)]
+struct OpenFile {
+    file: std::fs::File,
+    path: PathBuf,
+    len: u64,
+    modified: Option<std::time::SystemTime>,
 }
 
 impl Backing {
@@ -34,8 +44,7 @@ impl Backing {
 /// A tensor's bytes in an open model file (see [`GgufFile::in_file`]).
 #[derive(Clone, Debug)]
 pub struct InFile {
-    file: Arc<std::fs::File>,
-    path: Arc<Path>,
+    file: Arc<OpenFile>,
     start: u64,
     len: u64,
 }
@@ -50,29 +59,37 @@ impl InFile {
         self.len == 0
     }
 
-    /// Reads `out.len()` bytes at `offset` into the tensor. A read past the tensor, or a file
-    /// cut short since it was opened, is an error.
+    /// Reads `out.len()` bytes at `offset` into the tensor. A read past the tensor is an
+    /// error, and so is a file whose size or modification time is not what it was when it was
+    /// opened (cut short, or rewritten in place: its bytes are no longer the model's). A file
+    /// replaced by a rename is not noticed, and need not be: the open file is still the old one.
     pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+        let f = &self.file;
         let io = |source| Error::Io {
-            path: self.path.display().to_string(),
+            path: f.path.display().to_string(),
             source,
         };
+        let fail = |why: String| io(std::io::Error::new(std::io::ErrorKind::InvalidData, why));
         if offset
             .checked_add(out.len() as u64)
             .is_none_or(|end| end > self.len)
         {
-            return Err(io(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!(
-                    "{} bytes at {offset} are outside a tensor of {} bytes",
-                    out.len(),
-                    self.len
-                ),
+            return Err(fail(format!(
+                "{} bytes at {offset} are outside a tensor of {} bytes",
+                out.len(),
+                self.len
             )));
         }
-        self.file
-            .read_exact_at(out, self.start + offset)
-            .map_err(io)
+        let now = f.file.metadata().map_err(io)?;
+        if now.len() != f.len || now.modified().ok() != f.modified {
+            return Err(fail(format!(
+                "the file changed since it was loaded ({} bytes then, {} now, or written to): \
+                 restart the shard on the file as it is now",
+                f.len,
+                now.len()
+            )));
+        }
+        f.file.read_exact_at(out, self.start + offset).map_err(io)
     }
 }
 
@@ -119,10 +136,14 @@ fn map(path: &Path) -> Result<(Backing, Header), Error> {
     // and every access is bounds-checked against the length validated by `parse`.
     let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
     let header = parse(&mmap)?;
-    Ok((
-        Backing::Mmap(mmap, Arc::new(file), path.to_path_buf()),
-        header,
-    ))
+    let meta = file.metadata().map_err(io)?;
+    let open = OpenFile {
+        file,
+        path: path.to_path_buf(),
+        len: meta.len(),
+        modified: meta.modified().ok(),
+    };
+    Ok((Backing::Mmap(mmap, Arc::new(open)), header))
 }
 
 /// `(prefix, number, count)` of a part's path, `PREFIX-0000N-of-0000M.gguf`, if it is named so.
@@ -308,9 +329,8 @@ impl GgufFile {
     pub fn in_file(&self, info: &TensorInfo) -> Option<InFile> {
         let (part, start) = self.locate(info);
         match &part.backing {
-            Backing::Mmap(_, file, path) => Some(InFile {
+            Backing::Mmap(_, file) => Some(InFile {
                 file: Arc::clone(file),
-                path: Arc::from(path.as_path()),
                 start,
                 len: info.n_bytes,
             }),

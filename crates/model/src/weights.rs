@@ -318,9 +318,10 @@ impl Weights {
     }
 }
 
-/// What each part of a model costs in memory once loaded (matrices repacked as the kernels of
-/// every instruction set hold them), read from the file's header alone: for a shard choosing
-/// its layer range before it loads one (`strata shard --layers auto`).
+/// What each part of a model costs in memory once loaded from its file (matrices repacked as
+/// the kernels of every instruction set hold them), read from the file's header alone: for a
+/// shard choosing its layer range before it loads one (`strata shard --layers auto`). A model
+/// read into memory ([`GgufFile::from_bytes`], fixtures) also holds its embedding.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WeightSizes {
     /// Bytes of each layer's tensors.

@@ -25,7 +25,8 @@ enum Job {
     Panic,
 }
 
-/// The compute thread stopped (it panicked): the shard can run no step again.
+/// The compute thread stopped (it panicked, or the model file could not be read): the shard
+/// can run no step again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ComputeStopped(pub String);
 
@@ -396,6 +397,11 @@ fn compute_thread(
 ) {
     while let Ok(job) = jobs.recv() {
         let ran = std::panic::catch_unwind(AssertUnwindSafe(|| handle(&mut worker, job)));
+        if let Ok(Err(why)) = ran {
+            tracing::error!(error = %why, "the shard can compute nothing more; it stops serving");
+            stopped.send_replace(Some(ComputeStopped(why)));
+            return;
+        }
         if let Err(panic) = ran {
             let why = panic
                 .downcast_ref::<&str>()
@@ -409,17 +415,27 @@ fn compute_thread(
     }
 }
 
-fn handle(worker: &mut Worker, job: Job) {
+/// Runs one job; `Err` (the reason, the job unanswered) when the worker found it can compute
+/// nothing more ([`Worker::fatal`]).
+fn handle(worker: &mut Worker, job: Job) -> Result<(), String> {
     match job {
         Job::Step(step, reply) => {
             let out = worker.step(step, false);
+            if let Some(why) = worker.fatal.take() {
+                return Err(why);
+            }
             let _ = reply.send(out);
         }
         Job::Early(job, reply) => {
-            let _ = reply.send(worker.early(job));
+            let out = worker.early(job);
+            if let Some(why) = worker.fatal.take() {
+                return Err(why);
+            }
+            let _ = reply.send(out);
         }
         Job::ReleaseStream(id) => worker.release_stream(id),
         #[cfg(feature = "fault-injection")]
         Job::Panic => panic!("injected fault"),
     }
+    Ok(())
 }

@@ -82,6 +82,10 @@ pub(crate) struct Worker {
     /// Where grammars compile and masks are computed, against the vocabulary built in the
     /// background at start (the last shard's); `None` when the file has no usable tokenizer.
     grammars: Option<GrammarThreads<SessionKey>>,
+    /// Why this shard can compute nothing more (its model file could not be read: cut short,
+    /// rewritten, gone bad): set by the step that found it, whose reply is then not sent; the
+    /// compute thread stops as on a panic, so routes fail over to replicas.
+    pub fatal: Option<String>,
 }
 
 /// One step's masks, by session: the mask, or why there is none.
@@ -150,6 +154,7 @@ impl Worker {
             config,
             logits: Vec::new(),
             grammars,
+            fatal: None,
         }
     }
 
@@ -799,6 +804,10 @@ impl Worker {
         };
         let masks = masks.map(|p| self.finish_masks(p, started));
         let computed = match result {
+            Err(model::Error::Gguf(e @ gguf::Error::Io { .. })) => {
+                self.fatal = Some(format!("reading the model file: {e}"));
+                return;
+            }
             Err(e) => {
                 for key in keys {
                     out.errors

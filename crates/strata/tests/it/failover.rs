@@ -105,6 +105,24 @@ fn all_streams(addr: &str) -> Vec<std::thread::JoinHandle<Streamed>> {
 /// Runs the 16 streams, hurting `victim` once both routes hold sessions, and checks every
 /// stream against `want`.
 fn survive(tracker: &Proc, shards: &[Proc], victim: usize, signal: i32, want: &[Vec<u64>]) {
+    let fault = format!("signal {signal} on shard {victim}");
+    survive_fault(
+        tracker,
+        shards,
+        &fault,
+        || shards[victim].signal(signal),
+        want,
+    );
+}
+
+/// As [`survive`], the fault (`what`) being `fault`.
+fn survive_fault(
+    tracker: &Proc,
+    shards: &[Proc],
+    what: &str,
+    fault: impl FnOnce(),
+    want: &[Vec<u64>],
+) {
     let addr = &tracker.addr;
     let before = metric(addr, "strata_migrations_total");
     let started = Instant::now();
@@ -117,7 +135,7 @@ fn survive(tracker: &Proc, shards: &[Proc], victim: usize, signal: i32, want: &[
     }
     std::thread::sleep(Duration::from_millis(100));
     let hurt = Instant::now();
-    shards[victim].signal(signal);
+    fault();
     // Per stream: from the fault to its next token (on a moved session, the first token on
     // its new route).
     let mut next_token = Vec::new();
@@ -146,7 +164,7 @@ fn survive(tracker: &Proc, shards: &[Proc], victim: usize, signal: i32, want: &[
     };
     let moved = metric(addr, "strata_migrations_total") - before;
     eprintln!(
-        "signal {signal} on shard {victim}: {moved} sessions moved; fault to each stream's next token: p50 {:?}, p99 {:?}; token events/s: {:.0} before the fault, {:.0} until every stream had a token again, {:.0} after; {} tokens in {:.2?}",
+        "{what}: {moved} sessions moved; fault to each stream's next token: p50 {:?}, p99 {:?}; token events/s: {:.0} before the fault, {:.0} until every stream had a token again, {:.0} after; {} tokens in {:.2?}",
         next_token[next_token.len() / 2],
         next_token[(next_token.len() * 99 / 100).min(next_token.len() - 1)],
         rate(started, hurt),
@@ -195,6 +213,68 @@ fn a_killed_or_frozen_shard_costs_no_client_an_error_with_a_second_route() {
     let (shards, tracker) = two_routes();
     survive(&tracker, &shards, 2, 19, &want);
     shards[2].signal(18);
+}
+
+/// A shard whose model file is rewritten in place while it serves (the same bytes written
+/// again: its modification time changes) can no longer vouch for the embedding rows it reads
+/// from it: its next step stops its compute thread as a panic would, and every stream completes
+/// with no error and the fault-free tokens, its sessions moved to the other route.
+#[test]
+fn a_shard_whose_model_file_is_rewritten_stops_and_its_sessions_move() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let m = testkit::real_model();
+    let bytes = std::fs::read(&m).unwrap();
+    let dir = std::env::temp_dir().join(format!("strata-rewritten-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // The first shard of route a, the one reading the embedding from its file, has a copy.
+    let copy = dir.join("model.gguf");
+    std::fs::write(&copy, &bytes).unwrap();
+    let token = procs::token_file(TOKEN);
+    let mut shards: Vec<Proc> = [
+        (&copy, "0..15"),
+        (&m, "15..30"),
+        (&m, "0..12"),
+        (&m, "12..30"),
+    ]
+    .iter()
+    .map(|(file, r)| procs::shard(exe(), file, r, &token, &["--threads", "1"]))
+    .collect();
+    let tracker = procs::tracker_routes(
+        exe(),
+        &[
+            ("a", &[&shards[0], &shards[1]]),
+            ("b", &[&shards[2], &shards[3]]),
+        ],
+        &token,
+        &["--health-period-ms", "100", "--liveness-ms", "1000"],
+    );
+    let want: Vec<Vec<u64>> = all_streams(&tracker.addr)
+        .into_iter()
+        .map(|h| h.join().unwrap().unwrap().0)
+        .collect();
+    survive_fault(
+        &tracker,
+        &shards,
+        "shard 0's model file rewritten",
+        || std::fs::write(&copy, &bytes).unwrap(),
+        &want,
+    );
+    // The shard stopped serving: its process ends, and its route is down.
+    let t = Instant::now();
+    while !shards[0].exited() && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(shards[0].exited(), "the shard kept running");
+    let health = testkit::http::request("GET", &tracker.addr, "/health", None, &[])
+        .unwrap()
+        .json();
+    assert_eq!(
+        health["models"][0]["routes"][0]["status"], "down",
+        "{health}"
+    );
+    drop(tracker);
+    drop(shards);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A rolling restart under load: every shard of both routes in turn is sent SIGTERM, waited
