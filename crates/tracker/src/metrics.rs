@@ -397,7 +397,7 @@ pub fn declare(m: &Metrics) {
         (
             "strata_route_token_interval_seconds",
             "gauge",
-            "the route's measured time per token, by which new sessions choose among routes: the least round trip of its last 16 steps that carried one token of one session, alone on the route",
+            "the route's measured time per token, by which new sessions choose among routes: the least round trip of its last 16 answered steps that carried one token of one session, alone on the route (its last value; route choice forgets it 30 s after the last such step)",
         ),
         (
             "strata_route_overhead_seconds",

@@ -300,6 +300,13 @@ fn new_sessions_go_to_the_fast_route_while_it_has_room() {
     );
     assert_eq!(on_fast + on_slow, 10.0);
     assert!(on_slow <= 2.0, "fast {on_fast}, slow {on_slow}");
+    // /health shows each route's measured time per token, as the metric does.
+    let health = request("GET", &t, "/health", None, &[]).unwrap().json();
+    let routes = health["models"][0]["routes"].as_array().unwrap().clone();
+    let fast_seconds = routes.iter().find(|r| r["name"] == "fast").unwrap()["token_seconds"]
+        .as_f64()
+        .unwrap();
+    assert_eq!(fast_seconds, pace("fast"));
     // Two at once: the fast route holds one session at most, so the other goes to the slow one.
     let both: Vec<Vec<u64>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)

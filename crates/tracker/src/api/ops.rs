@@ -357,9 +357,12 @@ pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respo
                 .iter()
                 .map(|i| format!("{}: {}..{}", i.listen, i.layer_start, i.layer_end))
                 .collect();
+            // Its measured time per token (route/pace.rs), null while it has none.
+            let token_seconds = r.pace.seconds(std::time::Instant::now());
             routes.push(
                 json!({"name": r.name, "status": if up { "up" } else { "down" },
                                "sessions": r.load.load(std::sync::atomic::Ordering::Relaxed),
+                               "token_seconds": token_seconds,
                                "shards": layers}),
             );
             shards.extend(h.shards.iter().map(|sh| {

@@ -639,9 +639,17 @@ impl Runner {
             ));
             return;
         }
-        // One token of one session, alone on the route: the route's time per token, whatever
-        // else it may be asked to carry.
-        if f.alone && f.plan.items.len() == 1 && f.plan.items[0].tokens.len() == 1 {
+        // One token of one session, alone on the route and answered: the route's time per
+        // token, whatever else it may be asked to carry (a refused step answers sooner than a
+        // computed one, and says nothing of the route's speed).
+        let answered = |id: SessionId| {
+            reply.errors.is_empty() && reply.outputs.iter().any(|o| o.session_id == id.0)
+        };
+        if f.alone
+            && f.plan.items.len() == 1
+            && f.plan.items[0].tokens.len() == 1
+            && answered(f.plan.items[0].session)
+        {
             let now = Instant::now();
             self.pace.observe((now - f.sent).as_secs_f64(), now);
             if let Some(pace) = self.pace.seconds(now) {

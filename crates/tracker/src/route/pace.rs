@@ -8,7 +8,10 @@
 //! takes the least of the last [`WINDOW`] of them: the route's own speed (its shards' compute
 //! and its links), which load only ever adds to. A busy route has no such step and so no pace
 //! after [`STALE`]: load alone places sessions there, as it does on an unmeasured route. A
-//! route avoided for being slow is likewise measured afresh once its pace is stale.
+//! route avoided for being slow is likewise measured afresh once its pace is stale. A step
+//! refused or failed is no measure. What remains in a sample besides the route is its one
+//! session's own cost (its context's attention, its grammar), which a route of long sessions
+//! pays on every step too.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -26,6 +29,10 @@ pub const STALE: Duration = Duration::from_secs(30);
 /// such routes must keep sharing the load (a link of 20 ms each way makes a 10 ms route's
 /// tokens five times slower).
 pub const SLOW_FACTOR: f64 = 3.0;
+
+/// ... and more than this many seconds a token slower: between fast routes a few milliseconds
+/// are noise (a route of 2 ms against one of 0.5 ms is not worth leaving idle).
+pub const SLOW_GAP: f64 = 0.010;
 
 /// One route's recent lone one-token steps' round trips. Written by the route's loop, read by every
 /// request choosing a route.
@@ -65,11 +72,11 @@ impl Pace {
 }
 
 /// Which of `pace` (each route's, `None` where unmeasured) are slow: over [`SLOW_FACTOR`]
-/// times the fastest measured.
+/// times the fastest measured and over [`SLOW_GAP`] slower than it.
 pub fn slow(pace: &[Option<f64>]) -> Vec<bool> {
     let fastest = pace.iter().flatten().copied().fold(f64::INFINITY, f64::min);
     pace.iter()
-        .map(|p| p.is_some_and(|p| p > fastest * SLOW_FACTOR))
+        .map(|p| p.is_some_and(|p| p > fastest * SLOW_FACTOR && p - fastest > SLOW_GAP))
         .collect()
 }
 
@@ -104,6 +111,8 @@ mod tests {
             slow(&[Some(0.010), Some(0.035), None, Some(0.029)]),
             vec![false, true, false, false]
         );
+        // Four times slower, but by 1.5 ms: not slow.
+        assert_eq!(slow(&[Some(0.0005), Some(0.002)]), vec![false, false]);
         assert_eq!(slow(&[None, None]), vec![false, false]);
     }
 }
