@@ -29,18 +29,17 @@ const TOKEN: &str = "test-failover-token-0123456789";
 
 /// Two routes of SmolLM2 (two shards each, cut at different layers) on one tracker.
 fn two_routes() -> (Vec<Proc>, Proc) {
-    two_routes_of(
-        &testkit::real_model(),
-        ["0..15", "15..30", "0..12", "12..30"],
-    )
+    let m = testkit::real_model();
+    two_routes_of([(&m, "0..15"), (&m, "15..30"), (&m, "0..12"), (&m, "12..30")])
 }
 
-/// Two routes of `m` on one tracker: shards 0 and 1 of `ranges` are route a, 2 and 3 route b.
-fn two_routes_of(m: &Path, ranges: [&str; 4]) -> (Vec<Proc>, Proc) {
+/// Two routes on one tracker, each shard a model file and its range: shards 0 and 1 are route
+/// a, 2 and 3 route b.
+fn two_routes_of(shards: [(&Path, &str); 4]) -> (Vec<Proc>, Proc) {
     let token = procs::token_file(TOKEN);
-    let shards: Vec<Proc> = ranges
+    let shards: Vec<Proc> = shards
         .iter()
-        .map(|r| procs::shard(exe(), m, r, &token, &["--threads", "1"]))
+        .map(|(m, r)| procs::shard(exe(), m, r, &token, &["--threads", "1"]))
         .collect();
     let tracker = procs::tracker_routes(
         exe(),
@@ -229,25 +228,12 @@ fn a_shard_whose_model_file_is_rewritten_stops_and_its_sessions_move() {
     // The first shard of route a, the one reading the embedding from its file, has a copy.
     let copy = dir.join("model.gguf");
     std::fs::write(&copy, &bytes).unwrap();
-    let token = procs::token_file(TOKEN);
-    let mut shards: Vec<Proc> = [
+    let (mut shards, tracker) = two_routes_of([
         (&copy, "0..15"),
         (&m, "15..30"),
         (&m, "0..12"),
         (&m, "12..30"),
-    ]
-    .iter()
-    .map(|(file, r)| procs::shard(exe(), file, r, &token, &["--threads", "1"]))
-    .collect();
-    let tracker = procs::tracker_routes(
-        exe(),
-        &[
-            ("a", &[&shards[0], &shards[1]]),
-            ("b", &[&shards[2], &shards[3]]),
-        ],
-        &token,
-        &["--health-period-ms", "100", "--liveness-ms", "1000"],
-    );
+    ]);
     let want: Vec<Vec<u64>> = all_streams(&tracker.addr)
         .into_iter()
         .map(|h| h.join().unwrap().unwrap().0)
@@ -416,7 +402,12 @@ fn streamed_document(addr: &str, i: usize, schema: &Value) -> String {
 fn a_session_with_a_grammar_continues_the_same_document_on_another_route() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let qwen = testkit::named_model("qwen2.5-coder-0.5b");
-    let (shards, tracker) = two_routes_of(&qwen, ["0..12", "12..24", "0..10", "10..24"]);
+    let (shards, tracker) = two_routes_of([
+        (&qwen, "0..12"),
+        (&qwen, "12..24"),
+        (&qwen, "0..10"),
+        (&qwen, "10..24"),
+    ]);
     let addr = tracker.addr.clone();
     let schema = json!({
         "type": "object",
