@@ -59,37 +59,54 @@ impl InFile {
         self.len == 0
     }
 
-    /// Reads `out.len()` bytes at `offset` into the tensor. A read past the tensor is an
-    /// error, and so is a file whose size or modification time is not what it was when it was
-    /// opened (cut short, or rewritten in place: its bytes are no longer the model's). A file
-    /// replaced by a rename is not noticed, and need not be: the open file is still the old one.
-    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+    /// Whether the file is still the one opened: an error when its size or modification time
+    /// changed (cut short, or rewritten in place: its bytes are no longer the model's). A file
+    /// replaced by a rename is not noticed, and need not be: the open file is still the old
+    /// one. One `fstat`: a reader checks once per batch of [`InFile::read_at`], not per read.
+    pub fn check_unchanged(&self) -> Result<(), Error> {
         let f = &self.file;
-        let io = |source| Error::Io {
-            path: f.path.display().to_string(),
-            source,
-        };
-        let fail = |why: String| io(std::io::Error::new(std::io::ErrorKind::InvalidData, why));
-        if offset
-            .checked_add(out.len() as u64)
-            .is_none_or(|end| end > self.len)
-        {
-            return Err(fail(format!(
-                "{} bytes at {offset} are outside a tensor of {} bytes",
-                out.len(),
-                self.len
-            )));
-        }
-        let now = f.file.metadata().map_err(io)?;
+        let now = f.file.metadata().map_err(|e| f.error(e))?;
         if now.len() != f.len || now.modified().ok() != f.modified {
-            return Err(fail(format!(
+            return Err(f.invalid(format!(
                 "the file changed since it was loaded ({} bytes then, {} now, or written to): \
                  restart the shard on the file as it is now",
                 f.len,
                 now.len()
             )));
         }
-        f.file.read_exact_at(out, self.start + offset).map_err(io)
+        Ok(())
+    }
+
+    /// Reads `out.len()` bytes at `offset` into the tensor; a read past the tensor, or past
+    /// the end of a file cut short, is an error.
+    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+        let f = &self.file;
+        if offset
+            .checked_add(out.len() as u64)
+            .is_none_or(|end| end > self.len)
+        {
+            return Err(f.invalid(format!(
+                "{} bytes at {offset} are outside a tensor of {} bytes",
+                out.len(),
+                self.len
+            )));
+        }
+        f.file
+            .read_exact_at(out, self.start + offset)
+            .map_err(|e| f.error(e))
+    }
+}
+
+impl OpenFile {
+    fn error(&self, source: std::io::Error) -> Error {
+        Error::Io {
+            path: self.path.display().to_string(),
+            source,
+        }
+    }
+
+    fn invalid(&self, why: String) -> Error {
+        self.error(std::io::Error::new(std::io::ErrorKind::InvalidData, why))
     }
 }
 

@@ -308,6 +308,7 @@ impl Model {
                     .embd
                     .as_ref()
                     .expect("validated: first range has the embedding");
+                embd.check()?;
                 ws.x.resize(n * d, 0.0);
                 for (row, out) in rows.iter().zip(ws.x.chunks_exact_mut(d)) {
                     embd.dequantize_row(row.token as usize, out, &mut ws.embd_row)?;

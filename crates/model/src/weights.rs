@@ -194,6 +194,15 @@ impl Embedding {
         Ok(())
     }
 
+    /// Whether the rows can still be read as they were loaded (an embedding read from a file
+    /// that changed since cannot): checked once per step, before its rows are read.
+    pub fn check(&self) -> Result<(), Error> {
+        match self {
+            Embedding::Held(_) => Ok(()),
+            Embedding::InFile { rows, .. } => Ok(rows.check_unchanged()?),
+        }
+    }
+
     /// Bytes it holds in memory.
     fn held_bytes(&self) -> usize {
         match self {

@@ -103,16 +103,7 @@ fn split_ranges_give_bitwise_the_unsplit_logits() {
                 2,
             );
             let (mut ca, mut cb) = (a.new_cache(64), b.new_cache(64));
-            let rows: Vec<Row> = ids
-                .iter()
-                .enumerate()
-                .map(|(pos, &token)| Row {
-                    seq: 0,
-                    pos,
-                    token,
-                    want_logits: true,
-                })
-                .collect();
+            let rows = rows_from(0, &ids);
             let got = split_logits(&a, &b, &rows, &mut [&mut ca], &mut [&mut cb]);
             assert!(
                 got == reference,
@@ -541,9 +532,9 @@ fn memory_follows_the_range() {
 }
 
 /// Feeds `ids` at positions `start..` to one cache and returns the logits of every row.
-fn feed(m: &Model, cache: &mut KvCache, start: usize, ids: &[u32]) -> Vec<f32> {
-    let rows: Vec<Row> = ids
-        .iter()
+/// One session's rows for `ids` from position `start`, each wanting logits.
+fn rows_from(start: usize, ids: &[u32]) -> Vec<Row> {
+    ids.iter()
         .enumerate()
         .map(|(i, &token)| Row {
             seq: 0,
@@ -551,8 +542,11 @@ fn feed(m: &Model, cache: &mut KvCache, start: usize, ids: &[u32]) -> Vec<f32> {
             token,
             want_logits: true,
         })
-        .collect();
-    feed_rows(m, &rows, &mut [cache])
+        .collect()
+}
+
+fn feed(m: &Model, cache: &mut KvCache, start: usize, ids: &[u32]) -> Vec<f32> {
+    feed_rows(m, &rows_from(start, ids), &mut [cache])
 }
 
 #[test]
@@ -760,14 +754,7 @@ fn weight_sizes_from_the_header_equal_what_every_range_loads() {
                 let held = load(&spec, range, 1);
                 assert_eq!(held.in_file_weight_bytes(), 0);
                 let out = |m: &Model| {
-                    let rows: Vec<Row> = (ids.iter().enumerate())
-                        .map(|(pos, &token)| Row {
-                            seq: 0,
-                            pos,
-                            token,
-                            want_logits: true,
-                        })
-                        .collect();
+                    let rows = rows_from(0, &ids);
                     let mut cache = m.new_cache(16);
                     match m.forward(
                         Batch {
