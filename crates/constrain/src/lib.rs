@@ -363,6 +363,8 @@ pub struct LazyVocabulary {
     tokenizer: Arc<Tokenizer>,
     purpose: Purpose,
     cell: std::sync::OnceLock<Result<Arc<Vocabulary>, String>>,
+    /// The thread [`LazyVocabulary::warm`] started, until someone waited for it.
+    warming: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for LazyVocabulary {
@@ -377,6 +379,7 @@ impl LazyVocabulary {
             tokenizer,
             purpose,
             cell: std::sync::OnceLock::new(),
+            warming: std::sync::Mutex::new(None),
         })
     }
 
@@ -384,12 +387,24 @@ impl LazyVocabulary {
     /// allocates and frees far more than it keeps).
     pub fn warm(self: &Arc<Self>, after: fn()) {
         let me = Arc::clone(self);
-        let _ = std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("strata-grammar-vocab".into())
             .spawn(move || {
                 let _ = me.get();
                 after();
             });
+        *self.warming.lock().unwrap_or_else(|e| e.into_inner()) = thread.ok();
+    }
+
+    /// Waits until the build [`LazyVocabulary::warm`] started is over, `after` included (at
+    /// once when there was none, or it is over): work timed against a budget starts after
+    /// it, not during it.
+    pub fn wait_warm(&self) {
+        // Held while joining: a second caller waits for the same build.
+        let mut warming = self.warming.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = warming.take() {
+            let _ = t.join();
+        }
     }
 
     /// The vocabulary (waiting for a build in progress).

@@ -72,6 +72,7 @@ pub(crate) struct Done<K> {
 
 /// The threads that compute every constrained session's masks, and the answers they send.
 pub(crate) struct GrammarThreads<K> {
+    vocab: Arc<LazyVocabulary>,
     jobs: Sender<Job<K>>,
     answers: Receiver<Done<K>>,
     next_step: u64,
@@ -116,6 +117,7 @@ impl<K: Send + 'static> GrammarThreads<K> {
                 })?;
         }
         Ok(GrammarThreads {
+            vocab,
             jobs,
             answers,
             next_step: 0,
@@ -123,7 +125,16 @@ impl<K: Send + 'static> GrammarThreads<K> {
     }
 
     /// Starts one step's masks: each `(key, grammar, generated tokens)` goes to the threads.
+    /// A grammar to compile needs the vocabulary, built in the background from the shard's
+    /// start (about half a second, seconds on a busy machine): a step bringing one first waits
+    /// here for that build, once, so that it is not counted against the grammar's budget.
     pub fn start_step(&mut self, work: Vec<(K, Grammar, Vec<u32>)>) -> Pending {
+        if work
+            .iter()
+            .any(|(_, g, _)| matches!(g, Grammar::Uncompiled(_)))
+        {
+            self.vocab.wait_warm();
+        }
         self.next_step += 1;
         let step = self.next_step;
         let mut n = 0;
@@ -188,4 +199,36 @@ fn run(
 pub(crate) struct Pending {
     step: u64,
     n: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A shard's first grammar arrives while its vocabulary is still being built (Qwen's 151k
+    /// tokens, half a second or more): the step waits for the build before its masks start, so
+    /// the grammar's budget counts only the compile and the mask. Charged for the build, this
+    /// mask missed its 200 ms budget on a busy CI machine.
+    #[test]
+    fn a_grammar_arriving_while_the_vocabulary_builds_is_not_charged_for_the_build() {
+        let file = gguf::GgufFile::open(testkit::named_model("qwen2.5-coder-0.5b")).unwrap();
+        let tokenizer = text::Tokenizer::from_header(file.header()).unwrap();
+        let vocab = LazyVocabulary::new(Arc::new(tokenizer), constrain::Purpose::Masks);
+        fn nothing() {}
+        vocab.warm(nothing);
+        let mut threads = GrammarThreads::<u32>::start(Arc::clone(&vocab)).unwrap();
+        let text: Arc<str> = constrain::grammar::json_object().into();
+        let pending = threads.start_step(vec![(7, Grammar::Uncompiled(text), Vec::new())]);
+        let started = Instant::now();
+        let (answers, late) = threads.finish(pending, started + Duration::from_millis(200));
+        assert!(late.is_empty());
+        assert_eq!(answers.len(), 1, "the mask came back within the budget");
+        let mask = answers[0].mask.as_ref().unwrap();
+        assert!(
+            mask.iter().any(|&w| w != 0),
+            "some token may start a JSON object"
+        );
+        assert!(matches!(answers[0].grammar, Grammar::Ready(..)));
+    }
 }

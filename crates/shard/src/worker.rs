@@ -776,8 +776,8 @@ impl Worker {
         out: &mut StepOutcome,
     ) {
         let (rows, hidden) = self.rows_of(job, accepted);
-        let started = Instant::now();
         let masks = self.start_masks(job, accepted, keys);
+        let started = Instant::now();
         let result = if rows.is_empty() {
             // Every accepted fragment was taken whole from the prefix cache: nothing to run.
             Ok(Vec::new())

@@ -1,5 +1,5 @@
 //! Offering a job to a model's routes: the one holding the longest cached prefix of its prompt
-//! or the least loaded first, slow routes last ([`RouteChoice`]), the next when one refuses for
+//! or the least loaded first, other slow routes last ([`RouteChoice`]), the next when one refuses for
 //! a reason another route may not have; when all refuse for a reason that passes (failing
 //! over, draining, restarting, rejoining), again until one takes it or a bounded wait is over.
 
@@ -94,8 +94,9 @@ pub async fn submit(
     let mut last = Refusal::no_route("the model has no route now; retry shortly");
     // The least loaded route first (sessions held and requests on their way; between equals,
     // the one whose tightest shard has the most free KV), unless a route holding a cached
-    // prefix of the prompt is within the choice's slack of it; routes measured more than
-    // three times as slow as the fastest last; the others in turn when one refuses for capacity.
+    // prefix of the prompt is within the choice's slack of it (slow or not); other routes
+    // measured more than three times as slow as the fastest last; the others in turn when one
+    // refuses for capacity.
     let mut routes: Vec<&Arc<RouteHandle>> = model.routes.iter().filter(|r| r.resident()).collect();
     routes.sort_by_key(|r| std::cmp::Reverse(r.health.borrow().kv_headroom()));
     let keys = prefixes::chain(job.tenant.key, &job.prompt_ids);

@@ -115,29 +115,35 @@ impl Default for RouteChoice {
 impl RouteChoice {
     /// The order in which to offer a session to routes, given each route's load (sessions
     /// held and on their way), the leading blocks of the prompt each holds and its measured
-    /// time per token (`pace`, `None` before it has one; see [`super::pace`]): routes slower
-    /// than [`super::pace::SLOW_FACTOR`] times the fastest go last, slowest last; among the
-    /// others the least loaded first (ties in the given order), except that the route holding
-    /// the most blocks goes first while its load is within the slack of the least loaded's.
+    /// time per token (`pace`, `None` before it has one; see [`super::pace`]).
+    ///
+    /// Routes slower than [`super::pace::SLOW_FACTOR`] times the fastest go last, slowest
+    /// last; the others the least loaded first (ties in the given order). Then the route
+    /// holding the most blocks of the prompt goes first, slow or not, while its load is within
+    /// the slack of the route otherwise first: a cached prefix is prompt computation not done
+    /// again (seconds for a few thousand tokens on a CPU), which weighs more than the
+    /// milliseconds per token a pace tells apart, and a conversation that changed routes with
+    /// its pace would go cold. Between routes holding as many blocks, a fast one before a slow
+    /// one, then the less loaded.
     pub fn order(&self, load: &[usize], matched: &[usize], pace: &[Option<f64>]) -> Vec<usize> {
         let slow = super::pace::slow(pace);
         let (mut order, mut slow_ones): (Vec<usize>, Vec<usize>) =
             (0..load.len()).partition(|&i| !slow[i]);
         slow_ones.sort_by(|&a, &b| pace[a].partial_cmp(&pace[b]).expect("finite paces"));
         order.sort_by_key(|&i| load[i]);
+        order.extend(slow_ones);
         if self.by_cache && !order.is_empty() {
             let least = load[order[0]];
             let best = order
                 .iter()
                 .copied()
                 .filter(|&i| matched[i] > 0 && load[i] <= least + self.slack)
-                .max_by_key(|&i| (matched[i], std::cmp::Reverse(load[i])));
+                .max_by_key(|&i| (matched[i], !slow[i], std::cmp::Reverse(load[i])));
             if let Some(best) = best {
                 order.retain(|&i| i != best);
                 order.insert(0, best);
             }
         }
-        order.extend(slow_ones);
         order
     }
 }
@@ -207,17 +213,27 @@ mod tests {
         );
     }
 
-    /// A route more than three times as slow as the fastest goes last whatever its load or
-    /// cache (the slowest last); within the factor, and before a route has a pace, load and
-    /// cache decide as before.
+    /// A route more than three times as slow as the fastest goes last whatever its load,
+    /// unless it holds the prompt's longest cached prefix; within the factor, and before a
+    /// route has a pace, load and cache decide as before.
     #[test]
-    fn slow_routes_go_last_and_paces_within_the_factor_change_nothing() {
+    fn slow_routes_go_last_unless_they_hold_the_prefix() {
         let choice = RouteChoice::default();
         let fast = Some(0.010);
-        // Route 0 is idle but 5x slower; route 2 holds the prompt but is 3.5x slower.
+        // Route 0 is idle but 5x slower; route 2 is 3.5x slower: both after the fast one.
+        assert_eq!(
+            choice.order(&[0, 3, 1], &[0, 0, 0], &[Some(0.050), fast, Some(0.035)]),
+            vec![1, 2, 0]
+        );
+        // Route 2 holds the prompt's prefix: it goes first, slow as it is.
         assert_eq!(
             choice.order(&[0, 3, 1], &[0, 0, 5], &[Some(0.050), fast, Some(0.035)]),
-            vec![1, 2, 0]
+            vec![2, 1, 0]
+        );
+        // Both hold as many blocks: the fast one first, though more loaded.
+        assert_eq!(
+            choice.order(&[0, 3], &[4, 4], &[Some(0.050), fast]),
+            vec![1, 0]
         );
         // Within the factor (2.9x): the least loaded, as without paces.
         assert_eq!(
