@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use testkit::etcd::Etcd;
 use testkit::net::{Host, Net};
+use testkit::observe::{shard_stat, tracker_metric, wait_until};
 use testkit::procs::{self, Proc};
 
 fn exe() -> &'static Path {
@@ -157,17 +158,20 @@ fn a_route_over_hosts_gives_one_processs_tokens() {
 /// by the others, their ranges chain into a complete route with no range given by hand (a shard
 /// starting at layer 0 holds no embedding, so two such shards can cover the model; the third
 /// then replicates the least served layers), and a tracker on a fifth host answers exactly as
-/// one process does.
+/// one process does. Then a fourth shard joins the same way: it takes the layers that complete
+/// a second route, the tracker builds that route within 10 s of the shard's announcement and
+/// sends sessions through it; and a shard of the first three holding sessions is killed: every
+/// stream in flight finishes with one process's tokens and no error, on the route left.
 #[test]
-fn shards_placing_themselves_form_a_complete_route() {
+fn shards_placing_themselves_form_a_route_a_fourth_adds_one_and_a_loss_costs_no_stream() {
     let mut net = match Net::new() {
         Ok(net) => net,
         Err(why) => {
-            eprintln!("shards_placing_themselves_form_a_complete_route: not run here: {why}");
+            eprintln!("shards_placing_themselves_form_a_route_a_fourth_adds_one_and_a_loss_costs_no_stream: not run here: {why}");
             return;
         }
     };
-    let hosts: Vec<Host> = (0..5).map(|_| net.host().expect("a host")).collect();
+    let hosts: Vec<Host> = (0..6).map(|_| net.host().expect("a host")).collect();
     let model = testkit::named_model("qwen2.5-coder-0.5b");
     let budget = ((std::fs::metadata(&model).unwrap().len() * 45 / 100) >> 20).to_string();
     let etcd = Etcd::start_on(&hosts[0]);
@@ -185,21 +189,7 @@ fn shards_placing_themselves_form_a_complete_route() {
             .collect();
         started.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let mut ranges = Vec::new();
-    for shard in &shards {
-        // Ready means announced: its record is in etcd, with the range it chose.
-        let key = format!("/strata/shards/{}", shard.addr);
-        let (value, _) = etcd
-            .get(&key)
-            .unwrap_or_else(|| panic!("{key} not in etcd"));
-        let record: Value = serde_json::from_slice(&value).unwrap();
-        let range = (
-            record["layer_start"].as_u64().unwrap(),
-            record["layer_end"].as_u64().unwrap(),
-        );
-        eprintln!("{} took layers {}..{}", shard.name, range.0, range.1);
-        ranges.push((range, record["n_layers"].as_u64().unwrap()));
-    }
+    let mut ranges: Vec<((u64, u64), u64)> = shards.iter().map(|s| range_of(&etcd, s)).collect();
     ranges.sort();
     // Some of the ranges chain from layer 0 to the last: a complete route, placed by the
     // shards; every shard took layers.
@@ -214,11 +204,133 @@ fn shards_placing_themselves_form_a_complete_route() {
     }
 
     let tracker = tracker_on(&hosts[4], &etcd);
+    let t = tracker.addr.clone();
     let one = procs::serve(exe(), &model, "1", &[]);
     assert_eq!(
-        answers(&tracker.addr),
+        answers(&t),
         answers(&one.addr),
         "placed route against one process"
     );
-    drop((tracker, shards, etcd, one));
+    assert_eq!(tracker_metric(&t, "strata_route_up"), 1.0);
+
+    // A fourth shard: the layers served least now are those only one shard serves, and taking
+    // them completes a second route.
+    let spawned = Instant::now();
+    let fourth = shard_on(
+        &hosts[5],
+        &etcd,
+        &model,
+        "auto",
+        &["--weights-budget-mib", &budget],
+    );
+    let announced = Instant::now();
+    let ((start, end), _) = range_of(&etcd, &fourth);
+    eprintln!(
+        "the fourth shard took layers {start}..{end}, announced {:?} after it started",
+        announced - spawned
+    );
+    let coverage = |(a, b): (u64, u64)| {
+        ranges
+            .iter()
+            .filter(|((s, e), _)| *s <= a && b <= *e)
+            .count()
+    };
+    assert_eq!(
+        coverage((start, end)),
+        1,
+        "it took layers served once: {ranges:?}"
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || tracker_metric(
+            &t,
+            "strata_route_up"
+        ) == 2.0),
+        "no second route within 10 s of the fourth shard's announcement"
+    );
+    eprintln!(
+        "two routes up {:?} after the fourth shard's announcement",
+        announced.elapsed()
+    );
+    ranges.push(((start, end), ranges[0].1));
+
+    // Eight streams at once over both routes; the fourth shard takes sessions, then a shard of
+    // the first three holding some is killed.
+    let prompts: Vec<String> = (0..8)
+        .map(|i| format!("Write a short story about lighthouse number {i}:"))
+        .collect();
+    let want = streams(&one.addr, &prompts);
+    let (streamed, killed) = std::thread::scope(|scope| {
+        let running = scope.spawn(|| streams(&t, &prompts));
+        assert!(
+            wait_until(Duration::from_secs(20), || sessions_on(&t, &fourth.addr)
+                > 0),
+            "the tracker sent no session through the fourth shard"
+        );
+        let victim = (0..shards.len())
+            .find(|&k| sessions_on(&t, &shards[k].addr) > 0)
+            .expect("a shard of the first three holds sessions");
+        shards[victim].signal(9);
+        (running.join().unwrap(), victim)
+    });
+    eprintln!("killed {} mid-stream", shards[killed].name);
+    assert_eq!(
+        streamed, want,
+        "every stream finished with one process's tokens"
+    );
+    assert!(tracker_metric(&t, "strata_migrations_total") >= 1.0);
+    assert_eq!(
+        answers(&t),
+        answers(&one.addr),
+        "the route left answers as one process"
+    );
+    drop((tracker, shards, fourth, etcd, one));
+}
+
+/// The layer range `shard`'s record in `etcd` announces, and the model's layer count.
+fn range_of(etcd: &Etcd, shard: &Proc) -> ((u64, u64), u64) {
+    // Ready means announced: its record is in etcd, with the range it chose.
+    let key = format!("/strata/shards/{}", shard.addr);
+    let (value, _) = etcd
+        .get(&key)
+        .unwrap_or_else(|| panic!("{key} not in etcd"));
+    let record: Value = serde_json::from_slice(&value).unwrap();
+    let range = (
+        record["layer_start"].as_u64().unwrap(),
+        record["layer_end"].as_u64().unwrap(),
+    );
+    eprintln!("{} took layers {}..{}", shard.name, range.0, range.1);
+    (range, record["n_layers"].as_u64().unwrap())
+}
+
+/// Sessions the tracker at `addr` sees on the shard at `shard`.
+fn sessions_on(addr: &str, shard: &str) -> u64 {
+    shard_stat(addr, shard, "sessions").unwrap_or(0)
+}
+
+/// Greedy completions of 48 tokens of every prompt at once, each stream's text as it came.
+fn streams(addr: &str, prompts: &[String]) -> Vec<String> {
+    std::thread::scope(|scope| {
+        let running: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                scope.spawn(move || {
+                    let body =
+                        json!({"prompt": p, "max_tokens": 48, "temperature": 0, "stream": true});
+                    let mut s = testkit::http::SseStream::open(addr, "/v1/completions", &body)
+                        .unwrap_or_else(|e| panic!("{p}: {e}"));
+                    let mut text = String::new();
+                    while let Some(d) = s.next_data() {
+                        if d == "[DONE]" {
+                            return text;
+                        }
+                        let v: Value = serde_json::from_str(&d).unwrap();
+                        assert!(v.get("error").is_none(), "{p}: {d}");
+                        text.push_str(v["choices"][0]["text"].as_str().unwrap_or(""));
+                    }
+                    panic!("{p}: the stream ended before [DONE]");
+                })
+            })
+            .collect();
+        running.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }
