@@ -68,6 +68,11 @@ pub struct ShardRecord {
     pub sessions: u64,
     /// It is going away: no new sessions.
     pub draining: bool,
+    /// The weights budget of a shard that placed itself (`--layers auto`), which may move to
+    /// other layers when the swarm gains by it ([`placement::should_move`]); 0 for a range
+    /// given by hand, which never moves.
+    #[serde(default)]
+    pub weights_budget_bytes: u64,
 }
 
 /// The most layers a record may claim (no model has nearly this many).
@@ -98,6 +103,7 @@ impl ShardRecord {
             max_sessions: 0,
             sessions: 0,
             draining: false,
+            weights_budget_bytes: 0,
         }
     }
 
@@ -894,6 +900,7 @@ mod tests {
             max_sessions: 1,
             sessions: 0,
             draining: false,
+            weights_budget_bytes: 0,
         };
         let v = serde_json::to_vec(&r).unwrap();
         let key = shard_key("/s/", "127.0.0.1:1");
@@ -949,6 +956,7 @@ mod tests {
             max_sessions: 4,
             sessions: 0,
             draining: false,
+            weights_budget_bytes: 0,
         };
         let with = |f: &dyn Fn(&mut ShardRecord)| {
             let mut n = r.clone();

@@ -113,6 +113,79 @@ fn cover(
     false
 }
 
+/// The most shards that placed themselves [`should_move`] weighs as movers, in address order:
+/// each costs a few route searches, and a registry may hold thousands of records.
+pub const MOVERS_WEIGHED: usize = 32;
+
+/// Where the shard at `me`, which placed itself, should move to, if anywhere: the range it
+/// would take were it placing itself now among the others ([`place`], within its
+/// `weights_budget_bytes` by `size(start, end)`, the bytes a range's weights take), when
+/// taking it gives the model more than a quarter more disjoint complete routes than it has
+/// (Petals moves a server when the swarm gains more than 25%; any route where there is none).
+///
+/// Never while another shard of the model drains (a move or a stop under way: the swarm is
+/// judged once it is over), never when the model's routes without this shard would be none
+/// while it has some (its sessions would have nowhere to go while it moves), and one shard at
+/// a time: of the shards that placed themselves (the first [`MOVERS_WEIGHED`] by address) and
+/// would gain by moving, only the first moves; the others see the swarm again once it has.
+/// `records` are the live records under the registry's prefix, this shard's among them.
+pub fn should_move(
+    records: &[ShardRecord],
+    me: &str,
+    size: impl Fn(usize, usize) -> u64,
+) -> Option<Range<usize>> {
+    let mine = records.iter().find(|r| r.address == me)?;
+    let live: Vec<&ShardRecord> = records
+        .iter()
+        .filter(|r| r.digest == mine.digest && r.n_layers == mine.n_layers && r.plausible())
+        .collect();
+    if live.iter().any(|r| r.draining) {
+        return None;
+    }
+    let mut movers: Vec<&ShardRecord> = live
+        .iter()
+        .copied()
+        .filter(|r| r.weights_budget_bytes > 0)
+        .collect();
+    movers.sort_by(|a, b| a.address.cmp(&b.address));
+    let now = chains(live.clone(), usize::MAX).len();
+    let (first, range) = movers
+        .into_iter()
+        .take(MOVERS_WEIGHED)
+        .find_map(|r| gain(&live, now, r, &size).map(|range| (r, range)))?;
+    (first.address == me).then_some(range)
+}
+
+/// The range `s` would move to, if moving it gives more than a quarter more routes than `now`
+/// (the routes of `live`).
+fn gain(
+    live: &[&ShardRecord],
+    now: usize,
+    s: &ShardRecord,
+    size: impl Fn(usize, usize) -> u64,
+) -> Option<Range<usize>> {
+    let others: Vec<&ShardRecord> = live
+        .iter()
+        .copied()
+        .filter(|r| r.address != s.address)
+        .collect();
+    if now > 0 && chains(others.clone(), usize::MAX).is_empty() {
+        return None;
+    }
+    let cover = coverage(others.iter().copied(), &s.digest, s.n_layers);
+    let to = place(&cover, |a, b| size(a, b) <= s.weights_budget_bytes)?;
+    if to == (s.layer_start as usize..s.layer_end as usize) {
+        return None;
+    }
+    let moved = ShardRecord {
+        layer_start: to.start as u32,
+        layer_end: to.end as u32,
+        ..s.clone()
+    };
+    let after = chains(others.into_iter().chain([&moved]).collect(), usize::MAX).len();
+    (after * 4 > now * 5).then_some(to)
+}
+
 /// The key under which a shard claims a range while it places itself and loads.
 pub fn claim_key(prefix: &str, address: &str) -> String {
     format!("{prefix}placing/{address}")
@@ -345,6 +418,101 @@ mod tests {
         // A whole-model shard is a route of one.
         let s = [rec("w", 0, 28), rec("x", 0, 5)];
         assert_eq!(names(&chains(s.iter().collect(), usize::MAX)), [["w"]]);
+    }
+
+    /// Shards of 10 layers each (a 45% budget of a 24-layer model, say) that placed
+    /// themselves.
+    fn placed(address: &str, a: u32, b: u32) -> ShardRecord {
+        ShardRecord {
+            weights_budget_bytes: 10,
+            ..record(address, a..b, 24, "d")
+        }
+    }
+
+    /// A layer a byte: a shard of budget 10 holds 10 layers.
+    fn layers(a: usize, b: usize) -> u64 {
+        (b - a) as u64
+    }
+
+    /// The last range's shard is lost: the model has no route; of the two shards on the first
+    /// layers (which the other alone covers), the first by address moves to the layers no one
+    /// serves, and only it.
+    #[test]
+    fn a_lost_range_is_taken_over_by_the_first_shard_that_can_spare_its_own() {
+        let s = [placed("a", 0, 10), placed("b", 10, 20), placed("c", 0, 10)];
+        assert_eq!(should_move(&s, "a", layers), Some(20..24));
+        assert_eq!(should_move(&s, "b", layers), None);
+        assert_eq!(should_move(&s, "c", layers), None);
+    }
+
+    /// Nothing moves where moving gains no route, where the gain is a quarter or less, while a
+    /// shard drains, or when the only movers' ranges were given by hand.
+    #[test]
+    fn no_move_without_a_gain_of_more_than_a_quarter_or_while_one_drains() {
+        // One route and a spare first range: moving the spare gains nothing.
+        let s = [
+            placed("a", 0, 10),
+            placed("b", 10, 20),
+            placed("c", 20, 24),
+            placed("d", 0, 10),
+        ];
+        for me in ["a", "b", "c", "d"] {
+            assert_eq!(should_move(&s, me, layers), None, "{me}");
+        }
+        // A route's only last shard must not leave it for a second route that cannot form.
+        let s = [placed("a", 0, 12), placed("b", 12, 24)];
+        assert_eq!(should_move(&s, "b", layers), None);
+        // While one drains, nobody moves.
+        let mut d = placed("b", 10, 20);
+        d.draining = true;
+        let s = [placed("a", 0, 10), d, placed("c", 0, 10)];
+        assert_eq!(should_move(&s, "a", layers), None);
+        // Ranges given by hand never move.
+        let fixed = |a: &str, x: u32, y: u32| record(a, x..y, 24, "d");
+        let s = [fixed("a", 0, 10), fixed("b", 10, 20), fixed("c", 0, 10)];
+        assert_eq!(should_move(&s, "a", layers), None);
+        // Four routes and a fifth possible: 5 against 4 is exactly a quarter more, not over.
+        let mut s = Vec::new();
+        for r in 0..4 {
+            s.push(placed(&format!("r{r}a"), 0, 12));
+            s.push(placed(&format!("r{r}b"), 12, 24));
+        }
+        s.push(placed("x", 0, 12));
+        s.push(placed("y", 0, 12));
+        assert_eq!(chains(s.iter().collect(), usize::MAX).len(), 4);
+        for r in &s {
+            assert_eq!(
+                should_move(&s, &r.address, |a, b| (b - a) as u64 + 2),
+                None,
+                "{}",
+                r.address
+            );
+        }
+    }
+
+    /// Where no route exists, a shard moves only if its move makes one.
+    #[test]
+    fn where_no_route_exists_a_shard_moves_only_if_that_makes_one() {
+        let s = [placed("a", 0, 10), placed("b", 14, 24)];
+        // a covers 0..10, b 14..24: 10..14 is served by no one and no route exists; a moving
+        // cannot help (b's 14..24 needs 0..14); b moving to 10..20 cannot either; nobody can
+        // complete a route of 24 layers with two shards of 10 layers.
+        assert_eq!(should_move(&s, "a", layers), None);
+        assert_eq!(should_move(&s, "b", layers), None);
+        // With budgets of 14 either could close the gap; the first by address, a, grows to
+        // 0..14 and the two chain; b stays.
+        let s = [
+            ShardRecord {
+                weights_budget_bytes: 14,
+                ..placed("a", 0, 10)
+            },
+            ShardRecord {
+                weights_budget_bytes: 14,
+                ..placed("b", 14, 24)
+            },
+        ];
+        assert_eq!(should_move(&s, "a", layers), Some(0..14));
+        assert_eq!(should_move(&s, "b", layers), None);
     }
 
     #[test]

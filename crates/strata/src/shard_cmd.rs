@@ -74,7 +74,17 @@ pub struct ShardMembership {
     /// and exits once it holds no session or after this many milliseconds.
     #[arg(long, default_value_t = 30_000)]
     drain_timeout_ms: u64,
+    /// With `--layers auto`: seconds between the shard's checks of whether its moving to other
+    /// layers would give the model more than a quarter more complete routes (checked too a
+    /// few seconds after a member joins, leaves or changes); when it would, the shard drains
+    /// as on SIGTERM (its sessions move) and starts again, placing itself. 0: it never moves.
+    #[arg(long, default_value_t = 60)]
+    rebalance_period_s: u64,
 }
+
+/// How long a shard lets the membership settle after a change before it judges a move: a
+/// shard restarting or a burst of joins is not a swarm to rebalance for.
+const REBALANCE_SETTLE: Duration = Duration::from_secs(3);
 
 pub fn shard(a: ShardArgs) -> Result<()> {
     let token = read_token(&a.cluster_token_file)?;
@@ -115,15 +125,20 @@ pub fn shard(a: ShardArgs) -> Result<()> {
             .membership
             .registry_access
             .connect(a.membership.registry.as_ref())?;
-        let (layers, claim) = match (layers, &registry) {
-            (Some(given), _) => (given, None),
+        let (layers, claim, sizes) = match (layers, &registry) {
+            (Some(given), _) => (given, None, None),
             (None, Some(connect)) => {
                 let prefix = &a.membership.registry_prefix;
-                let (range, claim) =
+                let (range, claim, sizes) =
                     place_itself(&a.model, &a.limits, connect, prefix, &addr).await?;
-                (range, Some(claim))
+                (range, Some(claim), Some(sizes))
             }
             (None, None) => unreachable!("--layers auto without --registry was refused above"),
+        };
+        // A shard that placed itself says its budget in its record: it may move.
+        let movable_budget = match sizes {
+            Some(_) => (a.limits.weights_budget_mib() as u64) << 20,
+            None => 0,
         };
         let config = shard::ShardConfig {
             tls_identity,
@@ -144,7 +159,7 @@ pub fn shard(a: ShardArgs) -> Result<()> {
             }
         };
         let announcer = match &registry {
-            Some(connect) => Some(announce(&core, connect, &a.membership)?),
+            Some(connect) => Some(announce(&core, connect, &a.membership, movable_budget)?),
             None => None,
         };
         if let (Some(claim), Some(announcer)) = (claim, &announcer) {
@@ -167,14 +182,89 @@ pub fn shard(a: ShardArgs) -> Result<()> {
             core.info.layer_start, core.info.layer_end
         );
         std::io::stdout().flush()?;
+        let (move_tx, move_rx) = tokio::sync::oneshot::channel();
+        if let (Some(connect), Some(sizes)) = (&registry, sizes) {
+            if a.membership.rebalance_period_s > 0 {
+                tokio::spawn(rebalance(
+                    connect.clone(),
+                    a.membership.registry_prefix.clone(),
+                    addr.clone(),
+                    sizes,
+                    Duration::from_secs(a.membership.rebalance_period_s),
+                    move_tx,
+                ));
+            }
+        }
+        let moving = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let drain = drain(
             Arc::clone(&core),
             announcer,
             Duration::from_millis(a.membership.drain_timeout_ms),
+            move_rx,
+            Arc::clone(&moving),
         );
         shard::serve(core, listener, drain).await?;
+        if moving.load(std::sync::atomic::Ordering::Acquire) {
+            // Drained and out of the registry: the same command again places the shard anew.
+            use std::os::unix::process::CommandExt;
+            let exe = std::env::current_exe().context("finding this program to start again")?;
+            let e = std::process::Command::new(exe)
+                .args(std::env::args_os().skip(1))
+                .exec();
+            bail!("starting again on other layers: {e}");
+        }
         Ok(())
     })
+}
+
+/// Judges, every `period` and [`REBALANCE_SETTLE`] after each change of the membership,
+/// whether the shard at `me` should move to other layers ([`registry::placement::should_move`],
+/// sizes of ranges from `sizes`); the first time it should, says where on `moving` and ends.
+async fn rebalance(
+    connect: registry::Connect,
+    prefix: String,
+    me: String,
+    sizes: model::WeightSizes,
+    period: Duration,
+    mut moving: tokio::sync::oneshot::Sender<std::ops::Range<usize>>,
+) {
+    let mut members = match registry::follow(&connect, &prefix) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!(
+                "strata shard {me}: warning: not following the registry, so never moving: {e}"
+            );
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            changed = members.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                tokio::time::sleep(REBALANCE_SETTLE).await;
+            }
+            _ = tokio::time::sleep(period) => {}
+            _ = moving.closed() => return,
+        }
+        let records: Vec<registry::ShardRecord> = {
+            let m = members.borrow_and_update();
+            if !m.connected {
+                continue;
+            }
+            m.shards.values().cloned().collect()
+        };
+        if let Some(to) = registry::placement::should_move(&records, &me, |s, e| sizes.range(s, e))
+        {
+            eprintln!(
+                "strata shard {me}: moving to layers {}..{}: the model gains complete routes",
+                to.start, to.end
+            );
+            let _ = moving.send(to);
+            return;
+        }
+    }
 }
 
 /// `--layers auto`: the range this shard takes, from the live records of its model file in the
@@ -188,7 +278,11 @@ async fn place_itself(
     connect: &registry::Connect,
     prefix: &str,
     address: &str,
-) -> Result<((usize, usize), registry::placement::Claim)> {
+) -> Result<(
+    (usize, usize),
+    registry::placement::Claim,
+    model::WeightSizes,
+)> {
     let path = model.to_path_buf();
     let (digest, sizes) = tokio::task::spawn_blocking(move || -> Result<_> {
         let digest = shard::file_digest(&path)?;
@@ -236,11 +330,15 @@ async fn place_itself(
         sizes.range(range.start, range.end) as f64 / (1u64 << 20) as f64,
         limits.weights_budget_mib(),
     );
-    Ok(((range.start, range.end), claim))
+    Ok(((range.start, range.end), claim, sizes))
 }
 
 /// The shard's record in the registry, from what it loaded and its live counters.
-fn shard_record(core: &shard::ShardCore, instance: &str) -> registry::ShardRecord {
+fn shard_record(
+    core: &shard::ShardCore,
+    instance: &str,
+    movable_budget: u64,
+) -> registry::ShardRecord {
     let info = &core.info;
     let stats = core.stats();
     let recipe = info.recipe.as_ref().map_or_else(String::new, |r| {
@@ -264,6 +362,7 @@ fn shard_record(core: &shard::ShardCore, instance: &str) -> registry::ShardRecor
         max_sessions: budgets.max_sessions,
         sessions: stats.sessions,
         draining: stats.draining,
+        weights_budget_bytes: movable_budget,
     }
 }
 
@@ -272,6 +371,7 @@ fn announce(
     core: &Arc<shard::ShardCore>,
     endpoints: &registry::Connect,
     m: &ShardMembership,
+    movable_budget: u64,
 ) -> Result<registry::Announcer> {
     // A restart on the same address is a new member: trackers rebuild its routes.
     let instance = format!(
@@ -281,7 +381,7 @@ fn announce(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos())
     );
-    let (tx, rx) = tokio::sync::watch::channel(shard_record(core, &instance));
+    let (tx, rx) = tokio::sync::watch::channel(shard_record(core, &instance, movable_budget));
     let announcer = registry::announce(
         endpoints,
         &m.registry_prefix,
@@ -295,7 +395,7 @@ fn announce(
         loop {
             tick.tick().await;
             let Some(core) = weak.upgrade() else { return };
-            let now = shard_record(&core, &instance);
+            let now = shard_record(&core, &instance, movable_budget);
             tx.send_if_modified(|r| {
                 let worth = r.worth_announcing(&now);
                 if worth {
@@ -308,14 +408,27 @@ fn announce(
     Ok(announcer)
 }
 
-/// Resolves when the shard may stop: after a signal, once it has drained (withdrawn from
-/// the registry, no session left) or `timeout` after the signal.
+/// Resolves when the shard may stop: after a signal, or a move decided on `move_to` (then
+/// `moving` is set), once it has drained (withdrawn from the registry, no session left) or
+/// `timeout` after.
 async fn drain(
     core: Arc<shard::ShardCore>,
     announcer: Option<registry::Announcer>,
     timeout: Duration,
+    move_to: tokio::sync::oneshot::Receiver<std::ops::Range<usize>>,
+    moving: Arc<std::sync::atomic::AtomicBool>,
 ) {
-    shutdown_signal().await;
+    let move_to = async {
+        match move_to.await {
+            Ok(_) => moving.store(true, std::sync::atomic::Ordering::Release),
+            // No rebalancing: only a signal stops the shard.
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = shutdown_signal() => {}
+        _ = move_to => {}
+    }
     let t0 = std::time::Instant::now();
     core.drain();
     if let Some(a) = announcer {

@@ -22,6 +22,7 @@ fn record(address: &str) -> ShardRecord {
         max_sessions: 8,
         sessions: 0,
         draining: false,
+        weights_budget_bytes: 0,
     }
 }
 

@@ -160,14 +160,16 @@ fn a_route_over_hosts_gives_one_processs_tokens() {
 /// then replicates the least served layers), and a tracker on a fifth host answers exactly as
 /// one process does. Then a fourth shard joins the same way: it takes the layers that complete
 /// a second route, the tracker builds that route within 10 s of the shard's announcement and
-/// sends sessions through it; and a shard of the first three holding sessions is killed: every
-/// stream in flight finishes with one process's tokens and no error, on the route left.
+/// sends sessions through it; and the first three's shard of the last layers is killed under
+/// eight streams: every stream finishes with one process's tokens and no error, on the route
+/// left. Last, the fourth is killed too: a shard of the first layers moves to the last ones by
+/// itself (rebalancing), and a complete route is back within 20 s, answering as one process.
 #[test]
-fn shards_placing_themselves_form_a_route_a_fourth_adds_one_and_a_loss_costs_no_stream() {
+fn shards_placing_themselves_form_routes_survive_a_loss_and_rebalance() {
     let mut net = match Net::new() {
         Ok(net) => net,
         Err(why) => {
-            eprintln!("shards_placing_themselves_form_a_route_a_fourth_adds_one_and_a_loss_costs_no_stream: not run here: {why}");
+            eprintln!("shards_placing_themselves_form_routes_survive_a_loss_and_rebalance: not run here: {why}");
             return;
         }
     };
@@ -266,9 +268,18 @@ fn shards_placing_themselves_form_a_route_a_fourth_adds_one_and_a_loss_costs_no_
                 > 0),
             "the tracker sent no session through the fourth shard"
         );
+        // The first three's shard of the last layers: the fourth replicates it.
         let victim = (0..shards.len())
-            .find(|&k| sessions_on(&t, &shards[k].addr) > 0)
-            .expect("a shard of the first three holds sessions");
+            .find(|&k| range_of(&etcd, &shards[k]).0 .1 == n_layers)
+            .expect("a shard of the first three ends at the last layer");
+        assert!(
+            wait_until(Duration::from_secs(20), || sessions_on(
+                &t,
+                &shards[victim].addr
+            ) > 0),
+            "no session on {}",
+            shards[victim].name
+        );
         shards[victim].signal(9);
         (running.join().unwrap(), victim)
     });
@@ -282,6 +293,47 @@ fn shards_placing_themselves_form_a_route_a_fourth_adds_one_and_a_loss_costs_no_
         answers(&t),
         answers(&one.addr),
         "the route left answers as one process"
+    );
+
+    // The fourth shard is lost too: no shard serves the last layers and the model has no
+    // route. The two shards on the first layers see it; the first of them by address moves
+    // (drains, leaves the registry and starts again placing itself) to the layers no one
+    // serves, and a complete route is back within 20 s.
+    let lost = Instant::now();
+    fourth.signal(9);
+    assert!(
+        wait_until(Duration::from_secs(10), || tracker_metric(
+            &t,
+            "strata_route_up"
+        ) == 0.0),
+        "the route of the lost shard stayed up"
+    );
+    assert!(
+        wait_until(
+            Duration::from_secs(20).saturating_sub(lost.elapsed()),
+            || { tracker_metric(&t, "strata_route_up") == 1.0 }
+        ),
+        "no complete route within 20 s of losing the last layers' shards"
+    );
+    eprintln!("a complete route again {:?} after the loss", lost.elapsed());
+    let moved: Vec<String> = etcd
+        .keys("/strata/shards/")
+        .into_iter()
+        .filter_map(|k| {
+            let (value, _) = etcd.get(&k)?;
+            let r: Value = serde_json::from_slice(&value).ok()?;
+            (r["layer_end"].as_u64() == Some(n_layers)).then_some(k)
+        })
+        .collect();
+    assert_eq!(
+        moved.len(),
+        1,
+        "one shard serves the last layers: {moved:?}"
+    );
+    assert_eq!(
+        answers(&t),
+        answers(&one.addr),
+        "the rebalanced route against one process"
     );
     drop((tracker, shards, fourth, etcd, one));
 }
