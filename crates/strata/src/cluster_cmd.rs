@@ -302,8 +302,9 @@ pub struct RouteArgs {
     /// How a new session's route is picked among its model's replica routes: `cache` offers it
     /// first to the route whose shards hold the longest cached prefix of its prompt (as far as
     /// this tracker sent them; an agent's next turn finds its last turn's blocks), unless that
-    /// route holds more than --cache-route-slack sessions over the least loaded; `load` always
-    /// to the least loaded.
+    /// route holds more than --cache-route-slack sessions over the least loaded; other routes
+    /// measured over three times slower than the fastest only when the faster refuse; `load`
+    /// always to the least loaded, whatever it caches and however fast (sessions spread evenly).
     #[arg(long, default_value = "cache", value_parser = ["cache", "load"])]
     route_by: String,
     /// Sessions the route holding a prompt's cached prefix may hold over the least loaded

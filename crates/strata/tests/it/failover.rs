@@ -34,7 +34,9 @@ fn two_routes() -> (Vec<Proc>, Proc) {
 }
 
 /// Two routes on one tracker, each shard a model file and its range: shards 0 and 1 are route
-/// a, 2 and 3 route b.
+/// a, 2 and 3 route b. Sessions spread by load alone (`--route-by load`): these tests kill and
+/// restart shards that must hold sessions, on routes of one machine whose measured paces a
+/// busy machine can set far apart.
 fn two_routes_of(shards: [(&Path, &str); 4]) -> (Vec<Proc>, Proc) {
     let token = procs::token_file(TOKEN);
     let shards: Vec<Proc> = shards
@@ -48,7 +50,14 @@ fn two_routes_of(shards: [(&Path, &str); 4]) -> (Vec<Proc>, Proc) {
             ("b", &[&shards[2], &shards[3]]),
         ],
         &token,
-        &["--health-period-ms", "100", "--liveness-ms", "1000"],
+        &[
+            "--health-period-ms",
+            "100",
+            "--liveness-ms",
+            "1000",
+            "--route-by",
+            "load",
+        ],
     );
     (shards, tracker)
 }
@@ -471,7 +480,12 @@ fn announced_with(etcd: &Etcd, range: &str, listen: &str, extra: &[&str]) -> Pro
 fn registry_tracker(etcd: &Etcd) -> Proc {
     let token = procs::token_file(TOKEN);
     let ep = etcd.endpoint();
-    procs::registry_tracker(exe(), &token, &ep, &["--liveness-ms", "1000"])
+    procs::registry_tracker(
+        exe(),
+        &token,
+        &ep,
+        &["--liveness-ms", "1000", "--route-by", "load"],
+    )
 }
 
 /// The routes in the tracker's table, by name.

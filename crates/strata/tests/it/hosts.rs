@@ -64,6 +64,10 @@ fn tracker_on(host: &Host, etcd: &Etcd) -> Proc {
         &etcd.endpoint(),
         "--health-period-ms",
         "100",
+        // Sessions spread by load alone: the shards a test kills must hold some, and the
+        // paces of routes on one busy machine can be far apart.
+        "--route-by",
+        "load",
     ]
     .map(String::from)
     .to_vec();

@@ -147,7 +147,15 @@ fn failover_from_the_best_isa_to_the_next_keeps_every_streams_tokens() {
             ("next", &[&shards[2], &shards[3]]),
         ],
         &token,
-        &["--health-period-ms", "100", "--liveness-ms", "1000"],
+        // By load alone: both routes must hold sessions, however their paces compare.
+        &[
+            "--health-period-ms",
+            "100",
+            "--liveness-ms",
+            "1000",
+            "--route-by",
+            "load",
+        ],
     );
     let addr = tracker.addr.clone();
     let before = metric(&addr, "strata_migrations_total");

@@ -95,8 +95,9 @@ impl PrefixIndex {
 /// How the tracker picks among a model's routes for a new session.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouteChoice {
-    /// Whether the route holding the longest cached prefix of the prompt goes first
-    /// (`--route-by cache`, the default) or the least loaded always does (`--route-by load`).
+    /// Whether the route holding the longest cached prefix of the prompt goes first and slow
+    /// routes last (`--route-by cache`, the default), or the least loaded always does, whatever
+    /// it caches and however fast it is (`--route-by load`: sessions spread evenly).
     pub by_cache: bool,
     /// The most sessions the route holding the prefix may have over the least loaded route
     /// and still go first (`--cache-route-slack`): past it, load decides.
@@ -125,14 +126,21 @@ impl RouteChoice {
     /// milliseconds per token a pace tells apart, and a conversation that changed routes with
     /// its pace would go cold. Between routes holding as many blocks, a fast one before a slow
     /// one, then the less loaded.
+    ///
+    /// `--route-by load` (`by_cache` false): the least loaded first, ties in the given order.
     pub fn order(&self, load: &[usize], matched: &[usize], pace: &[Option<f64>]) -> Vec<usize> {
+        if !self.by_cache {
+            let mut order: Vec<usize> = (0..load.len()).collect();
+            order.sort_by_key(|&i| load[i]);
+            return order;
+        }
         let slow = super::pace::slow(pace);
         let (mut order, mut slow_ones): (Vec<usize>, Vec<usize>) =
             (0..load.len()).partition(|&i| !slow[i]);
         slow_ones.sort_by(|&a, &b| pace[a].partial_cmp(&pace[b]).expect("finite paces"));
         order.sort_by_key(|&i| load[i]);
         order.extend(slow_ones);
-        if self.by_cache && !order.is_empty() {
+        if !order.is_empty() {
             let least = load[order[0]];
             let best = order
                 .iter()
@@ -210,6 +218,11 @@ mod tests {
         assert_eq!(
             load_only.order(&[0, 2, 0], &[0, 10, 3], &[None; 3]),
             vec![0, 2, 1]
+        );
+        // By load alone, a route's pace changes nothing either.
+        assert_eq!(
+            load_only.order(&[1, 0, 2], &[0, 0, 0], &[Some(0.010), Some(0.500), None]),
+            vec![1, 0, 2]
         );
     }
 
