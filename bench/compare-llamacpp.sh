@@ -4,7 +4,10 @@
 # Usage: LLAMA_CPP_DIR=/path/to/llama.cpp/build [MODEL=name-or-path] bench/compare-llamacpp.sh [threads] [repetitions]
 # (MODEL: a GGUF path or a name `scripts/fetch-model.sh --list` knows, default smollm2-135m;
 # STREAM_REQUESTS, default 10: single-stream requests per server and round; LONG_PROMPTS, e.g.
-# 4096,16384, default none: long-context prefill rows, one run of each per side and round)
+# 4096,16384, default none: long-context prefill rows, one run of each per side and round;
+# ROUTES=0 skips the 2-shard rows (single-stream routes and ggml-rpc), for a comparison of
+# kernels alone; STRATA_ISA, e.g. avx2, forces strata's kernel family (its bench and servers;
+# not the HTTP client), to set it against a llama.cpp built for that instruction set only)
 #
 # LLAMA_CPP_DIR is a llama.cpp build (its bin/ holds llama-bench and llama-server); this script
 # neither builds nor downloads it. Each round runs llama.cpp then strata back to back; the
@@ -83,14 +86,15 @@ for r in $(seq 1 "$reps"); do
 
   "$lserver" -m "$model" -t "$threads" -c 8192 -np 8 --port 18190 --metrics >/dev/null 2>&1 &
   pid=$!; wait_http 18190
-  "$strata" bench --url http://127.0.0.1:18190 --prompt-tokens 32 --gen-tokens 64 --concurrency "$conc" --requests 2 --json > "$out/llama-server-$r.json"
+  env -u STRATA_ISA "$strata" bench --url http://127.0.0.1:18190 --prompt-tokens 32 --gen-tokens 64 --concurrency "$conc" --requests 2 --json > "$out/llama-server-$r.json"
   kill $pid; wait $pid 2>/dev/null || true
 
   "$strata" serve --model "$model" --shards 1 --threads "$threads" --listen 127.0.0.1:18191 >/dev/null 2>&1 &
   pid=$!; wait_http 18191
-  "$strata" bench --url http://127.0.0.1:18191 --prompt-tokens 32 --gen-tokens 64 --concurrency "$conc" --requests 2 --json > "$out/strata-serve-$r.json"
+  env -u STRATA_ISA "$strata" bench --url http://127.0.0.1:18191 --prompt-tokens 32 --gen-tokens 64 --concurrency "$conc" --requests 2 --json > "$out/strata-serve-$r.json"
   kill $pid; wait $pid 2>/dev/null || true
 
+  [ "${ROUTES:-1}" = 0 ] && continue
   per=$(( threads / 2 )); [ "$per" -ge 1 ] || per=1
   pids=()
   for variant in "one:1:$threads:18195" "all:2:$threads:18196" "split:2:$per:18197"; do
@@ -102,7 +106,7 @@ for r in $(seq 1 "$reps"); do
   for i in $(seq 1 "$stream_requests"); do
     for variant in one:18195 all:18196 split:18197; do
       IFS=: read -r name port <<< "$variant"
-      "$strata" bench --url "http://127.0.0.1:$port" --prompt-tokens 32 --gen-tokens 64 --concurrency 1 --requests 1 --json > "$out/strata-stream-$name-$r-$i.json"
+      env -u STRATA_ISA "$strata" bench --url "http://127.0.0.1:$port" --prompt-tokens 32 --gen-tokens 64 --concurrency 1 --requests 1 --json > "$out/strata-stream-$name-$r-$i.json"
     done
   done
   kill "${pids[@]}"; wait "${pids[@]}" 2>/dev/null || true
@@ -115,7 +119,7 @@ for r in $(seq 1 "$reps"); do
     kill $r1 $r2; wait $r1 $r2 2>/dev/null || true
     "$strata" serve --model "$model" --shards 2 --threads "$threads" --no-prefix-cache --listen 127.0.0.1:18192 >/dev/null 2>&1 &
     pid=$!; wait_http 18192
-    "$strata" bench --url http://127.0.0.1:18192 --prompt-tokens 512 --gen-tokens 64 --concurrency 1 --requests 3 --json > "$out/strata-route-$r.json"
+    env -u STRATA_ISA "$strata" bench --url http://127.0.0.1:18192 --prompt-tokens 512 --gen-tokens 64 --concurrency 1 --requests 3 --json > "$out/strata-route-$r.json"
     kill $pid; wait $pid 2>/dev/null || true
   fi
 done
@@ -163,7 +167,9 @@ for c in conc:
     s = med(agg("strata-serve", r, c) for r in rounds)
     rows.append((f"aggregate decode t/s, {c} concurrent (llama-server 8 slots vs strata serve)", l, s))
 import os
-if os.path.exists(f"{out}/llama-rpc-1.json"):
+if not os.path.exists(f"{out}/strata-stream-one-1-1.json"):
+    print("(ROUTES=0: the 2-shard rows are skipped)")
+elif os.path.exists(f"{out}/llama-rpc-1.json"):
     route = lambda r, key: load("strata-route", r)["runs"][0][key]
     for name, key in [("pp512", "prefill_tps_p50"), ("tg64", "decode_tps_per_stream_p50")]:
         l = med(next(t["avg_ts"] for t in load("llama-rpc", r) if f"{'pp' if t['n_gen'] == 0 else 'tg'}{t['n_prompt'] or t['n_gen']}" == name) for r in rounds)
@@ -180,16 +186,18 @@ print(f"| instruction set | {llama_isa} | {strata_isa} kernels | |")
 for name, l, s in rows:
     print(f"| {name} | {l:.1f} | {s:.1f} | {s / l:.2f} |")
 # Single-stream decode: every request of a route against the one-process request just before it.
-stream = lambda name: [[per_stream(name, r, i) for i in range(1, n_stream + 1)] for r in rounds]
-one, full, split = stream("one"), stream("all"), stream("split")
-flat = lambda xs: [x for rnd in xs for x in rnd]
-pairs = lambda xs: [x / o for rx, ro in zip(xs, one) for x, o in zip(rx, ro)]
-def spread(rs):
-    q = statistics.quantiles(rs, n=4)
-    return f"{med(rs):.2f} (quartiles {q[0]:.2f}-{q[2]:.2f})"
-print(f"\nsingle-stream decode, {reps} x {n_stream} requests each taken in turn (per-request medians): one process {med(flat(one)):.1f} t/s; 2-shard route, every shard all threads {med(flat(full)):.1f} t/s, threads split {med(flat(split)):.1f} t/s")
-print(f"2-shard route / one process, median of the {reps * n_stream} request pairs: every shard all threads {spread(pairs(full))}, threads split {spread(pairs(split))}")
-print(f"  per round (median of its pairs), every shard all threads: {', '.join(f'{med([x / o for x, o in zip(rx, ro)]):.2f}' for rx, ro in zip(full, one))}")
+routes = os.path.exists(f"{out}/strata-stream-one-1-1.json")
+if routes:
+    stream = lambda name: [[per_stream(name, r, i) for i in range(1, n_stream + 1)] for r in rounds]
+    one, full, split = stream("one"), stream("all"), stream("split")
+    flat = lambda xs: [x for rnd in xs for x in rnd]
+    pairs = lambda xs: [x / o for rx, ro in zip(xs, one) for x, o in zip(rx, ro)]
+    def spread(rs):
+        q = statistics.quantiles(rs, n=4)
+        return f"{med(rs):.2f} (quartiles {q[0]:.2f}-{q[2]:.2f})"
+    print(f"\nsingle-stream decode, {reps} x {n_stream} requests each taken in turn (per-request medians): one process {med(flat(one)):.1f} t/s; 2-shard route, every shard all threads {med(flat(full)):.1f} t/s, threads split {med(flat(split)):.1f} t/s")
+    print(f"2-shard route / one process, median of the {reps * n_stream} request pairs: every shard all threads {spread(pairs(full))}, threads split {spread(pairs(split))}")
+    print(f"  per round (median of its pairs), every shard all threads: {', '.join(f'{med([x / o for x, o in zip(rx, ro)]):.2f}' for rx, ro in zip(full, one))}")
 c1 = med(agg("strata-serve", r, conc[0]) for r in rounds)
 cn = med(agg("strata-serve", r, conc[-1]) for r in rounds)
 print(f"strata serve aggregate, {conc[-1]} concurrent / 1: {cn:.1f} / {c1:.1f} = {cn / c1:.2f}x")
