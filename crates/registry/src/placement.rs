@@ -123,23 +123,30 @@ pub const MOVERS_WEIGHED: usize = 32;
 /// taking it gives the model more than a quarter more disjoint complete routes than it has
 /// (Petals moves a server when the swarm gains more than 25%; any route where there is none).
 ///
-/// Never while another shard of the model drains (a move or a stop under way: the swarm is
-/// judged once it is over), never when the model's routes without this shard would be none
-/// while it has some (its sessions would have nowhere to go while it moves), and one shard at
-/// a time: of the shards that placed themselves (the first [`MOVERS_WEIGHED`] by address) and
-/// would gain by moving, only the first moves; the others see the swarm again once it has.
-/// `records` are the live records under the registry's prefix, this shard's among them.
+/// Never while another shard of the model drains or one places itself (`claims`: a move, a
+/// stop or a join under way; the swarm is judged once it is over: a moving shard stays in the
+/// registry, draining, until its sessions are gone, and claims its new range as it starts
+/// again), never when the model's routes without this shard would be none while it has some
+/// (its sessions would have nowhere to go while it moves), and one shard at a time: of the
+/// shards that placed themselves (the first [`MOVERS_WEIGHED`] by address) and would gain by
+/// moving, only the first moves; the others see the swarm again once it has. `records` are the
+/// live records under the registry's prefix, this shard's among them.
+///
+/// The records are taken as they are: a registry open to writers who are not shards can make
+/// a shard move for routes that do not exist (as it can make `--layers auto` place one badly).
 pub fn should_move(
     records: &[ShardRecord],
+    claims: &[ShardRecord],
     me: &str,
     size: impl Fn(usize, usize) -> u64,
 ) -> Option<Range<usize>> {
     let mine = records.iter().find(|r| r.address == me)?;
+    let same = |r: &&ShardRecord| r.digest == mine.digest && r.n_layers == mine.n_layers;
     let live: Vec<&ShardRecord> = records
         .iter()
-        .filter(|r| r.digest == mine.digest && r.n_layers == mine.n_layers && r.plausible())
+        .filter(|r| same(r) && r.plausible())
         .collect();
-    if live.iter().any(|r| r.draining) {
+    if live.iter().any(|r| r.draining) || claims.iter().any(|r| same(&r)) {
         return None;
     }
     let mut movers: Vec<&ShardRecord> = live
@@ -169,7 +176,7 @@ fn gain(
         .copied()
         .filter(|r| r.address != s.address)
         .collect();
-    if now > 0 && chains(others.clone(), usize::MAX).is_empty() {
+    if now > 0 && chains(others.clone(), 1).is_empty() {
         return None;
     }
     let cover = coverage(others.iter().copied(), &s.digest, s.n_layers);
@@ -182,7 +189,9 @@ fn gain(
         layer_end: to.end as u32,
         ..s.clone()
     };
-    let after = chains(others.into_iter().chain([&moved]).collect(), usize::MAX).len();
+    // Enough routes to tell whether there are more than a quarter more.
+    let enough = now + now / 4 + 1;
+    let after = chains(others.into_iter().chain([&moved]).collect(), enough).len();
     (after * 4 > now * 5).then_some(to)
 }
 
@@ -440,9 +449,9 @@ mod tests {
     #[test]
     fn a_lost_range_is_taken_over_by_the_first_shard_that_can_spare_its_own() {
         let s = [placed("a", 0, 10), placed("b", 10, 20), placed("c", 0, 10)];
-        assert_eq!(should_move(&s, "a", layers), Some(20..24));
-        assert_eq!(should_move(&s, "b", layers), None);
-        assert_eq!(should_move(&s, "c", layers), None);
+        assert_eq!(should_move(&s, &[], "a", layers), Some(20..24));
+        assert_eq!(should_move(&s, &[], "b", layers), None);
+        assert_eq!(should_move(&s, &[], "c", layers), None);
     }
 
     /// Nothing moves where moving gains no route, where the gain is a quarter or less, while a
@@ -457,20 +466,23 @@ mod tests {
             placed("d", 0, 10),
         ];
         for me in ["a", "b", "c", "d"] {
-            assert_eq!(should_move(&s, me, layers), None, "{me}");
+            assert_eq!(should_move(&s, &[], me, layers), None, "{me}");
         }
         // A route's only last shard must not leave it for a second route that cannot form.
         let s = [placed("a", 0, 12), placed("b", 12, 24)];
-        assert_eq!(should_move(&s, "b", layers), None);
+        assert_eq!(should_move(&s, &[], "b", layers), None);
         // While one drains, nobody moves.
         let mut d = placed("b", 10, 20);
         d.draining = true;
         let s = [placed("a", 0, 10), d, placed("c", 0, 10)];
-        assert_eq!(should_move(&s, "a", layers), None);
+        assert_eq!(should_move(&s, &[], "a", layers), None);
+        // While a shard of the model places itself (a claim), nobody moves.
+        let s = [placed("a", 0, 10), placed("b", 10, 20), placed("c", 0, 10)];
+        assert_eq!(should_move(&s, &[placed("z", 20, 24)], "a", layers), None);
         // Ranges given by hand never move.
         let fixed = |a: &str, x: u32, y: u32| record(a, x..y, 24, "d");
         let s = [fixed("a", 0, 10), fixed("b", 10, 20), fixed("c", 0, 10)];
-        assert_eq!(should_move(&s, "a", layers), None);
+        assert_eq!(should_move(&s, &[], "a", layers), None);
         // Four routes and a fifth possible: 5 against 4 is exactly a quarter more, not over.
         let mut s = Vec::new();
         for r in 0..4 {
@@ -482,7 +494,7 @@ mod tests {
         assert_eq!(chains(s.iter().collect(), usize::MAX).len(), 4);
         for r in &s {
             assert_eq!(
-                should_move(&s, &r.address, |a, b| (b - a) as u64 + 2),
+                should_move(&s, &[], &r.address, |a, b| (b - a) as u64 + 2),
                 None,
                 "{}",
                 r.address
@@ -497,8 +509,8 @@ mod tests {
         // a covers 0..10, b 14..24: 10..14 is served by no one and no route exists; a moving
         // cannot help (b's 14..24 needs 0..14); b moving to 10..20 cannot either; nobody can
         // complete a route of 24 layers with two shards of 10 layers.
-        assert_eq!(should_move(&s, "a", layers), None);
-        assert_eq!(should_move(&s, "b", layers), None);
+        assert_eq!(should_move(&s, &[], "a", layers), None);
+        assert_eq!(should_move(&s, &[], "b", layers), None);
         // With budgets of 14 either could close the gap; the first by address, a, grows to
         // 0..14 and the two chain; b stays.
         let s = [
@@ -511,8 +523,8 @@ mod tests {
                 ..placed("b", 14, 24)
             },
         ];
-        assert_eq!(should_move(&s, "a", layers), Some(0..14));
-        assert_eq!(should_move(&s, "b", layers), None);
+        assert_eq!(should_move(&s, &[], "a", layers), Some(0..14));
+        assert_eq!(should_move(&s, &[], "b", layers), None);
     }
 
     #[test]

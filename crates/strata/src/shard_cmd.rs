@@ -135,10 +135,13 @@ pub fn shard(a: ShardArgs) -> Result<()> {
             }
             (None, None) => unreachable!("--layers auto without --registry was refused above"),
         };
-        // A shard that placed itself says its budget in its record: it may move.
+        // A shard that placed itself and rebalances says its budget in its record: it may
+        // move (others weigh its move as it does theirs).
         let movable_budget = match sizes {
-            Some(_) => (a.limits.weights_budget_mib() as u64) << 20,
-            None => 0,
+            Some(_) if a.membership.rebalance_period_s > 0 => {
+                (a.limits.weights_budget_mib() as u64) << 20
+            }
+            _ => 0,
         };
         let config = shard::ShardConfig {
             tls_identity,
@@ -206,9 +209,10 @@ pub fn shard(a: ShardArgs) -> Result<()> {
         shard::serve(core, listener, drain).await?;
         if moving.load(std::sync::atomic::Ordering::Acquire) {
             // Drained and out of the registry: the same command again places the shard anew.
+            // (The running program's own file, even if its path was replaced since.)
             use std::os::unix::process::CommandExt;
-            let exe = std::env::current_exe().context("finding this program to start again")?;
-            let e = std::process::Command::new(exe)
+            let e = std::process::Command::new("/proc/self/exe")
+                .arg0(std::env::args_os().next().unwrap_or_else(|| "strata".into()))
                 .args(std::env::args_os().skip(1))
                 .exec();
             bail!("starting again on other layers: {e}");
@@ -248,15 +252,28 @@ async fn rebalance(
             _ = tokio::time::sleep(period) => {}
             _ = moving.closed() => return,
         }
-        let records: Vec<registry::ShardRecord> = {
-            let m = members.borrow_and_update();
-            if !m.connected {
-                continue;
-            }
-            m.shards.values().cloned().collect()
+        if !members.borrow_and_update().connected {
+            continue;
+        }
+        // The records and the claims of shards placing themselves (a move or a join under way),
+        // read afresh; judged off the async worker, which serves the shard's streams.
+        let (records, claims) = match registry::placement::read_live(&connect, &prefix).await {
+            Ok(live) => live,
+            Err(_) => continue,
         };
-        if let Some(to) = registry::placement::should_move(&records, &me, |s, e| sizes.range(s, e))
-        {
+        let (me2, sizes2) = (me.clone(), sizes.clone());
+        let judged = tokio::task::spawn_blocking(move || {
+            registry::placement::should_move(&records, &claims, &me2, |s, e| {
+                // A record may name another layer count than this file's: no such range fits.
+                if e <= sizes2.layers.len() {
+                    sizes2.range(s, e)
+                } else {
+                    u64::MAX
+                }
+            })
+        })
+        .await;
+        if let Ok(Some(to)) = judged {
             eprintln!(
                 "strata shard {me}: moving to layers {}..{}: the model gains complete routes",
                 to.start, to.end
@@ -408,9 +425,10 @@ fn announce(
     Ok(announcer)
 }
 
-/// Resolves when the shard may stop: after a signal, or a move decided on `move_to` (then
-/// `moving` is set), once it has drained (withdrawn from the registry, no session left) or
-/// `timeout` after.
+/// Resolves when the shard may stop: after a signal, or a move decided on `move_to`, once it
+/// has drained (no session left) or `timeout` after. A stop leaves the registry at once; a move
+/// stays in it, marked draining, until its sessions are gone (other shards see a move under
+/// way and wait for it), then leaves and sets `moving`, unless a signal came meanwhile.
 async fn drain(
     core: Arc<shard::ShardCore>,
     announcer: Option<registry::Announcer>,
@@ -419,20 +437,22 @@ async fn drain(
     moving: Arc<std::sync::atomic::AtomicBool>,
 ) {
     let move_to = async {
-        match move_to.await {
-            Ok(_) => moving.store(true, std::sync::atomic::Ordering::Release),
+        if move_to.await.is_err() {
             // No rebalancing: only a signal stops the shard.
-            Err(_) => std::future::pending().await,
+            std::future::pending::<()>().await;
         }
     };
-    tokio::select! {
-        _ = shutdown_signal() => {}
-        _ = move_to => {}
-    }
+    let is_move = tokio::select! {
+        _ = shutdown_signal() => false,
+        _ = move_to => true,
+    };
     let t0 = std::time::Instant::now();
     core.drain();
-    if let Some(a) = announcer {
-        a.withdraw(Duration::from_secs(2)).await;
+    let mut announcer = announcer;
+    if !is_move {
+        if let Some(a) = announcer.take() {
+            a.withdraw(Duration::from_secs(2)).await;
+        }
     }
     eprintln!(
         "strata shard: draining ({} sessions, at most {} ms)",
@@ -444,10 +464,16 @@ async fn drain(
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
-    // A second signal stops it at once.
-    tokio::select! {
-        _ = drained => {}
-        _ = shutdown_signal() => {}
+    // A second signal (the first, during a move) stops it at once.
+    let signalled = tokio::select! {
+        _ = drained => false,
+        _ = shutdown_signal() => true,
+    };
+    if let Some(a) = announcer {
+        a.withdraw(Duration::from_secs(2)).await;
+    }
+    if is_move && !signalled {
+        moving.store(true, std::sync::atomic::Ordering::Release);
     }
     eprintln!(
         "strata shard: drained in {} ms, {} sessions left",

@@ -363,7 +363,8 @@ fn sessions_on(addr: &str, shard: &str) -> u64 {
     shard_stat(addr, shard, "sessions").unwrap_or(0)
 }
 
-/// Greedy completions of 48 tokens of every prompt at once, each stream's text as it came.
+/// Greedy completions of 128 tokens (the end token ignored) of every prompt at once, each
+/// stream's text as it came: long enough to be on their shards when one is killed.
 fn streams(addr: &str, prompts: &[String]) -> Vec<String> {
     std::thread::scope(|scope| {
         let running: Vec<_> = prompts
@@ -371,7 +372,7 @@ fn streams(addr: &str, prompts: &[String]) -> Vec<String> {
             .map(|p| {
                 scope.spawn(move || {
                     let body =
-                        json!({"prompt": p, "max_tokens": 48, "temperature": 0, "stream": true});
+                        json!({"prompt": p, "max_tokens": 128, "ignore_eos": true, "temperature": 0, "stream": true});
                     let mut s = testkit::http::SseStream::open(addr, "/v1/completions", &body)
                         .unwrap_or_else(|e| panic!("{p}: {e}"));
                     let mut text = String::new();

@@ -71,12 +71,23 @@ impl Pace {
     }
 }
 
+/// A route this many times slower than the fastest of its model loses even the sessions whose
+/// prompt it caches ([`super::prefixes::RouteChoice::order`]): a cached prefix saves its
+/// prompt's computation once, seconds at most, while ten times the fastest route's time per
+/// token costs more than that within a few hundred tokens (a link gone bad, a host swapping).
+pub const CACHE_SLOW_FACTOR: f64 = 10.0;
+
 /// Which of `pace` (each route's, `None` where unmeasured) are slow: over [`SLOW_FACTOR`]
 /// times the fastest measured and over [`SLOW_GAP`] slower than it.
 pub fn slow(pace: &[Option<f64>]) -> Vec<bool> {
+    slow_by(pace, SLOW_FACTOR)
+}
+
+/// Which of `pace` are over `factor` times the fastest measured and over [`SLOW_GAP`] slower.
+pub fn slow_by(pace: &[Option<f64>], factor: f64) -> Vec<bool> {
     let fastest = pace.iter().flatten().copied().fold(f64::INFINITY, f64::min);
     pace.iter()
-        .map(|p| p.is_some_and(|p| p > fastest * SLOW_FACTOR && p - fastest > SLOW_GAP))
+        .map(|p| p.is_some_and(|p| p > fastest * factor && p - fastest > SLOW_GAP))
         .collect()
 }
 

@@ -124,8 +124,9 @@ impl RouteChoice {
     /// the slack of the route otherwise first: a cached prefix is prompt computation not done
     /// again (seconds for a few thousand tokens on a CPU), which weighs more than the
     /// milliseconds per token a pace tells apart, and a conversation that changed routes with
-    /// its pace would go cold. Between routes holding as many blocks, a fast one before a slow
-    /// one, then the less loaded.
+    /// its pace would go cold; unless it is over [`super::pace::CACHE_SLOW_FACTOR`] (10) times
+    /// slower than the fastest. Between routes holding as many blocks, a fast one before a
+    /// slow one, then the less loaded.
     ///
     /// `--route-by load` (`by_cache` false): the least loaded first, ties in the given order.
     pub fn order(&self, load: &[usize], matched: &[usize], pace: &[Option<f64>]) -> Vec<usize> {
@@ -135,6 +136,7 @@ impl RouteChoice {
             return order;
         }
         let slow = super::pace::slow(pace);
+        let too_slow = super::pace::slow_by(pace, super::pace::CACHE_SLOW_FACTOR);
         let (mut order, mut slow_ones): (Vec<usize>, Vec<usize>) =
             (0..load.len()).partition(|&i| !slow[i]);
         slow_ones.sort_by(|&a, &b| pace[a].partial_cmp(&pace[b]).expect("finite paces"));
@@ -145,7 +147,7 @@ impl RouteChoice {
             let best = order
                 .iter()
                 .copied()
-                .filter(|&i| matched[i] > 0 && load[i] <= least + self.slack)
+                .filter(|&i| matched[i] > 0 && load[i] <= least + self.slack && !too_slow[i])
                 .max_by_key(|&i| (matched[i], !slow[i], std::cmp::Reverse(load[i])));
             if let Some(best) = best {
                 order.retain(|&i| i != best);
@@ -242,6 +244,16 @@ mod tests {
         assert_eq!(
             choice.order(&[0, 3, 1], &[0, 0, 5], &[Some(0.050), fast, Some(0.035)]),
             vec![2, 1, 0]
+        );
+        // Over ten times slower, the route holding the prefix goes last all the same.
+        assert_eq!(
+            choice.order(&[0, 3, 1], &[0, 0, 5], &[Some(0.050), fast, Some(0.101)]),
+            vec![1, 0, 2]
+        );
+        // Holding the prefix, but past the slack: last, slow as it is.
+        assert_eq!(
+            choice.order(&[0, 0, 9], &[0, 0, 5], &[fast, fast, Some(0.035)]),
+            vec![0, 1, 2]
         );
         // Both hold as many blocks: the fast one first, though more loaded.
         assert_eq!(
