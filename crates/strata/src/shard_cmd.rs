@@ -76,7 +76,7 @@ pub struct ShardMembership {
     drain_timeout_ms: u64,
     /// With `--layers auto`: seconds between the shard's checks of whether its moving to other
     /// layers would give the model more than a quarter more complete routes (checked too a
-    /// few seconds after a member joins, leaves or changes); when it would, the shard drains
+    /// few seconds after a member joins, leaves or starts draining); when it would, the shard drains
     /// as on SIGTERM (its sessions move) and starts again, placing itself. 0: it never moves.
     #[arg(long, default_value_t = 60)]
     rebalance_period_s: u64,
@@ -221,8 +221,8 @@ pub fn shard(a: ShardArgs) -> Result<()> {
     })
 }
 
-/// Judges, every `period` and [`REBALANCE_SETTLE`] after each change of the membership,
-/// whether the shard at `me` should move to other layers ([`registry::placement::should_move`],
+/// Judges, every `period` and [`REBALANCE_SETTLE`] after the membership changes who serves
+/// which layers (a member joins or leaves, or drains), whether the shard at `me` should move to other layers ([`registry::placement::should_move`],
 /// sizes of ranges from `sizes`); the first time it should, says where on `moving` and ends.
 async fn rebalance(
     connect: registry::Connect,
@@ -241,20 +241,44 @@ async fn rebalance(
             return;
         }
     };
+    // Who serves which layers, as last judged: records change with every session's load
+    // figures, which no move depends on, so only a change of this is judged again at once.
+    let shape = |m: &registry::Members| -> Vec<(String, String, u32, u32, bool)> {
+        m.shards
+            .values()
+            .map(|r| {
+                (
+                    r.address.clone(),
+                    r.instance.clone(),
+                    r.layer_start,
+                    r.layer_end,
+                    r.draining,
+                )
+            })
+            .collect()
+    };
+    let mut judged_shape = shape(&members.borrow());
     loop {
         tokio::select! {
             changed = members.changed() => {
                 if changed.is_err() {
                     return;
                 }
+                if shape(&members.borrow_and_update()) == judged_shape {
+                    continue;
+                }
                 tokio::time::sleep(REBALANCE_SETTLE).await;
             }
             _ = tokio::time::sleep(period) => {}
             _ = moving.closed() => return,
         }
-        if !members.borrow_and_update().connected {
-            continue;
-        }
+        judged_shape = {
+            let m = members.borrow_and_update();
+            if !m.connected {
+                continue;
+            }
+            shape(&m)
+        };
         // The records and the claims of shards placing themselves (a move or a join under way),
         // read afresh; judged off the async worker, which serves the shard's streams.
         let (records, claims) = match registry::placement::read_live(&connect, &prefix).await {
