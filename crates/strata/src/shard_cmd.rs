@@ -78,8 +78,9 @@ pub struct ShardMembership {
     /// layers would give the model more than a quarter more complete routes (checked too a
     /// few seconds after a member joins, leaves or starts draining); when it would, the shard drains
     /// as on SIGTERM (its sessions move) and starts again, placing itself. 0: it never moves.
-    #[arg(long, default_value_t = 60)]
-    rebalance_period_s: u64,
+    /// Default 60; refused with a range given by hand, which never moves.
+    #[arg(long)]
+    rebalance_period_s: Option<u64>,
 }
 
 /// How long a shard lets the membership settle after a change before it judges a move: a
@@ -94,6 +95,12 @@ pub fn shard(a: ShardArgs) -> Result<()> {
         }
         "auto" => None,
         given => Some(parse_range(given)?),
+    };
+    let rebalance_period_s = match (layers, a.membership.rebalance_period_s) {
+        (Some(_), Some(_)) => {
+            bail!("--rebalance-period-s moves a shard that placed itself: it needs --layers auto")
+        }
+        (_, period) => period.unwrap_or(60),
     };
     let link = link(token, a.tls_ca.as_deref())?;
     let tls_identity = match (&a.tls_cert, &a.tls_key) {
@@ -138,7 +145,7 @@ pub fn shard(a: ShardArgs) -> Result<()> {
         // A shard that placed itself and rebalances says its budget in its record: it may
         // move (others weigh its move as it does theirs).
         let movable_budget = match sizes {
-            Some(_) if a.membership.rebalance_period_s > 0 => {
+            Some(_) if rebalance_period_s > 0 => {
                 (a.limits.weights_budget_mib() as u64) << 20
             }
             _ => 0,
@@ -187,13 +194,13 @@ pub fn shard(a: ShardArgs) -> Result<()> {
         std::io::stdout().flush()?;
         let (move_tx, move_rx) = tokio::sync::oneshot::channel();
         if let (Some(connect), Some(sizes)) = (&registry, sizes) {
-            if a.membership.rebalance_period_s > 0 {
+            if rebalance_period_s > 0 {
                 tokio::spawn(rebalance(
                     connect.clone(),
                     a.membership.registry_prefix.clone(),
                     addr.clone(),
                     sizes,
-                    Duration::from_secs(a.membership.rebalance_period_s),
+                    Duration::from_secs(rebalance_period_s),
                     move_tx,
                 ));
             }

@@ -427,10 +427,36 @@ fn a_default_temperature_out_of_range_is_refused_naming_it() {
     }
 }
 
+/// `--rebalance-period-s` moves a shard that placed itself: with a range given by hand, which
+/// never moves, it is refused naming it rather than ignored.
+#[test]
+fn a_rebalance_period_with_a_given_range_is_refused_naming_it() {
+    let m = tiny();
+    let token = testkit::procs::token_file("cli-rebalance-token-0123456789");
+    let token = token.display().to_string();
+    let out = strata(&[
+        "shard",
+        "--model",
+        &m,
+        "--layers",
+        "0..2",
+        "--rebalance-period-s",
+        "5",
+        "--cluster-token-file",
+        &token,
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--rebalance-period-s") && err.contains("--layers auto"),
+        "{err}"
+    );
+}
+
 /// `--layers auto` places a shard from the registry's live shards: without `--registry` it is
 /// refused at start, naming what is missing; a budget too small for any layer is refused
-/// naming the budget (test `hosts::shards_placing_themselves_form_a_complete_route` places
-/// shards for real).
+/// naming the budget (test `hosts::shards_placing_themselves_form_routes_survive_a_loss_and_rebalance`
+/// places shards for real).
 #[test]
 fn layers_auto_without_a_registry_is_refused_naming_it() {
     let m = tiny();
