@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""A TCP proxy on 127.0.0.1 that delivers every chunk it reads a fixed delay later, in order, in
-both directions: a stand-in for shards on other hosts when the kernel offers no netem.
+"""A TCP proxy that delivers every chunk it reads a fixed delay later, in order, in both
+directions: a stand-in for shards on other hosts when the kernel offers no netem.
 
-Usage: bench/delay-proxy.py LISTEN_PORT TARGET_PORT DELAY_MS
+Usage: bench/delay-proxy.py [HOST:]LISTEN_PORT [HOST:]TARGET_PORT DELAY_MS
+(a bare port means 127.0.0.1)
 """
 import asyncio
 import socket
@@ -35,20 +36,25 @@ async def pipe(reader, writer, delay):
     await asyncio.gather(read(), write())
 
 
+def host_port(arg):
+    host, _, port = arg.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
 async def main(listen, target, delay):
     async def handle(client_r, client_w):
-        server_r, server_w = await asyncio.open_connection("127.0.0.1", target)
+        server_r, server_w = await asyncio.open_connection(*target)
         for w in (client_w, server_w):
             w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         await asyncio.gather(
             pipe(client_r, server_w, delay), pipe(server_r, client_w, delay), return_exceptions=True
         )
 
-    server = await asyncio.start_server(handle, "127.0.0.1", listen)
+    server = await asyncio.start_server(handle, *listen)
     async with server:
         await server.serve_forever()
 
 
 if __name__ == "__main__":
-    listen, target, delay_ms = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    listen, target, delay_ms = host_port(sys.argv[1]), host_port(sys.argv[2]), float(sys.argv[3])
     asyncio.run(main(listen, target, delay_ms / 1000))

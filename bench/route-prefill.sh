@@ -7,13 +7,17 @@
 # one with `--pipeline-prefill`, where chunk k + 1 computes on shard 1 while chunk k computes on
 # shard 2 (issue 30).
 #
-# Usage: [MODEL=name-or-path] [STRATA=path] bench/route-prefill.sh [prompt-tokens] [requests]
+# Usage: [MODEL=name-or-path] [STRATA=path] [GEN=tokens] bench/route-prefill.sh [prompt-tokens] [requests]
 # (MODEL default qwen2.5-coder-1.5b; prompt-tokens default 4096; requests per server and round,
 # default 3; the servers take their requests in turn, so a slow phase of the machine hits both)
+# With GEN=N (say `GEN=128 bench/route-prefill.sh 32 5`) each request also generates N tokens
+# (the end token ignored) and the script compares single-stream decode instead: one process
+# pinned to one core against the route (issue 32's "two shards pinned each to its own core").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-4096}
 reqs=${2:-3}
+gen=${GEN:-1}
 MODEL=${MODEL:-qwen2.5-coder-1.5b}
 if [ -f "$MODEL" ]; then model=$MODEL; else model=$(scripts/fetch-model.sh "$MODEL"); fi
 [ "$(nproc)" -ge 2 ] || { echo "needs at least 2 cores" >&2; exit 1; }
@@ -52,22 +56,23 @@ wait_http 18291; wait_http 18292; wait_http 18295
 for i in $(seq 1 "$reqs"); do
   for s in one:18291 route:18292 pipelined:18295; do
     IFS=: read -r name port <<< "$s"
-    "$STRATA" bench --url "http://127.0.0.1:$port" --prompt-tokens "$n" --gen-tokens 1 --requests 1 --json \
+    "$STRATA" bench --url "http://127.0.0.1:$port" --prompt-tokens "$n" --gen-tokens "$gen" --requests 1 --json \
       > "$out/$name-$i.json" 2>/dev/null
   done
 done
 
-python3 - "$out" "$reqs" "$n" "$(basename "$model")" <<'PY'
+python3 - "$out" "$reqs" "$n" "$(basename "$model")" "$gen" <<'PY'
 import json, statistics, sys
-out, reqs, n, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-rate = lambda name, i: json.load(open(f"{out}/{name}-{i}.json"))["runs"][0]["prefill_tps_p50"]
+out, reqs, n, model, gen = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+key, what = ("decode_tps_per_stream_p50", "decode") if gen > 1 else ("prefill_tps_p50", "prefill")
+rate = lambda name, i: json.load(open(f"{out}/{name}-{i}.json"))["runs"][0][key]
 one = [rate("one", i) for i in range(1, reqs + 1)]
 route = [rate("route", i) for i in range(1, reqs + 1)]
 piped = [rate("pipelined", i) for i in range(1, reqs + 1)]
 med = statistics.median
-print(f"model: {model}; a {n}-token prompt, {reqs} requests each, taken in turn")
-print(f"one process pinned to one core: {med(one):.1f} t/s prefill ({', '.join(f'{x:.1f}' for x in one)})")
-print(f"2-shard route, one core each:   {med(route):.1f} t/s prefill ({', '.join(f'{x:.1f}' for x in route)})")
-print(f"same route, --pipeline-prefill: {med(piped):.1f} t/s prefill ({', '.join(f'{x:.1f}' for x in piped)})")
+print(f"model: {model}; a {n}-token prompt, {gen} generated, {reqs} requests each, taken in turn; {what} tokens/s")
+print(f"one process pinned to one core: {med(one):.1f} t/s ({', '.join(f'{x:.1f}' for x in one)})")
+print(f"2-shard route, one core each:   {med(route):.1f} t/s ({', '.join(f'{x:.1f}' for x in route)})")
+print(f"same route, --pipeline-prefill: {med(piped):.1f} t/s ({', '.join(f'{x:.1f}' for x in piped)})")
 print(f"route / one process: {med(route) / med(one):.2f}x; pipelined / one process: {med(piped) / med(one):.2f}x; pipelined / route: {med(piped) / med(route):.2f}x")
 PY

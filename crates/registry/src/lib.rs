@@ -73,6 +73,11 @@ pub struct ShardRecord {
     /// given by hand, which never moves.
     #[serde(default)]
     pub weights_budget_bytes: u64,
+    /// The shard's compute time per token on a single stream, as it measured it (the least of
+    /// its recent steps of one position of one session); 0 before it has one. `strata plan`
+    /// predicts a route's time per token from it.
+    #[serde(default)]
+    pub token_step_micros: u64,
 }
 
 /// The most layers a record may claim (no model has nearly this many).
@@ -104,6 +109,7 @@ impl ShardRecord {
             sessions: 0,
             draining: false,
             weights_budget_bytes: 0,
+            token_step_micros: 0,
         }
     }
 
@@ -119,18 +125,23 @@ impl ShardRecord {
 
 impl ShardRecord {
     /// Whether `next` says something new enough to write to etcd: anything but the load
-    /// figures, the number of sessions, or free KV moved by a sixteenth of the budget. (Every
-    /// write is a revision etcd keeps until compaction; load that flickers is not worth one.)
+    /// figures, the number of sessions, free KV moved by a sixteenth of the budget, or the
+    /// time per token moved by an eighth (or measured for the first time). (Every write is a
+    /// revision etcd keeps until compaction; figures that flicker are not worth one.)
     pub fn worth_announcing(&self, next: &ShardRecord) -> bool {
         let load = |r: &ShardRecord| ShardRecord {
             kv_free_bytes: 0,
             sessions: 0,
+            token_step_micros: 0,
             ..r.clone()
         };
         let kv_step = (self.kv_budget_bytes / 16).max(1);
+        let (was, now) = (self.token_step_micros, next.token_step_micros);
         load(self) != load(next)
             || self.sessions != next.sessions
             || self.kv_free_bytes.abs_diff(next.kv_free_bytes) >= kv_step
+            || (was == 0) != (now == 0)
+            || was.abs_diff(now).saturating_mul(8) > was
     }
 }
 
@@ -901,6 +912,7 @@ mod tests {
             sessions: 0,
             draining: false,
             weights_budget_bytes: 0,
+            token_step_micros: 0,
         };
         let v = serde_json::to_vec(&r).unwrap();
         let key = shard_key("/s/", "127.0.0.1:1");
@@ -957,6 +969,7 @@ mod tests {
             sessions: 0,
             draining: false,
             weights_budget_bytes: 0,
+            token_step_micros: 0,
         };
         let with = |f: &dyn Fn(&mut ShardRecord)| {
             let mut n = r.clone();
@@ -968,6 +981,12 @@ mod tests {
         assert!(r.worth_announcing(&with(&|n| n.kv_free_bytes = 1500)));
         assert!(r.worth_announcing(&with(&|n| n.sessions = 1)));
         assert!(r.worth_announcing(&with(&|n| n.draining = true)));
+        // The time per token: its first measure, then a move of more than an eighth.
+        assert!(r.worth_announcing(&with(&|n| n.token_step_micros = 20_000)));
+        let timed = with(&|n| n.token_step_micros = 20_000);
+        assert!(!timed.worth_announcing(&with(&|n| n.token_step_micros = 22_000)));
+        assert!(timed.worth_announcing(&with(&|n| n.token_step_micros = 23_000)));
+        assert!(timed.worth_announcing(&with(&|n| n.token_step_micros = 17_000)));
     }
 
     #[test]

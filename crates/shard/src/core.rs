@@ -383,6 +383,7 @@ impl ShardCore {
             early_steps_discarded: c.early_steps_discarded.load(Ordering::Relaxed),
             kernel_thread_moves: c.kernel_thread_moves.load(Ordering::Relaxed),
             draining: self.is_draining(),
+            token_step_micros: c.token_step_micros.load(Ordering::Relaxed),
         }
     }
 }

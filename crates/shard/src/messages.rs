@@ -33,6 +33,32 @@ pub struct Counters {
     pub early_steps_used: AtomicU64,
     pub early_steps_discarded: AtomicU64,
     pub kernel_thread_moves: AtomicU64,
+    /// The least compute time of the recent steps that computed one position of one session
+    /// ([`TokenSteps`]); 0 before the first.
+    pub token_step_micros: AtomicU64,
+}
+
+/// A shard's time per token on a single stream: the compute time of its last
+/// [`TokenSteps::WINDOW`] steps that computed one position of one session, of which the least
+/// is the shard's own speed (a longer context's attention, or a busy host, only add to it).
+/// What `strata plan` predicts a route's time per token from, and trackers show beside the
+/// time they measure.
+#[derive(Debug, Default)]
+pub struct TokenSteps {
+    micros: std::collections::VecDeque<u64>,
+}
+
+impl TokenSteps {
+    pub const WINDOW: usize = 16;
+
+    /// A one-position step took `micros`; returns the least of the window now.
+    pub fn observe(&mut self, micros: u64) -> u64 {
+        if self.micros.len() == Self::WINDOW {
+            self.micros.pop_front();
+        }
+        self.micros.push_back(micros.max(1));
+        self.micros.iter().copied().min().unwrap_or(0)
+    }
 }
 
 impl Counters {

@@ -19,7 +19,7 @@ const _: () = assert!(engine::KV_BLOCK_POSITIONS == BLOCK_POSITIONS);
 use proto::v1::{Fragment, SessionError, SessionOutput, TopLogprob};
 
 use crate::grammar::{Done, Grammar, GrammarThreads, Pending};
-use crate::messages::{Counters, Early, EarlyJob, StepJob, StepOutcome};
+use crate::messages::{Counters, Early, EarlyJob, StepJob, StepOutcome, TokenSteps};
 use crate::{mib, ShardConfig};
 
 /// A session as a shard knows it: the route stream that opened it and its id there.
@@ -86,6 +86,8 @@ pub(crate) struct Worker {
     /// rewritten, gone bad): set by the step that found it, whose reply is then not sent; the
     /// compute thread stops as on a panic, so routes fail over to replicas.
     pub fatal: Option<String>,
+    /// Compute times of steps of one position of one session (the shard's time per token).
+    token_steps: TokenSteps,
 }
 
 /// One step's masks, by session: the mask, or why there is none.
@@ -155,6 +157,7 @@ impl Worker {
             logits: Vec::new(),
             grammars,
             fatal: None,
+            token_steps: TokenSteps::default(),
         }
     }
 
@@ -762,6 +765,15 @@ impl Worker {
             self.counters
                 .compute_micros
                 .fetch_add(out.compute_micros, Ordering::Relaxed);
+        }
+        // Early steps count too: on a route's first shard most decode steps are early ones.
+        if let [i] = accepted[..] {
+            if job.fragments[i].tokens.len() == 1 {
+                let least = self.token_steps.observe(out.compute_micros);
+                self.counters
+                    .token_step_micros
+                    .store(least, Ordering::Relaxed);
+            }
         }
         out
     }

@@ -3,12 +3,15 @@
 //! weights budget would take (`--layers auto` places it the same way), and each route's
 //! predicted time per token.
 //!
-//! The prediction is a model of single-stream decode, printed with its inputs: compute is the
-//! weight bytes a token reads on every shard of the route (each layer's tensors, and the head
-//! on the last shard) at the memory read bandwidth measured on this host, as if every shard
-//! host read as fast; seams are one message per hop (tracker to the first shard, shard to
-//! shard, the last shard back to the tracker), each half the TCP round trip measured from this
-//! host to the shard it reaches.
+//! The prediction is a model of single-stream decode, printed with its inputs: compute is each
+//! shard's own measured time per token where its record has one (the least compute time of
+//! its recent one-position steps, as it announced it), and otherwise the weight bytes a token
+//! reads on it (each layer's tensors, and the head on the last shard) at the memory read
+//! bandwidth measured on this host; seams are one message per hop (tracker to the first
+//! shard, shard to shard, the last shard back to the tracker), each half the round trip
+//! measured from this host to the shard it reaches: an HTTP/2 PING answered by the shard's
+//! server, so that whatever delays its messages (a proxy, a slow link) counts, not only the
+//! TCP handshake.
 
 use std::collections::HashMap;
 use std::net::ToSocketAddrs;
@@ -85,13 +88,56 @@ fn measure_read_gbps(threads: usize) -> f64 {
     BYTES as f64 / best / 1e9
 }
 
-/// The TCP connect time to `address` (one round trip), or `None` when it does not answer
-/// within a second.
+/// A message's round trip to the shard at `address`: an HTTP/2 PING on a fresh connection,
+/// timed from sending it to its acknowledgement, the least of three; `None` when it does not
+/// answer within a second. A shard serving TLS answers the clear-text PING by closing the
+/// connection, after the same one round trip, which is what is timed then.
 fn round_trip(address: &str) -> Option<Duration> {
+    use std::io::{Read, Write};
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    // SETTINGS (type 4, empty), then PING (type 6, 8 bytes of payload) on stream 0.
+    const SETTINGS: [u8; 9] = [0, 0, 0, 4, 0, 0, 0, 0, 0];
+    const PING: [u8; 17] = [0, 0, 8, 6, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8];
     let addr = address.to_socket_addrs().ok()?.next()?;
-    let t0 = Instant::now();
-    std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
-    Some(t0.elapsed())
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
+    stream.set_nodelay(true).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
+    stream.write_all(PREFACE).ok()?;
+    stream.write_all(&SETTINGS).ok()?;
+    let mut best: Option<Duration> = None;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        stream.write_all(&PING).ok()?;
+        // Frames until the PING's acknowledgement (type 6, flag 1), at most 64 KiB of them; a
+        // connection closed or refused in between ends the measure there.
+        let mut read = 0usize;
+        let acked = loop {
+            let mut header = [0u8; 9];
+            if stream.read_exact(&mut header).is_err() {
+                break false;
+            }
+            let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+            read += 9 + len;
+            if read > 64 << 10 {
+                return best;
+            }
+            let mut payload = vec![0u8; len];
+            if stream.read_exact(&mut payload).is_err() {
+                break false;
+            }
+            if header[3] == 6 && header[4] & 1 == 1 {
+                break true;
+            }
+        };
+        if t0.elapsed() >= Duration::from_secs(1) {
+            return best;
+        }
+        best = Some(best.map_or(t0.elapsed(), |b| b.min(t0.elapsed())));
+        if !acked {
+            break;
+        }
+    }
+    best
 }
 
 /// Layer runs of equal coverage: `0..12 x1, 12..24 x0`.
@@ -123,6 +169,9 @@ fn mib(bytes: u64) -> f64 {
 /// A route's predicted milliseconds per token: compute, seams, and the two summed.
 struct Prediction {
     compute_ms: f64,
+    /// Of the route's shards, how many had a measured time per token.
+    measured: usize,
+    shards: usize,
     seams_ms: Option<f64>,
 }
 
@@ -133,9 +182,16 @@ impl Prediction {
         gbps: f64,
         rtt: &dyn Fn(&str) -> Option<Duration>,
     ) -> Prediction {
-        let bytes: u64 = route
+        let compute_ms: f64 = route
             .iter()
-            .map(|r| bytes_per_token(sizes, r.layer_start as usize, r.layer_end as usize))
+            .map(|r| match r.token_step_micros {
+                0 => {
+                    let bytes =
+                        bytes_per_token(sizes, r.layer_start as usize, r.layer_end as usize);
+                    bytes as f64 / (gbps * 1e9) * 1e3
+                }
+                measured => measured as f64 / 1e3,
+            })
             .sum();
         // One message into each shard and one back from the last: each hop half a round trip
         // to the shard it reaches (the way back to the tracker counts the last shard's).
@@ -145,7 +201,9 @@ impl Prediction {
             .collect();
         let seams_ms = hops.map(|h| h.iter().sum::<f64>() + h.last().copied().unwrap_or(0.0));
         Prediction {
-            compute_ms: bytes as f64 / (gbps * 1e9) * 1e3,
+            compute_ms,
+            measured: route.iter().filter(|r| r.token_step_micros > 0).count(),
+            shards: route.len(),
             seams_ms,
         }
     }
@@ -153,17 +211,25 @@ impl Prediction {
 
 impl std::fmt::Display for Prediction {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let source = match self.measured {
+            0 => "from the read bandwidth".to_string(),
+            n if n == self.shards => "measured by the shards".to_string(),
+            n => format!(
+                "measured by {n} of {} shards, the rest from the read bandwidth",
+                self.shards
+            ),
+        };
         match self.seams_ms {
             Some(s) => write!(
                 f,
-                "{:.2} ms a token (compute {:.2} + seams {:.2})",
+                "{:.2} ms a token (compute {:.2}, {source}; seams {:.2})",
                 self.compute_ms + s,
                 self.compute_ms,
                 s
             ),
             None => write!(
                 f,
-                "compute {:.2} ms a token; seams unknown (a shard did not answer a TCP connect)",
+                "compute {:.2} ms a token ({source}); seams unknown (a shard did not answer a ping)",
                 self.compute_ms
             ),
         }

@@ -411,6 +411,7 @@ fn shard_record(
         sessions: stats.sessions,
         draining: stats.draining,
         weights_budget_bytes: movable_budget,
+        token_step_micros: stats.token_step_micros,
     }
 }
 

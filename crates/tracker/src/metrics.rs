@@ -400,6 +400,11 @@ pub fn declare(m: &Metrics) {
             "the route's measured time per token, by which new sessions choose among routes: the least round trip of its last 16 answered steps that carried one token of one session, alone on the route (its last value; route choice forgets it 30 s after the last such step)",
         ),
         (
+            "strata_route_predicted_token_seconds",
+            "gauge",
+            "the route's time per token predicted from its parts, beside the measured strata_route_token_interval_seconds: the sum of its shards' own times per token (each shard's least compute of its recent one-position steps, over every route it serves) and the route's least messaging of the same steps (round trip less the time the shards held them)",
+        ),
+        (
             "strata_route_overhead_seconds",
             "histogram",
             "messaging time of a step: its round trip from the tracker less the time the shards held it",

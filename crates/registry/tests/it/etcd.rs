@@ -23,6 +23,7 @@ fn record(address: &str) -> ShardRecord {
         sessions: 0,
         draining: false,
         weights_budget_bytes: 0,
+        token_step_micros: 0,
     }
 }
 

@@ -107,8 +107,10 @@ fn plan_prints_the_swarm_its_routes_and_where_a_new_shard_would_go() {
         route.contains("(0..15) -> ") && route.contains("(15..30): "),
         "{route}"
     );
-    // Both shards answered a TCP connect, so the seams are measured, not unknown.
+    // Both shards answered a ping, so the seams are measured, not unknown; neither has
+    // computed a step, so compute comes from the read bandwidth.
     assert!(route.contains("ms a token (compute "), "{route}");
+    assert!(route.contains("from the read bandwidth; seams"), "{route}");
     // The least-served layers start at 10: a new shard takes 10..30, and the 0..10 replica
     // then chains with it into a second route.
     let new = line_with(&text, "a new shard");
@@ -122,6 +124,25 @@ fn plan_prints_the_swarm_its_routes_and_where_a_new_shard_would_go() {
     let (ok, text) = plan(&ep, &["--weights-budget-mib", "0"]);
     assert!(ok, "{text}");
     assert!(line_with(&text, "a new shard").contains("holds no layer"));
+
+    // Once the route has decoded, its shards announce their own time per token, and the
+    // prediction's compute is theirs.
+    let token = procs::token_file(TOKEN);
+    let tracker = procs::registry_tracker(exe(), &token, &ep, &[]);
+    let body = serde_json::json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0});
+    let r =
+        testkit::http::request("POST", &tracker.addr, "/v1/completions", Some(&body), &[]).unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let t = Instant::now();
+    loop {
+        let (ok, text) = plan(&ep, &[]);
+        assert!(ok, "{text}");
+        if line_with(&text, "route 1:").contains("measured by the shards; seams") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "{text}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 #[test]

@@ -320,4 +320,41 @@ fn new_sessions_go_to_the_fast_route_while_it_has_room() {
         sessions("slow") > on_slow,
         "the second went to the slow route"
     );
+    // Beside each route's measured time per token, the one its parts predict: its shard's own
+    // time per token (from the shard's stats, polled every 100 ms) and its messaging, which
+    // on the slow route holds the link's 20 ms each way.
+    let t0 = std::time::Instant::now();
+    let predicted = loop {
+        let health = request("GET", &t, "/health", None, &[]).unwrap().json();
+        let routes = health["models"][0]["routes"].as_array().unwrap().clone();
+        if routes
+            .iter()
+            .all(|r| r["predicted_token_seconds"].as_f64().is_some())
+        {
+            break routes;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "{routes:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let part = |name: &str, field: &str| {
+        predicted.iter().find(|r| r["name"] == name).unwrap()[field]
+            .as_f64()
+            .unwrap()
+    };
+    for name in ["fast", "slow"] {
+        let (compute, messaging) = (
+            part(name, "compute_seconds"),
+            part(name, "messaging_seconds"),
+        );
+        assert!(compute > 0.0 && messaging >= 0.0, "{predicted:?}");
+        assert!((part(name, "predicted_token_seconds") - (compute + messaging)).abs() < 1e-9);
+    }
+    assert!(part("slow", "messaging_seconds") >= 0.040, "{predicted:?}");
+    assert!(part("fast", "messaging_seconds") < part("slow", "messaging_seconds"));
+    assert!(
+        tracker_metric_with(&t, "strata_route_predicted_token_seconds", "route=\"fast\"") > 0.0
+    );
 }

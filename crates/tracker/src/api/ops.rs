@@ -358,11 +358,18 @@ pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respo
                 .map(|i| format!("{}: {}..{}", i.listen, i.layer_start, i.layer_end))
                 .collect();
             // Its measured time per token (route/pace.rs), null while it has none.
-            let token_seconds = r.pace.seconds(std::time::Instant::now());
+            let now = std::time::Instant::now();
+            let token_seconds = r.pace.seconds(now);
+            // Beside it, the time per token its parts predict (route/pace.rs: the shards'
+            // own times per token and the route's messaging).
+            let predicted = crate::route::pace::Prediction::of(&h, &r.pace, now);
             routes.push(
                 json!({"name": r.name, "status": if up { "up" } else { "down" },
                                "sessions": r.load.load(std::sync::atomic::Ordering::Relaxed),
                                "token_seconds": token_seconds,
+                               "predicted_token_seconds": predicted.and_then(|p| p.seconds()),
+                               "compute_seconds": predicted.map(|p| p.compute),
+                               "messaging_seconds": predicted.and_then(|p| p.messaging),
                                "shards": layers}),
             );
             shards.extend(h.shards.iter().map(|sh| {

@@ -651,10 +651,21 @@ impl Runner {
             && answered(f.plan.items[0].session)
         {
             let now = Instant::now();
-            self.pace.observe((now - f.sent).as_secs_f64(), now);
+            let round_trip = (now - f.sent).as_secs_f64();
+            self.pace.observe(round_trip, now);
+            if !reply.hops.is_empty() {
+                let held: u64 = reply.hops.iter().map(|h| h.held_micros).sum();
+                self.pace
+                    .observe_messaging((round_trip - held as f64 / 1e6).max(0.0));
+            }
             if let Some(pace) = self.pace.seconds(now) {
                 self.metrics
                     .set("strata_route_token_interval_seconds", &[], pace);
+            }
+            let predicted = super::pace::Prediction::of(&self.health.borrow(), &self.pace, now);
+            if let Some(p) = predicted.and_then(|p| p.seconds()) {
+                self.metrics
+                    .set("strata_route_predicted_token_seconds", &[], p);
             }
         }
         self.apply(f.plan, reply, f.sent);

@@ -42,7 +42,16 @@ pub struct Pace(Mutex<Window>);
 #[derive(Debug, Default)]
 struct Window {
     seconds: VecDeque<f64>,
+    /// The same steps' messaging: each round trip less the time the shards held the step.
+    messaging: VecDeque<f64>,
     last: Option<Instant>,
+}
+
+fn push(window: &mut VecDeque<f64>, v: f64) {
+    if window.len() == WINDOW {
+        window.pop_front();
+    }
+    window.push_back(v);
 }
 
 impl Pace {
@@ -52,11 +61,25 @@ impl Pace {
             return;
         }
         let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if w.seconds.len() == WINDOW {
-            w.seconds.pop_front();
-        }
-        w.seconds.push_back(seconds);
+        push(&mut w.seconds, seconds);
         w.last = Some(now);
+    }
+
+    /// The messaging of the same step: its round trip less the time its shards held it.
+    pub fn observe_messaging(&self, seconds: f64) {
+        if !seconds.is_finite() || seconds < 0.0 {
+            return;
+        }
+        let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        push(&mut w.messaging, seconds);
+    }
+
+    /// The least messaging of the last [`WINDOW`] lone one-token steps; `None` as
+    /// [`Pace::seconds`] is.
+    pub fn messaging(&self, now: Instant) -> Option<f64> {
+        self.seconds(now)?;
+        let w = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        w.messaging.iter().copied().reduce(f64::min)
     }
 
     /// The least round trip of the last [`WINDOW`] lone one-token steps; `None` before the
@@ -68,6 +91,45 @@ impl Pace {
             return None;
         }
         w.seconds.iter().copied().reduce(f64::min)
+    }
+}
+
+/// A route's time per token predicted from its parts, each measured on its own: what its
+/// shards compute a token in (each shard's own least one-position step, from its stats: a
+/// shard measures it over every route it serves) and the route's messaging (the least, over
+/// its last [`WINDOW`] lone one-token steps, of the round trip less the time the shards held
+/// the step). Shown beside the measured pace; the two part where the parts do not add up (a
+/// shard slower in this route than in others, messaging that overlaps compute).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prediction {
+    pub compute: f64,
+    pub messaging: Option<f64>,
+}
+
+impl Prediction {
+    /// From the shards' stats (`None` unless every shard has measured itself) and the pace's
+    /// messaging.
+    pub fn of(health: &super::cluster::Health, pace: &Pace, now: Instant) -> Option<Prediction> {
+        let micros: Option<Vec<u64>> = health
+            .shards
+            .iter()
+            .map(|s| {
+                s.stats
+                    .as_ref()
+                    .map(|st| st.token_step_micros)
+                    .filter(|&m| m > 0)
+            })
+            .collect();
+        let micros = micros.filter(|m| !m.is_empty())?;
+        Some(Prediction {
+            compute: micros.iter().sum::<u64>() as f64 / 1e6,
+            messaging: pace.messaging(now),
+        })
+    }
+
+    /// Compute and messaging; `None` while the messaging is unmeasured.
+    pub fn seconds(&self) -> Option<f64> {
+        self.messaging.map(|m| self.compute + m)
     }
 }
 
@@ -114,6 +176,50 @@ mod tests {
         assert_eq!(p.seconds(t0), Some(0.050));
         assert_eq!(p.seconds(t0 + STALE), Some(0.050));
         assert_eq!(p.seconds(t0 + STALE + Duration::from_millis(1)), None);
+    }
+
+    /// A prediction adds the shards' own times per token (every shard's, or none) to the
+    /// route's least messaging.
+    #[test]
+    fn a_prediction_adds_every_shards_time_per_token_to_the_routes_messaging() {
+        use super::super::cluster::{Health, ShardHealth};
+        let shard = |micros: Option<u64>| ShardHealth {
+            address: "a".into(),
+            layers: (0, 1),
+            up: true,
+            last_error: None,
+            mismatch: None,
+            stats: micros.map(|m| proto::v1::ShardStats {
+                token_step_micros: m,
+                ..Default::default()
+            }),
+        };
+        let health = |shards| Health { shards };
+        let (p, t0) = (Pace::default(), Instant::now());
+        let both = health(vec![shard(Some(20_000)), shard(Some(30_000))]);
+        assert_eq!(
+            Prediction::of(&both, &p, t0),
+            Some(Prediction {
+                compute: 0.05,
+                messaging: None
+            })
+        );
+        assert_eq!(Prediction::of(&both, &p, t0).unwrap().seconds(), None);
+        for (round_trip, messaging) in [(0.060, 0.004), (0.058, 0.003), (0.070, 0.009)] {
+            p.observe(round_trip, t0);
+            p.observe_messaging(messaging);
+        }
+        let predicted = Prediction::of(&both, &p, t0).unwrap();
+        assert_eq!(predicted.messaging, Some(0.003));
+        assert!((predicted.seconds().unwrap() - 0.053).abs() < 1e-12);
+        // A shard without its own measure, or without stats: no prediction.
+        for unmeasured in [Some(0), None] {
+            let one = health(vec![shard(Some(20_000)), shard(unmeasured)]);
+            assert_eq!(Prediction::of(&one, &p, t0), None);
+        }
+        assert_eq!(Prediction::of(&health(vec![]), &p, t0), None);
+        // Forgotten with the pace.
+        assert_eq!(p.messaging(t0 + STALE + Duration::from_millis(1)), None);
     }
 
     #[test]
