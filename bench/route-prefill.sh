@@ -3,8 +3,8 @@
 # are each pinned to their own core (`taskset`, one kernel thread each) against one process
 # pinned to one core, both prefilling the same prompt over HTTP (`strata bench --url`, the
 # prefix cache off so every request computes its whole prompt), through two trackers on the
-# same two shards: one plain, where each chunk of the prompt waits for the last one's reply, and
-# one with `--pipeline-prefill`, where chunk k + 1 computes on shard 1 while chunk k computes on
+# same two shards: one plain (`--no-pipeline-prefill`), where each chunk of the prompt waits for
+# the last one's reply, and one with `--pipeline-prefill` (the default), where chunk k + 1 computes on shard 1 while chunk k computes on
 # shard 2 (issue 30).
 #
 # Usage: [MODEL=name-or-path] [STRATA=path] [GEN=tokens] bench/route-prefill.sh [prompt-tokens] [requests]
@@ -48,7 +48,7 @@ taskset -c 0 "$STRATA" shard --model "$model" --layers "0..$half" --threads 1 --
 taskset -c 1 "$STRATA" shard --model "$model" --layers "$half..$n_layer" --threads 1 --ctx "$ctx" --no-prefix-cache \
   --cluster-token-file "$out/token" --listen 127.0.0.1:18294 >"$out/s2.log" 2>&1 &
 "$STRATA" tracker --shards 127.0.0.1:18293,127.0.0.1:18294 --cluster-token-file "$out/token" \
-  --listen 127.0.0.1:18292 >"$out/tracker.log" 2>&1 &
+  --no-pipeline-prefill --listen 127.0.0.1:18292 >"$out/tracker.log" 2>&1 &
 "$STRATA" tracker --shards 127.0.0.1:18293,127.0.0.1:18294 --cluster-token-file "$out/token" \
   --pipeline-prefill --listen 127.0.0.1:18295 >"$out/tracker-pipelined.log" 2>&1 &
 wait_http 18291; wait_http 18292; wait_http 18295

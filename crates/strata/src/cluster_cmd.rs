@@ -254,12 +254,16 @@ pub struct RouteArgs {
     /// shard computes while the others do.
     #[arg(long, default_value_t = 0)]
     pipeline_depth: usize,
-    /// Pipelined prefill: a long prompt's next chunk (`--prefill-chunk` positions) goes down a
-    /// route of several shards while its earlier chunks are still on it, so the first shard
-    /// computes chunk k + 1 while the next computes chunk k (the same results: shards take
-    /// steps in order). Needs a pipeline depth above 1 (a route of several shards).
+    /// Pipelined prefill, the default: a long prompt's next chunk (`--prefill-chunk`
+    /// positions) goes down a route of several shards while its earlier chunks are still on
+    /// it, so the first shard computes chunk k + 1 while the next computes chunk k (the same
+    /// results: shards take steps in order). Needs a pipeline depth above 1 (a route of
+    /// several shards). The flag says what is already so.
     #[arg(long)]
     pipeline_prefill: bool,
+    /// Each chunk of a prompt waits for the reply to the one before it (pipelined prefill off).
+    #[arg(long, conflicts_with = "pipeline_prefill")]
+    no_pipeline_prefill: bool,
     /// How often the tracker probes each shard's health and stats, in milliseconds.
     #[arg(long, default_value_t = 500)]
     health_period_ms: u64,
@@ -398,7 +402,7 @@ impl RouteArgs {
             max_prefill_chunk: self.prefill_chunk,
             max_active: self.max_active,
             pipeline_depth: self.pipeline_depth,
-            pipelined_prefill: self.pipeline_prefill,
+            pipelined_prefill: !self.no_pipeline_prefill,
             grading_max_active: self.grading_max_active.min(self.max_active),
             grading_step_tokens: self.grading_step_tokens.max(1),
             agent_guard: Duration::from_millis(self.agent_guard_ms),

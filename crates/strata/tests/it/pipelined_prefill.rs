@@ -1,8 +1,8 @@
-//! Pipelined prefill (`--pipeline-prefill`, issue 30) through real shard processes: on a route
-//! of two shards a long prompt's chunks go down the route one after another without waiting
-//! for the earlier ones' replies, and every answer (token ids and log-probabilities, greedy and
+//! Pipelined prefill (the default, issue 30) through real shard processes: on a route of two
+//! shards a long prompt's chunks go down the route one after another without waiting for the
+//! earlier ones' replies, and every answer (token ids and log-probabilities, greedy and
 //! seeded, one prompt at a time and several at once) is bitwise what the same shards give
-//! through a tracker that sends one chunk at a time. The prefix cache is off, so every prompt
+//! through a tracker that sends one chunk at a time (`--no-pipeline-prefill`). The prefix cache is off, so every prompt
 //! is computed whole both ways.
 
 use std::path::Path;
@@ -77,13 +77,14 @@ fn a_pipelined_prompt_gives_bitwise_the_answers_of_one_chunk_at_a_time() {
     let refs: Vec<&Proc> = shards.iter().collect();
     // Chunks of 32 positions: a 400-token prompt is 13 of them.
     let small = ["--prefill-chunk", "32", "--max-step-tokens", "64"];
-    let plain = procs::tracker(exe(), &refs, &token, &small);
-    let piped = procs::tracker(
+    let plain = procs::tracker(
         exe(),
         &refs,
         &token,
-        &[&small[..], &["--pipeline-prefill"]].concat(),
+        &[&small[..], &["--no-pipeline-prefill"]].concat(),
     );
+    // Pipelined is the default.
+    let piped = procs::tracker(exe(), &refs, &token, &small);
     let cases = cases();
     let want: Vec<Value> = cases.iter().map(|c| answer(&plain.addr, c)).collect();
     for (i, case) in cases.iter().enumerate() {
