@@ -54,14 +54,29 @@ pub fn place(coverage: &[u32], fits: impl Fn(usize, usize) -> bool) -> Option<Ra
 
 /// Up to `max` disjoint chains of `free` shards (one model's, none draining) that each cover `[0, n_layers)`
 /// exactly once, found greedily; linear in the shards for each chain (positions that lead
-/// nowhere are remembered).
+/// nowhere are remembered). At each layer the longest range goes first, and between shards
+/// of the same range the one with the least measured time per token
+/// (`ShardRecord::token_step_micros`; unmeasured ones after the measured), so the first chains
+/// are the fastest: fast replicas are stitched with fast ones, and the route sessions go to
+/// first is the quickest there is.
 pub fn chains(mut free: Vec<&ShardRecord>, max: usize) -> Vec<Vec<&ShardRecord>> {
+    let speed = |r: &ShardRecord| match r.token_step_micros {
+        0 => u64::MAX,
+        m => m,
+    };
     free.sort_by(|a, b| {
-        (a.layer_start, std::cmp::Reverse(a.layer_end), &a.address).cmp(&(
-            b.layer_start,
-            std::cmp::Reverse(b.layer_end),
-            &b.address,
-        ))
+        (
+            a.layer_start,
+            std::cmp::Reverse(a.layer_end),
+            speed(a),
+            &a.address,
+        )
+            .cmp(&(
+                b.layer_start,
+                std::cmp::Reverse(b.layer_end),
+                speed(b),
+                &b.address,
+            ))
     });
     let mut out = Vec::new();
     while out.len() < max {
@@ -525,6 +540,36 @@ mod tests {
         ];
         assert_eq!(should_move(&s, &[], "a", layers), Some(0..14));
         assert_eq!(should_move(&s, &[], "b", layers), None);
+    }
+
+    /// Between replicas of a range, the fastest measured goes first (unmeasured ones last,
+    /// by address): the first chain stitches the fast replicas of every range.
+    #[test]
+    fn the_first_chain_takes_the_fastest_replica_of_each_range() {
+        let timed = |address: &str, layers: Range<u32>, micros: u64| ShardRecord {
+            token_step_micros: micros,
+            ..record(address, layers, 24, "d")
+        };
+        let s = [
+            timed("a-slow", 0..12, 40_000),
+            timed("a-fast", 0..12, 10_000),
+            timed("a-new", 0..12, 0),
+            timed("b-new", 12..24, 0),
+            timed("b-slow", 12..24, 30_000),
+            timed("b-fast", 12..24, 12_000),
+        ];
+        let got: Vec<Vec<&str>> = chains(s.iter().collect(), usize::MAX)
+            .iter()
+            .map(|c| c.iter().map(|r| r.address.as_str()).collect())
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ["a-fast", "b-fast"],
+                ["a-slow", "b-slow"],
+                ["a-new", "b-new"]
+            ]
+        );
     }
 
     #[test]
