@@ -285,9 +285,10 @@ pub struct RouteArgs {
     /// Speculative decoding: `ngram` drafts tokens from each session's own prompt and output
     /// (prompt lookup) and verifies them along the route in the decode step itself, so a
     /// client gets exactly the tokens plain decoding gives, several per trip when its text
-    /// repeats; `off` decodes one token a step. A request opts out with `"speculative": false`;
-    /// a session held to a grammar (JSON schema, tool calls) never drafts.
-    #[arg(long, default_value = "off", value_parser = ["off", "ngram"])]
+    /// repeats (the default); `off` decodes one token a step. A request opts out with
+    /// `"speculative": false`; a session held to a grammar (JSON schema, tool calls) never
+    /// drafts.
+    #[arg(long, default_value = "ngram", value_parser = ["off", "ngram"])]
     speculative: String,
     /// The most tokens drafted for one session in one step (1 to 16).
     #[arg(long, default_value_t = 8)]

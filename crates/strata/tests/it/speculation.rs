@@ -179,6 +179,13 @@ fn speculation_through_two_shards_gives_plain_decodings_answers_at_1_4_and_16_se
     assert_verified(addr, "two shards");
     // Decode positions include the verified drafts; the acceptance histogram counts steps.
     assert!(metric(addr, "strata_spec_accepted_length_count") > 0.0);
+    // Speculation is the default: a tracker given no flag drafts for a lone session, with the
+    // same answer.
+    let refs: Vec<&Proc> = shards.iter().collect();
+    let default = procs::tracker(exe(), &refs, &token, &[]);
+    let one = answer(&default.addr, &cases[0], true);
+    assert_eq!(one, plain[0]);
+    assert!(metric(&default.addr, "strata_spec_drafted_tokens_total") > 0.0);
 }
 
 /// Routes of one shard (drafting up to 3 tokens) and of three (up to 16, the most a fragment
