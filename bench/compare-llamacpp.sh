@@ -47,13 +47,7 @@ strata=target/release/strata
 out=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$out"' EXIT
 
-wait_http() { # $1 = port
-  for _ in $(seq 1 600); do
-    curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 && return 0
-    sleep 0.2
-  done
-  echo "nothing answered on port $1" >&2; return 1
-}
+source bench/lib.sh
 
 peak_rss_mib() { # $1 = pid
   awk '/VmHWM/ {printf "%.1f", $2 / 1024}' "/proc/$1/status"

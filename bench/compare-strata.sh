@@ -27,13 +27,7 @@ if [ -f "$MODEL" ]; then model=$MODEL; else model=$(scripts/fetch-model.sh "$MOD
 out=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$out"' EXIT
 
-wait_http() { # $1 = port
-  for _ in $(seq 1 600); do
-    curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 && return 0
-    sleep 0.2
-  done
-  echo "nothing answered on port $1" >&2; return 1
-}
+source bench/lib.sh
 
 for r in $(seq 1 "$rounds"); do
   echo "round $r of $rounds" >&2

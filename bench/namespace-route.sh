@@ -66,13 +66,7 @@ for h in 1 2 3; do
 done
 inns() { local h=$1; shift; ip netns exec "snb$n-$h" "$@"; }
 
-wait_http() { # $1 = url
-  for _ in $(seq 1 600); do
-    curl -sf "$1/health" >/dev/null 2>&1 && return 0
-    sleep 0.2
-  done
-  echo "nothing answered at $1" >&2; return 1
-}
+source bench/lib.sh
 wait_port() { # $1 = namespace number, $2 = port on its loopback
   for _ in $(seq 1 600); do
     inns "$1" bash -c "exec 3<>/dev/tcp/127.0.0.1/$2" 2>/dev/null && return 0

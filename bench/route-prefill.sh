@@ -28,13 +28,7 @@ fi
 out=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$out"' EXIT
 
-wait_http() { # $1 = port
-  for _ in $(seq 1 600); do
-    curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 && return 0
-    sleep 0.2
-  done
-  echo "nothing answered on port $1" >&2; return 1
-}
+source bench/lib.sh
 
 n_layer=$("$STRATA" model info --model "$model" --json | python3 -c "import json,sys; print(json.load(sys.stdin)[\"n_layers\"])")
 half=$(( n_layer / 2 ))
