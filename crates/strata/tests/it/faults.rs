@@ -376,7 +376,9 @@ fn a_shard_sent_sigterm_drains_and_a_second_sigterm_stops_it() {
     let b_addr = b.addr.clone();
     let addr = tracker.addr.clone();
     assert_eq!(greedy(&addr, "The capital of France is", 4).0, 200);
-    let mut s = SseStream::open(&addr, "/v1/completions", &json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": true, "ignore_eos": true})).unwrap();
+    // One token a step: the stream must outlast the draining checks below, and a greedy
+    // story that loops is drafted many tokens a step (it ended within 4 s with speculation).
+    let mut s = SseStream::open(&addr, "/v1/completions", &json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": true, "ignore_eos": true, "speculative": false})).unwrap();
     for _ in 0..3 {
         s.next_data().expect("tokens before the signal");
     }
