@@ -83,7 +83,7 @@ for r in $(seq 1 "$reps"); do
   env -u STRATA_ISA "$strata" bench --url http://127.0.0.1:18190 --prompt-tokens 32 --gen-tokens 64 --concurrency "$conc" --requests 2 --json > "$out/llama-server-$r.json"
   kill $pid; wait $pid 2>/dev/null || true
 
-  "$strata" serve --model "$model" --shards 1 --threads "$threads" --listen 127.0.0.1:18191 >/dev/null 2>&1 &
+  "$strata" serve --speculative off --model "$model" --shards 1 --threads "$threads" --listen 127.0.0.1:18191 >/dev/null 2>&1 &
   pid=$!; wait_http 18191
   env -u STRATA_ISA "$strata" bench --url http://127.0.0.1:18191 --prompt-tokens 32 --gen-tokens 64 --concurrency "$conc" --requests 2 --json > "$out/strata-serve-$r.json"
   kill $pid; wait $pid 2>/dev/null || true
@@ -93,7 +93,7 @@ for r in $(seq 1 "$reps"); do
   pids=()
   for variant in "one:1:$threads:18195" "all:2:$threads:18196" "split:2:$per:18197"; do
     IFS=: read -r name shards t port <<< "$variant"
-    "$strata" serve --model "$model" --shards "$shards" --threads "$t" --listen "127.0.0.1:$port" >/dev/null 2>&1 &
+    "$strata" serve --speculative off --model "$model" --shards "$shards" --threads "$t" --listen "127.0.0.1:$port" >/dev/null 2>&1 &
     pids+=($!)
   done
   for port in 18195 18196 18197; do wait_http $port; done
@@ -111,7 +111,7 @@ for r in $(seq 1 "$reps"); do
     sleep 1
     "$lbench" -m "$model" -t "$threads" --rpc 127.0.0.1:18198,127.0.0.1:18199 -ngl 99 -p 512 -n 64 -r 3 -o json > "$out/llama-rpc-$r.json" 2>/dev/null
     kill $r1 $r2; wait $r1 $r2 2>/dev/null || true
-    "$strata" serve --model "$model" --shards 2 --threads "$threads" --no-prefix-cache --listen 127.0.0.1:18192 >/dev/null 2>&1 &
+    "$strata" serve --speculative off --model "$model" --shards 2 --threads "$threads" --no-prefix-cache --listen 127.0.0.1:18192 >/dev/null 2>&1 &
     pid=$!; wait_http 18192
     env -u STRATA_ISA "$strata" bench --url http://127.0.0.1:18192 --prompt-tokens 512 --gen-tokens 64 --concurrency 1 --requests 3 --json > "$out/strata-route-$r.json"
     kill $pid; wait $pid 2>/dev/null || true
@@ -126,7 +126,7 @@ ask() { # $1 = port
 }
 "$lserver" -m "$model" -t "$threads" -c 4096 -np 1 --port 18193 >/dev/null 2>&1 &
 pid=$!; wait_http 18193; ask 18193; echo "$(peak_rss_mib $pid)" > "$out/llama-rss"; kill $pid; wait $pid 2>/dev/null || true
-"$strata" serve --model "$model" --shards 1 --threads "$threads" --ctx 4096 --listen 127.0.0.1:18194 >/dev/null 2>&1 &
+"$strata" serve --speculative off --model "$model" --shards 1 --threads "$threads" --ctx 4096 --listen 127.0.0.1:18194 >/dev/null 2>&1 &
 pid=$!; wait_http 18194; ask 18194; echo "$(peak_rss_mib $pid)" > "$out/strata-rss"; kill $pid; wait $pid 2>/dev/null || true
 
 python3 - "$out" "$reps" "$conc" "$stream_requests" "$model" "${LONG_PROMPTS:-}" <<'PY'

@@ -34,7 +34,10 @@ for r in $(seq 1 "$rounds"); do
   for side in base new; do
     bin=$base; [ "$side" = new ] && bin=$new
     "$bin" bench --model "$model" --threads "$threads" --prompt-tokens 512 --gen-tokens 64 --repetitions 3 --json > "$out/$side-bench-$r.json"
-    "$bin" serve --model "$model" --shards 1 --threads "$threads" --listen 127.0.0.1:18291 >/dev/null 2>&1 &
+    # Plain decoding on both sides (a binary from before speculation has no such flag).
+    plain=()
+    "$bin" serve --help 2>/dev/null | grep -q -- '--speculative' && plain=(--speculative off)
+    "$bin" serve "${plain[@]}" --model "$model" --shards 1 --threads "$threads" --listen 127.0.0.1:18291 >/dev/null 2>&1 &
     pid=$!; wait_http 18291
     env -u STRATA_ISA "$new" bench --url http://127.0.0.1:18291 --prompt-tokens 32 --gen-tokens 64 --concurrency 16 --requests 2 --json > "$out/$side-serve-$r.json"
     kill $pid; wait $pid 2>/dev/null || true

@@ -4,7 +4,8 @@
 # DELAY_MS to each message: a stand-in for shards on other hosts.
 # Usage: [MODEL=name-or-path] [STRATA=path] [SPEC=1] bench/delayed-route.sh [delay ms] [threads per shard] [requests]
 # With SPEC=1 the tracker speculates (`--speculative ngram`) and bench/spec-bench.py sends the
-# workload set's code edits, each with `"speculative": false` and without in turn (issue 31).
+# workload set's code edits, each with `"speculative": false` and without in turn (issue 31);
+# without it the tracker decodes one token a step (`--speculative off`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 delay=${1:-1}
@@ -18,7 +19,7 @@ fi
 bin=$STRATA
 n_layer=$("$bin" model info --model "$model" --json | python3 -c "import json,sys; print(json.load(sys.stdin)[\"n_layers\"])")
 half=$(( n_layer / 2 ))
-spec=()
+spec=(--speculative off)
 [ "${SPEC:-0}" = 1 ] && spec=(--speculative ngram)
 dir=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$dir"' EXIT

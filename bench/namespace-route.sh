@@ -32,15 +32,10 @@ STRATA=$(realpath "$STRATA")
 etcd=${ETCD_BIN:-$(command -v etcd || true)}
 [ -x "$etcd" ] || { echo "no etcd (set ETCD_BIN)" >&2; exit 1; }
 
-# A bridge number no other run holds: its name is the lock.
 n=""
-for i in $(seq 100 199); do
-  if ip link add "snb$i" type bridge 2>/dev/null; then n=$i; break; fi
-done
-[ -n "$n" ] || { echo "no free bridge snb100..snb199" >&2; exit 1; }
-net=10.78.$n
 out=$(mktemp -d)
 cleanup() {
+  [ -n "$n" ] || { rm -rf "$out"; return; }
   kill $(jobs -p) 2>/dev/null || true
   for h in 1 2 3; do ip netns pids "snb$n-$h" 2>/dev/null | xargs -r kill 2>/dev/null || true; done
   wait 2>/dev/null || true
@@ -49,6 +44,12 @@ cleanup() {
   rm -rf "$out"
 }
 trap cleanup EXIT
+# A bridge number no other run holds: its name is the lock.
+for i in $(seq 100 199); do
+  if ip link add "snb$i" type bridge 2>/dev/null; then n=$i; break; fi
+done
+[ -n "$n" ] || { echo "no free bridge snb100..snb199" >&2; exit 1; }
+net=10.78.$n
 ip addr add "$net.254/24" dev "snb$n"
 ip link set "snb$n" up
 tbf() { tc qdisc replace dev "$1" root tbf rate "${mbit}mbit" burst 64kb latency 200ms; }
@@ -84,11 +85,13 @@ echo "model $(basename "$model"), $n_layer layers as ${ranges[*]}; links ${mbit}
   --listen-peer-urls "http://127.0.0.1:0" >"$out/etcd.log" 2>&1 &
 registry=http://$net.254:2379
 head -c 32 /dev/urandom | base64 > "$out/token"
+shards=()
 for h in 1 2 3; do
   inns "$h" python3 bench/delay-proxy.py "$net.$h:7001" 127.0.0.1:7000 "$delay" &
   inns "$h" "$STRATA" shard --model "$model" --layers "${ranges[$((h - 1))]}" --threads 1 --no-prefix-cache \
     --listen 127.0.0.1:7000 --advertise "$net.$h:7001" --registry "$registry" \
     --cluster-token-file "$out/token" >"$out/shard$h.log" 2>&1 &
+  shards+=($!)
 done
 for h in 1 2 3; do wait_port "$h" 7000; done
 # Loaded and announced: plan shows the route.
@@ -116,7 +119,7 @@ print(b, t)"
 port=18500
 for seam in f32 f16 q8_0; do
   port=$((port + 1))
-  "$STRATA" tracker --registry "$registry" --cluster-token-file "$out/token" --seam "$seam" \
+  "$STRATA" tracker --speculative off --registry "$registry" --cluster-token-file "$out/token" --seam "$seam" \
     --listen "127.0.0.1:$port" >"$out/tracker-$seam.log" 2>&1 &
   tracker=$!
   wait_http "http://127.0.0.1:$port"
@@ -144,11 +147,13 @@ for m in json.load(sys.stdin)['models']:
 done
 
 echo "strata plan again, now that the shards have measured their time per token:"
-"$STRATA" plan --registry "$registry" --model "$model" | grep '^  route '
+"$STRATA" plan --registry "$registry" --model "$model" | grep '^  route ' || true
 
 if [ -n "${LLAMA_CPP_DIR:-}" ]; then
-  for h in 1 2 3; do inns "$h" pkill -f "strata shard" || true; done
-  sleep 1
+  # Our shards only (`ip netns exec` changes the network, not what pkill sees), gone before
+  # the RPC servers take their ports.
+  kill "${shards[@]}" 2>/dev/null || true
+  wait "${shards[@]}" 2>/dev/null || true
   rpc=()
   for h in 1 2 3; do
     inns "$h" "$LLAMA_CPP_DIR/bin/ggml-rpc-server" -H 127.0.0.1 -p 7000 -t 1 >"$out/rpc$h.log" 2>&1 &

@@ -35,15 +35,15 @@ half=$(( n_layer / 2 ))
 head -c 32 /dev/urandom | base64 > "$out/token"
 ctx=$(( n + 1024 ))
 
-taskset -c 0 "$STRATA" serve --model "$model" --shards 1 --threads 1 --ctx "$ctx" --no-prefix-cache \
+taskset -c 0 "$STRATA" serve --speculative off --model "$model" --shards 1 --threads 1 --ctx "$ctx" --no-prefix-cache \
   --listen 127.0.0.1:18291 >"$out/one.log" 2>&1 &
 taskset -c 0 "$STRATA" shard --model "$model" --layers "0..$half" --threads 1 --ctx "$ctx" --no-prefix-cache \
   --cluster-token-file "$out/token" --listen 127.0.0.1:18293 >"$out/s1.log" 2>&1 &
 taskset -c 1 "$STRATA" shard --model "$model" --layers "$half..$n_layer" --threads 1 --ctx "$ctx" --no-prefix-cache \
   --cluster-token-file "$out/token" --listen 127.0.0.1:18294 >"$out/s2.log" 2>&1 &
-"$STRATA" tracker --shards 127.0.0.1:18293,127.0.0.1:18294 --cluster-token-file "$out/token" \
+"$STRATA" tracker --speculative off --shards 127.0.0.1:18293,127.0.0.1:18294 --cluster-token-file "$out/token" \
   --no-pipeline-prefill --listen 127.0.0.1:18292 >"$out/tracker.log" 2>&1 &
-"$STRATA" tracker --shards 127.0.0.1:18293,127.0.0.1:18294 --cluster-token-file "$out/token" \
+"$STRATA" tracker --speculative off --shards 127.0.0.1:18293,127.0.0.1:18294 --cluster-token-file "$out/token" \
   --pipeline-prefill --listen 127.0.0.1:18295 >"$out/tracker-pipelined.log" 2>&1 &
 wait_http 18291; wait_http 18292; wait_http 18295
 

@@ -89,55 +89,94 @@ fn measure_read_gbps(threads: usize) -> f64 {
 }
 
 /// A message's round trip to the shard at `address`: an HTTP/2 PING on a fresh connection,
-/// timed from sending it to its acknowledgement, the least of three; `None` when it does not
-/// answer within a second. A shard serving TLS answers the clear-text PING by closing the
-/// connection, after the same one round trip, which is what is timed then.
+/// timed from sending it to its acknowledgement (the same payload), the least of three; `None`
+/// when it does not answer within a second. A shard serving TLS answers the clear-text PING by
+/// closing the connection, after the same one round trip: a connection closed before any
+/// HTTP/2 frame arrived is timed too, one closed after some is not a measure.
 fn round_trip(address: &str) -> Option<Duration> {
-    use std::io::{Read, Write};
+    use std::io::Write;
     const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
     // SETTINGS (type 4, empty), then PING (type 6, 8 bytes of payload) on stream 0.
     const SETTINGS: [u8; 9] = [0, 0, 0, 4, 0, 0, 0, 0, 0];
-    const PING: [u8; 17] = [0, 0, 8, 6, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8];
+    const PAYLOAD: [u8; 8] = *b"strata.p";
+    let mut ping = vec![0, 0, 8, 6, 0, 0, 0, 0, 0];
+    ping.extend_from_slice(&PAYLOAD);
     let addr = address.to_socket_addrs().ok()?.next()?;
     let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
     stream.set_nodelay(true).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
     stream.write_all(PREFACE).ok()?;
     stream.write_all(&SETTINGS).ok()?;
     let mut best: Option<Duration> = None;
+    let mut framed = false;
     for _ in 0..3 {
         let t0 = Instant::now();
-        stream.write_all(&PING).ok()?;
-        // Frames until the PING's acknowledgement (type 6, flag 1), at most 64 KiB of them; a
-        // connection closed or refused in between ends the measure there.
+        let deadline = t0 + Duration::from_secs(1);
+        stream.write_all(&ping).ok()?;
+        // Frames until the PING's acknowledgement (type 6, flag 1, our payload), at most
+        // 64 KiB of them, all within the second.
         let mut read = 0usize;
         let acked = loop {
             let mut header = [0u8; 9];
-            if stream.read_exact(&mut header).is_err() {
-                break false;
+            match read_by(&mut stream, &mut header, deadline) {
+                Read::Done => {}
+                Read::Closed if !framed => break false,
+                Read::Closed | Read::Late => return best,
             }
+            framed = true;
             let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
             read += 9 + len;
             if read > 64 << 10 {
                 return best;
             }
             let mut payload = vec![0u8; len];
-            if stream.read_exact(&mut payload).is_err() {
-                break false;
+            if !matches!(read_by(&mut stream, &mut payload, deadline), Read::Done) {
+                return best;
             }
-            if header[3] == 6 && header[4] & 1 == 1 {
+            if header[3] == 6 && header[4] & 1 == 1 && payload == PAYLOAD {
                 break true;
             }
         };
-        if t0.elapsed() >= Duration::from_secs(1) {
-            return best;
-        }
         best = Some(best.map_or(t0.elapsed(), |b| b.min(t0.elapsed())));
         if !acked {
             break;
         }
     }
     best
+}
+
+enum Read {
+    Done,
+    /// The peer closed the connection (or reset it).
+    Closed,
+    /// The deadline passed first.
+    Late,
+}
+
+/// Fills `buf` from `stream` by `deadline`, however the peer trickles its bytes.
+fn read_by(stream: &mut std::net::TcpStream, buf: &mut [u8], deadline: Instant) -> Read {
+    use std::io::Read as _;
+    let mut filled = 0;
+    while filled < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
+            return Read::Late;
+        }
+        match stream.read(&mut buf[filled..]) {
+            Ok(0) => return Read::Closed,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Read::Late
+            }
+            Err(_) => return Read::Closed,
+        }
+    }
+    Read::Done
 }
 
 /// Layer runs of equal coverage: `0..12 x1, 12..24 x0`.

@@ -315,7 +315,7 @@ pub fn declare(m: &Metrics) {
         (
             "strata_pipelined_chunks_total",
             "counter",
-            "prompt chunks sent down a route while an earlier chunk of their session was still on it (--pipeline-prefill)",
+            "prompt chunks sent down a route while an earlier chunk of their session was still on it (pipelined prefill, the default; --no-pipeline-prefill turns it off)",
         ),
         (
             "strata_spec_drafted_tokens_total",

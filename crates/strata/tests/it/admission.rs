@@ -110,11 +110,12 @@ fn work_that_cannot_fit_is_refused_at_admission_naming_the_limit() {
         "{body}"
     );
 
-    // 6 prompt tokens + 250 = 16 blocks of 22 on each shard, held while the stream is open.
+    // 6 prompt tokens + 250 = 16 blocks of 22 on each shard, held while the stream is open
+    // (one token a step, so it is surely open when the second request comes).
     let mut long = SseStream::open(
         &t.addr,
         "/v1/completions",
-        &json!({"prompt": prompt, "max_tokens": 250, "temperature": 0, "ignore_eos": true, "stream": true}),
+        &json!({"prompt": prompt, "max_tokens": 250, "temperature": 0, "ignore_eos": true, "stream": true, "speculative": false}),
     )
     .unwrap();
     assert_eq!(long.status, 200);

@@ -707,7 +707,7 @@ impl Runner {
             }
         }
         // Prompt chunks sent while an earlier chunk of their session is still on the route
-        // (`--pipeline-prefill`).
+        // (pipelined prefill, the default).
         let pipelined = plan
             .items
             .iter()

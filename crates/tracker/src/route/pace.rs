@@ -122,7 +122,8 @@ impl Prediction {
             .collect();
         let micros = micros.filter(|m| !m.is_empty())?;
         Some(Prediction {
-            compute: micros.iter().sum::<u64>() as f64 / 1e6,
+            // As floats: the figures are the shards' word, and a sum of u64s could overflow.
+            compute: micros.iter().map(|&m| m as f64).sum::<f64>() / 1e6,
             messaging: pace.messaging(now),
         })
     }
