@@ -68,14 +68,16 @@ fn key_of(shard: &Proc) -> String {
     format!("{PREFIX}shards/{}", shard.addr)
 }
 
-/// Whether the record `v` is `own`'s, its load figures aside (free KV and sessions move with
-/// every request, and a record restored after a request may carry new ones).
+/// Whether the record `v` is `own`'s, its measured figures aside (free KV and sessions move
+/// with every request, the time per token with every step's pace, and a record restored after
+/// a request may carry new ones).
 fn same_record(v: &[u8], own: &[u8]) -> bool {
     let member = |b: &[u8]| {
         let mut r: Value = serde_json::from_slice(b).unwrap_or(Value::Null);
         if let Some(o) = r.as_object_mut() {
             o.remove("kv_free_bytes");
             o.remove("sessions");
+            o.remove("token_step_micros");
         }
         r
     };
