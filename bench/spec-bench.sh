@@ -5,10 +5,14 @@
 # ngram-simple`) and, when a draft model is given, `--model-draft`, against llama-server without,
 # on the same cores, in the same run. Greedy requests; every variant's texts are compared.
 #
+# Then, on the same strata server, STREAMS concurrent streams (each request sent STREAMS times at
+# once, with and without speculation in turn): the aggregate rate, which speculation must not
+# lower.
+#
 # Usage: LLAMA_CPP_DIR=$(../shared/tools/build-llamacpp.sh) [MODEL=name-or-path]
-#        [DRAFT=name-or-path] [STRATA=path] bench/spec-bench.sh [requests] [max-tokens]
+#        [DRAFT=name-or-path] [STRATA=path] [STREAMS=16] bench/spec-bench.sh [requests] [max-tokens]
 # (MODEL default qwen2.5-coder-1.5b; DRAFT default qwen2.5-coder-0.5b, "none" to skip;
-# requests per kind, default 4; max-tokens default 128)
+# STREAMS 0 skips the concurrent rows; requests per kind, default 4; max-tokens default 128)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 reqs=${1:-4}
@@ -44,6 +48,11 @@ echo "strata: $STRATA serve --speculative ngram ($threads threads)" >&2
 pid=$!
 wait_http 18311
 run strata http://127.0.0.1:18311 --a '{"speculative": false}' --b '{}'
+STREAMS=${STREAMS:-16}
+if [ "$STREAMS" -gt 0 ]; then
+  echo "strata: $STREAMS concurrent streams" >&2
+  run "strata-x$STREAMS" http://127.0.0.1:18311 --a '{"speculative": false}' --b '{}' --concurrency "$STREAMS"
+fi
 stop $pid
 
 ls=$LLAMA_CPP_DIR/bin/llama-server
@@ -83,4 +92,15 @@ for k in kinds:
     a, b = s["a"]["decode_tps_p50"], s["b"]["decode_tps_p50"]
     v = lambda r: r["a"]["decode_tps_p50"] if r else float("nan")
     print(f"| {k} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {s['same_text']} | {v(lp):.2f} | {v(ln):.2f} | {v(ld):.2f} | {b / v(ln):.2f}x |")
+streams = [f for f in sorted(os.listdir(out)) if f.startswith("strata-x")]
+if streams:
+    n = streams[0][len("strata-x"):].split("-")[0]
+    print(f"\nstrata, {n} concurrent streams: aggregate tokens/s (median of the requests)")
+    print("| kind | plain | speculation | ratio | same text |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for k in kinds:
+        s = load(f"strata-x{n}", k)
+        if s:
+            a, b = s["a"]["aggregate_tps_p50"], s["b"]["aggregate_tps_p50"]
+            print(f"| {k} | {a:.1f} | {b:.1f} | {b / a:.3f}x | {s['same_text']} |")
 PY
