@@ -729,10 +729,24 @@ impl KvCache {
         )
     }
 
-    /// Key (`which` = 0) or value (1) of local layer `layer` at position `pos`.
-    #[inline]
+    /// Key (`which` = 0) or value (1) of local layer `layer` at position `pos` (the forward
+    /// pass reads them a block at a time, [`KvCache::block_rows`]).
+    #[cfg(test)]
     pub(crate) fn row(&self, layer: usize, which: usize, pos: usize) -> &[f16] {
-        let (windowed, b, at) = self.offset(layer, which, pos);
+        let kv = self.pool.kv_dim;
+        &self.block_rows(layer, which, pos / BLOCK_POSITIONS)[(pos % BLOCK_POSITIONS) * kv..][..kv]
+    }
+
+    /// Values in one position's K (or V) row: every KV head's.
+    pub(crate) fn kv_dim(&self) -> usize {
+        self.pool.kv_dim
+    }
+
+    /// Keys (`which` = 0) or values (1) of local layer `layer` in block `b`: its
+    /// [`BLOCK_POSITIONS`] positions' rows in order, each `kv_dim` values (every KV head's).
+    #[inline]
+    pub(crate) fn block_rows(&self, layer: usize, which: usize, b: usize) -> &[f16] {
+        let (windowed, b, at) = self.offset(layer, which, b * BLOCK_POSITIONS);
         let block = &self.blocks[b];
         let data: &[f16] = if windowed {
             block
@@ -742,7 +756,7 @@ impl KvCache {
         } else {
             &block.data
         };
-        &data[at..at + self.pool.kv_dim]
+        &data[at..at + BLOCK_POSITIONS * self.pool.kv_dim]
     }
 
     #[inline]
