@@ -77,9 +77,9 @@ if [ -n "$draft" ]; then
   stop $pid
 fi
 
-python3 - "$out" "$(basename "$model")" "$reqs" "$max" "$kinds" <<'PY'
+python3 - "$out" "$(basename "$model")" "$reqs" "$max" "$kinds" "$STREAMS" <<'PY'
 import json, os, sys
-out, model, reqs, mx, kinds = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5].split()
+out, model, reqs, mx, kinds, n = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5].split(), int(sys.argv[6])
 def load(label, k):
     p = f"{out}/{label}-{k}.json"
     return json.load(open(p)) if os.path.exists(p) else None
@@ -92,9 +92,7 @@ for k in kinds:
     a, b = s["a"]["decode_tps_p50"], s["b"]["decode_tps_p50"]
     v = lambda r: r["a"]["decode_tps_p50"] if r else float("nan")
     print(f"| {k} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {s['same_text']} | {v(lp):.2f} | {v(ln):.2f} | {v(ld):.2f} | {b / v(ln):.2f}x |")
-streams = [f for f in sorted(os.listdir(out)) if f.startswith("strata-x")]
-if streams:
-    n = streams[0][len("strata-x"):].split("-")[0]
+if n > 0:
     print(f"\nstrata, {n} concurrent streams: aggregate tokens/s (median of the requests)")
     print("| kind | plain | speculation | ratio | same text |")
     print("| --- | ---: | ---: | ---: | --- |")

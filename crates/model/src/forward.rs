@@ -819,35 +819,21 @@ impl Model {
                 s.resize(size(n_ctx.max(longest)), 0.0);
             }
         }
-        // Each session's K and V rows of this layer, a block of positions at a time, looked up
-        // here once: the kernels ask for every position's row (and again to prefetch it), and
-        // looking each up through the cache's blocks took 8% of a 4096-token prefill's time.
-        // `spans[seq]`: where session `seq`'s blocks start in `kb` / `vb`, and its first block
-        // (the first any of its rows attends to: a sliding window's cache drops the ones before).
-        let range = &mut scratch.block_range;
-        range.clear();
-        range.resize(caches.len(), (usize::MAX, 0));
-        for row in rows {
-            let from = window.map_or(0, |w| (row.pos + 1).saturating_sub(w));
-            let r = &mut range[row.seq];
-            r.0 = r.0.min(from / BLOCK_POSITIONS);
-            r.1 = r.1.max((row.pos + 1).div_ceil(BLOCK_POSITIONS));
-        }
         let (mut kb, mut vb) = (
             recycle(take(&mut scratch.kb)),
             recycle(take(&mut scratch.vb)),
         );
-        let spans = &mut scratch.spans;
-        spans.clear();
-        for (cache, &(b0, b1)) in caches.iter().zip(range.iter()) {
-            spans.push((kb.len(), b0));
-            for b in b0..b1 {
-                kb.push(cache.block_rows(li, 0, b));
-                vb.push(cache.block_rows(li, 1, b));
-            }
-        }
+        kv_blocks(
+            li,
+            window,
+            rows,
+            caches,
+            &mut scratch.spans,
+            &mut kb,
+            &mut vb,
+        );
         let (kbs, vbs): (&[&[f16]], &[&[f16]]) = (&kb, &vb);
-        let spans: &[(usize, usize)] = spans;
+        let spans: &[(usize, usize)] = &scratch.spans;
         let blocks = &scratch.blocks;
         let threads = SharedMut::new(&mut scratch.threads);
         pool.run_on(blocks.len() * tasks_per_block, &|task, thread| {
@@ -974,12 +960,44 @@ impl Model {
 struct AttnScratch {
     threads: Vec<Vec<f32>>,
     blocks: Vec<std::ops::Range<usize>>,
-    /// Per session: the first and end block its rows attend to.
-    block_range: Vec<(usize, usize)>,
-    /// Per session: where its blocks start in `kb` / `vb`, and its first block.
+    /// Per session: where its blocks start in `kb` / `vb`, and its first block ([`kv_blocks`]).
     spans: Vec<(usize, usize)>,
     kb: Vec<&'static [f16]>,
     vb: Vec<&'static [f16]>,
+}
+
+/// Each session's K and V rows of local layer `li`, a block of positions at a time
+/// ([`KvCache::block_rows`]), looked up once per layer and step: the kernels ask for every
+/// position's row (and again to prefetch it), and looking each up through the cache's blocks
+/// took 8% of a 4096-token prefill's time. `spans[seq]` receives where session `seq`'s blocks
+/// start in `kb` / `vb` and its first block: the first any of its rows attends to (a sliding
+/// window's cache drops the ones before).
+fn kv_blocks<'c>(
+    li: usize,
+    window: Option<usize>,
+    rows: &[Row],
+    caches: &'c [&mut KvCache],
+    spans: &mut Vec<(usize, usize)>,
+    kb: &mut Vec<&'c [f16]>,
+    vb: &mut Vec<&'c [f16]>,
+) {
+    // Per session: the first block and the end block its rows attend to (none: an empty range).
+    spans.clear();
+    spans.resize(caches.len(), (usize::MAX, 0));
+    for row in rows {
+        let from = window.map_or(0, |w| (row.pos + 1).saturating_sub(w));
+        let s = &mut spans[row.seq];
+        s.0 = s.0.min(from / BLOCK_POSITIONS);
+        s.1 = s.1.max((row.pos + 1).div_ceil(BLOCK_POSITIONS));
+    }
+    for (cache, span) in caches.iter().zip(spans.iter_mut()) {
+        let (b0, b1) = *span;
+        *span = (kb.len(), b0);
+        for b in b0..b1 {
+            kb.push(cache.block_rows(li, 0, b));
+            vb.push(cache.block_rows(li, 1, b));
+        }
+    }
 }
 
 /// `v` emptied, as a vector of slices of another lifetime in the same allocation: the standard
