@@ -115,11 +115,14 @@ impl Conversation {
     fn warm_turn(&mut self, addr: &str, i: usize) -> Turn {
         let shared = self.last_prompt / 16 * 16;
         let t = self.turn(addr, i);
+        // The routes as the tracker saw them then (up, load, pace), to tell why a turn went cold.
+        let routes = || testkit::http::get(addr, "/health").json()["models"].to_string();
         assert!(
             t.cached >= shared,
-            "turn {i} ({} prompt tokens) took {} from the cache; the last turn's prompt had {shared} in full blocks",
+            "turn {i} ({} prompt tokens) took {} from the cache; the last turn's prompt had {shared} in full blocks; routes: {}",
             t.prompt,
-            t.cached
+            t.cached,
+            routes()
         );
         t
     }
