@@ -560,8 +560,9 @@ impl Scheduler {
                     .min(self.config.max_prefill_chunk)
                     .min(room);
                 // A chunk short of the prompt's end ends on a KV block's boundary where it
-                // can (a cached prefix is taken block by block, and only from a boundary:
-                // a chunk ending inside a block would cut the next chunk off the cache).
+                // can: a cached prefix is taken whole blocks at a time. One that cannot (less
+                // budget than a block) takes the leading positions of a cached block, and the
+                // next chunk takes that block up again (the model's `KvPool::attach`).
                 let aligned = (e.n_planned + n) / KV_BLOCK_POSITIONS * KV_BLOCK_POSITIONS;
                 if e.n_planned + n < e.tokens.len() && aligned > e.n_planned {
                     n = aligned - e.n_planned;

@@ -216,6 +216,32 @@ impl PoolState {
         }
     }
 
+    /// The registered block continuing `parent` whose tokens begin with the most of `tokens`
+    /// (at most a block's), and how many: `None` when none begins with the first. Among
+    /// partial matches only the newest [`MAX_PARTIAL_CANDIDATES`] blocks starting with that
+    /// token are compared (a bound on the work whatever the prompts seen before), the oldest
+    /// of the longest matches taken.
+    fn continuation(&self, parent: u64, tokens: &[u32]) -> Option<(usize, u64)> {
+        let tokens = &tokens[..tokens.len().min(BLOCK_POSITIONS)];
+        if let Ok(block) = <[u32; BLOCK_POSITIONS]>::try_from(tokens) {
+            if let Some(&uid) = self.keys.get(&(parent, block)) {
+                return Some((BLOCK_POSITIONS, uid));
+            }
+        }
+        let children = self.children.get(&(parent, *tokens.first()?))?;
+        children
+            .iter()
+            .rev()
+            .take(MAX_PARTIAL_CANDIDATES)
+            .map(|&uid| {
+                let key = &self.registered[&uid].key.1;
+                let same = key.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+                (same, uid)
+            })
+            .filter(|&(same, _)| same > 0)
+            .max_by_key(|&(same, uid)| (same, std::cmp::Reverse(uid)))
+    }
+
     /// Takes a registered block for a cache (no longer idle).
     fn hold(&mut self, uid: u64) -> Block {
         let r = self.registered.get_mut(&uid).expect("registered");
@@ -395,8 +421,15 @@ impl KvPool {
     /// registered block that continues the last one with the most of the remaining tokens (a
     /// conversation whose last message changed shares all but the block where it differs).
     /// Such a partly used block stays shared until a position is written into it, which copies
-    /// it first ([`KvCache::reserve`]). The cache must be empty (its blocks then start at
-    /// `root`) or end on the boundary of a registered block; otherwise nothing is added.
+    /// it first ([`KvCache::reserve`]).
+    ///
+    /// The cache must be empty (its blocks then start at `root`), end on the boundary of a
+    /// registered block, or end inside a registered block it holds (a prompt's earlier part
+    /// that parted there, or a rewind into it); otherwise nothing is added. In the last case
+    /// the block is taken up again: the registered block continuing the same parent along
+    /// the positions held and the most of `tokens` replaces it (the positions held are the same
+    /// function of the same tokens in either), so a prompt that comes in parts smaller than a
+    /// block still finds every cached block of its prefix.
     pub fn attach(
         &self,
         cache: &mut KvCache,
@@ -404,16 +437,57 @@ impl KvPool {
         root: u64,
         max_positions: usize,
     ) -> usize {
-        let mut parent = match cache.blocks.last() {
-            None => root,
-            Some(b) if cache.len == cache.blocks.len() * BLOCK_POSITIONS => b.uid,
-            Some(_) => 0,
-        };
-        let tokens = &tokens[..tokens.len().min(max_positions)];
-        if parent == 0 || tokens.is_empty() || self.is_windowed() {
+        let mut tokens = &tokens[..tokens.len().min(max_positions)];
+        if tokens.is_empty() || self.is_windowed() {
+            return 0;
+        }
+        let start = cache.len;
+        let n = cache.blocks.len();
+        let inside = cache.len % BLOCK_POSITIONS;
+        if n != KvPool::blocks_for(cache.len) {
             return 0;
         }
         let mut s = self.lock();
+        let mut parent = match cache.blocks.last() {
+            None => root,
+            Some(b) if inside == 0 => b.uid,
+            Some(last) => {
+                let parent = if n == 1 {
+                    root
+                } else {
+                    cache.blocks[n - 2].uid
+                };
+                if last.uid == 0 || parent == 0 {
+                    return 0;
+                }
+                // The positions held in the block, then as many of the new as fit in it.
+                let mut seq = [0u32; BLOCK_POSITIONS];
+                seq[..inside].copy_from_slice(&s.registered[&last.uid].key.1[..inside]);
+                let k = tokens.len().min(BLOCK_POSITIONS - inside);
+                seq[inside..inside + k].copy_from_slice(&tokens[..k]);
+                let Some((same, uid)) = s.continuation(parent, &seq[..inside + k]) else {
+                    return 0;
+                };
+                if same <= inside {
+                    return 0;
+                }
+                if uid != last.uid {
+                    let taken = s.hold(uid);
+                    let given = std::mem::replace(&mut cache.blocks[n - 1], taken);
+                    s.release(given);
+                    s.attached_total += 1;
+                }
+                cache.len += same - inside;
+                tokens = &tokens[same - inside..];
+                if same < BLOCK_POSITIONS {
+                    return cache.len - start;
+                }
+                uid
+            }
+        };
+        if parent == 0 {
+            return 0;
+        }
         let before = cache.blocks.len();
         for chunk in tokens.chunks_exact(BLOCK_POSITIONS) {
             let key = (parent, chunk.try_into().expect("a full block of tokens"));
@@ -424,33 +498,14 @@ impl KvPool {
         let whole = cache.blocks.len() - before;
         let rest = &tokens[whole * BLOCK_POSITIONS..];
         let rest = &rest[..rest.len().min(BLOCK_POSITIONS - 1)];
-        // Among the blocks continuing `parent` that start with the next token, the newest
-        // `MAX_PARTIAL_CANDIDATES` (a bound on the work whatever the prompts seen before).
-        let first = rest.first().copied();
-        let partial = first
-            .and_then(|t| s.children.get(&(parent, t)))
-            .and_then(|children| {
-                children
-                    .iter()
-                    .rev()
-                    .take(MAX_PARTIAL_CANDIDATES)
-                    .map(|&uid| {
-                        let key = &s.registered[&uid].key.1;
-                        let same = key.iter().zip(rest).take_while(|(a, b)| a == b).count();
-                        (same, uid)
-                    })
-                    .filter(|&(same, _)| same > 0)
-                    // The longest match; the oldest block among equals (the smallest id).
-                    .max_by_key(|&(same, uid)| (same, std::cmp::Reverse(uid)))
-            });
         let mut added = whole * BLOCK_POSITIONS;
-        if let Some((same, uid)) = partial {
+        if let Some((same, uid)) = s.continuation(parent, rest) {
             cache.blocks.push(s.hold(uid));
             added += same;
         }
         s.attached_total += (cache.blocks.len() - before) as u64;
         cache.len += added;
-        added
+        cache.len - start
     }
 
     /// Registers the full blocks of `cache` not yet registered; `tokens` are the cache's
@@ -1008,9 +1063,11 @@ mod tests {
                         let (c, tokens) = &mut caches[k];
                         let from = c.len();
                         let next = tokens_of(from, from + n, 0);
+                        // Inside a block, only a registered one is taken up again.
+                        let inside_shared = c.blocks.last().is_some_and(|b| b.uid != 0);
                         let got = pool.attach(c, &next, root, n);
                         prop_assert!(got <= n);
-                        prop_assert!(got == 0 || from.is_multiple_of(BLOCK_POSITIONS));
+                        prop_assert!(got == 0 || from.is_multiple_of(BLOCK_POSITIONS) || inside_shared);
                         tokens.extend_from_slice(&next[..got]);
                     }
                     ShareOp::Grow(i, n, salt) if !caches.is_empty() => {
@@ -1117,6 +1174,51 @@ mod tests {
         assert_eq!(pool.attach(&mut b, &tokens[16..], root, 24), 16);
         assert_eq!((b.len(), pool.blocks_in_use()), (32, 2));
         assert_eq!(pool.attached_blocks_total(), 4);
+    }
+
+    /// A prompt that comes in parts smaller than a block (a step's token budget cut it) finds
+    /// every cached block of its prefix: the part ending inside a block takes the leading
+    /// positions of one, and the next takes that block up again, swapped for the sibling that
+    /// continues along its tokens when the first pick was another prompt's.
+    #[test]
+    fn a_prompt_in_parts_finds_every_cached_block() {
+        let pool = KvPool::new(range(), 4, usize::MAX);
+        let root = KvPool::prefix_root(0);
+        // Two prompts of 40 tokens, alike in their first 10; `a` registered first.
+        let a = tokens_of(0, 40, 0);
+        let mut b = a.clone();
+        b[10..].fill(7);
+        for tokens in [&a, &b] {
+            let mut c = pool.new_cache(100);
+            c.reserve(40).unwrap();
+            c.set_len(40);
+            pool.register(&mut c, tokens, root);
+        }
+        let mut whole = pool.new_cache(100);
+        assert_eq!(pool.attach(&mut whole, &b, root, 39), 32);
+        let mut c = pool.new_cache(100);
+        // 10 positions: the oldest of the blocks beginning with them, a's.
+        assert_eq!(pool.attach(&mut c, &b[..10], root, 10), 10);
+        assert_ne!(c.block_ids()[0], whole.block_ids()[0]);
+        // 3 more: b's block, where a's differs.
+        assert_eq!(pool.attach(&mut c, &b[10..13], root, 3), 3);
+        assert_eq!(c.block_ids()[0], whole.block_ids()[0]);
+        // The rest of the block and the next whole one; positions 32..40 were never a full block.
+        assert_eq!(pool.attach(&mut c, &b[13..], root, 27), 19);
+        assert_eq!((c.len(), c.n_shared_blocks()), (32, 2));
+        assert_eq!(c.block_ids(), whole.block_ids());
+        // A part differing inside the block takes the positions up to the difference.
+        let mut d = pool.new_cache(100);
+        assert_eq!(pool.attach(&mut d, &b[..5], root, 5), 5);
+        let mut next = b[5..16].to_vec();
+        next[3] = 99;
+        assert_eq!(pool.attach(&mut d, &next, root, 11), 3);
+        assert_eq!(d.len(), 8);
+        // A cache ending inside a block of its own (computed, private) takes nothing.
+        let mut e = pool.new_cache(100);
+        e.reserve(5).unwrap();
+        e.set_len(5);
+        assert_eq!(pool.attach(&mut e, &a[5..], root, 35), 0);
     }
 
     #[test]

@@ -472,6 +472,27 @@ async fn sessions_with_a_shared_prompt_prefix_share_its_cached_blocks() {
     assert_eq!(r.outputs[0].token, t);
     assert_eq!(core.stats().prefix_reused_tokens - reused, 32);
     assert_eq!(core.stats().prefill_tokens - computed, 8);
+    // In chunks smaller than a block (a step's budget cut the first to 10 tokens): the first
+    // ends inside a cached block, the next takes that block up again, and all 32 positions
+    // still come from the cache.
+    let (reused, computed) = (
+        core.stats().prefix_reused_tokens,
+        core.stats().prefill_tokens,
+    );
+    let head = Fragment {
+        want_output: false,
+        ..first_frag(8, &prompt[..10])
+    };
+    let r = route.step(1, vec![head], vec![]).await;
+    assert!(r.errors.is_empty() && r.outputs.is_empty(), "{r:?}");
+    let tail = Fragment {
+        reuse_prefix: true,
+        ..frag(8, 10, &prompt[10..])
+    };
+    let r = route.step(1, vec![tail], vec![]).await;
+    assert_eq!(r.outputs[0].token, t);
+    assert_eq!(core.stats().prefix_reused_tokens - reused, 32);
+    assert_eq!(core.stats().prefill_tokens - computed, 8);
     // A recomputation (no reuse asked) computes everything.
     let before = core.stats().prefill_tokens;
     route.step(1, vec![frag(4, 0, &prompt)], vec![]).await;
