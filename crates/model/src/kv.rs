@@ -452,17 +452,15 @@ impl KvPool {
             None => root,
             Some(b) if inside == 0 => b.uid,
             Some(last) => {
-                let parent = if n == 1 {
-                    root
-                } else {
-                    cache.blocks[n - 2].uid
-                };
-                if last.uid == 0 || parent == 0 {
+                if last.uid == 0 {
                     return 0;
                 }
+                // Its siblings continue what its key names: the cache's previous block, or
+                // the root (the partition) it was attached under, whatever `root` says now.
+                let (parent, held) = s.registered[&last.uid].key;
                 // The positions held in the block, then as many of the new as fit in it.
                 let mut seq = [0u32; BLOCK_POSITIONS];
-                seq[..inside].copy_from_slice(&s.registered[&last.uid].key.1[..inside]);
+                seq[..inside].copy_from_slice(&held[..inside]);
                 let k = tokens.len().min(BLOCK_POSITIONS - inside);
                 seq[inside..inside + k].copy_from_slice(&tokens[..k]);
                 let Some((same, uid)) = s.continuation(parent, &seq[..inside + k]) else {
@@ -1214,6 +1212,12 @@ mod tests {
         next[3] = 99;
         assert_eq!(pool.attach(&mut d, &next, root, 11), 3);
         assert_eq!(d.len(), 8);
+        // The block is taken up again in the partition it was attached in, whatever root is
+        // passed: another partition's blocks are never a sibling.
+        let mut f = pool.new_cache(100);
+        assert_eq!(pool.attach(&mut f, &b[..10], root, 10), 10);
+        assert_eq!(pool.attach(&mut f, &b[10..], KvPool::prefix_root(7), 30), 22);
+        assert_eq!(f.block_ids(), whole.block_ids());
         // A cache ending inside a block of its own (computed, private) takes nothing.
         let mut e = pool.new_cache(100);
         e.reserve(5).unwrap();
