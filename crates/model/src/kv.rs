@@ -9,9 +9,10 @@
 //! Prefix sharing: the K and V of a position are a function of the tokens up to it alone (the
 //! forward pass is batch- and chunk-invariant, bitwise), so a full block is identified by its
 //! 16 tokens and the block before it. [`KvPool::register`] records a cache's full blocks under
-//! that key; [`KvPool::attach`] extends a cache (empty, or ending on a registered block) with
-//! the registered blocks of the longest prefix of its next tokens. A registered block is read-only: it is shared by reference, and a cache that
-//! must write into one (after truncating into it) first copies it ([`KvCache::reserve`]). A
+//! that key; [`KvPool::attach`] extends a cache (empty, or ending on or inside a registered
+//! block) with the registered blocks of the longest prefix of its next tokens (`prefix.rs`). A
+//! registered block is read-only: it is shared by reference, and a cache that must write into
+//! one (after truncating into it) first copies it ([`KvCache::reserve`]). A
 //! registered block no cache holds stays as an idle copy that counts as free room: the pool
 //! drops idle blocks, least recently released first, when it needs their room. So a block is
 //! held by one cache, shared by several, or idle, and the pool's count of held blocks never

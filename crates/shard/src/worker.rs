@@ -616,9 +616,13 @@ impl Worker {
                 }
                 Err(e) => {
                     out.errors.push(e);
-                    // A refused new session is not kept.
+                    // A refused new session is not kept; one kept gives back what the prefix
+                    // cache lent it for this fragment (blocks that were idle, counted as free
+                    // room when the step's earlier fragments were planned).
                     if created || self.sessions.get(&key).is_some_and(|s| s.kv.is_empty()) {
                         self.sessions.remove(&key);
+                    } else if let Some(s) = self.sessions.get_mut(&key) {
+                        s.rewind(base);
                     }
                 }
             }

@@ -134,7 +134,6 @@ impl KvPool {
                     let taken = s.hold(uid);
                     let given = std::mem::replace(&mut cache.blocks[n - 1], taken);
                     s.release(given);
-                    s.attached_total += 1;
                 }
                 cache.len += same - inside;
                 tokens = &tokens[same - inside..];
@@ -235,10 +234,12 @@ mod tests {
 
     /// What position `pos` of a session whose tokens are `tokens` holds: a function of the
     /// tokens up to it, as the forward pass guarantees.
-    fn fingerprint(tokens: &[u32], pos: usize) -> f16 {
+    fn fingerprint(tokens: &[u32], pos: usize, root: u64) -> f16 {
         let h = tokens[..=pos]
             .iter()
-            .fold(pos as u32, |h, &t| h.wrapping_mul(31).wrapping_add(t));
+            .fold(pos as u32 ^ root as u32, |h, &t| {
+                h.wrapping_mul(31).wrapping_add(t)
+            });
         f16::from_f32((h % 1000) as f32)
     }
 
@@ -251,10 +252,12 @@ mod tests {
 
     #[derive(Debug, Clone)]
     enum ShareOp {
-        /// Open a cache and attach the registered prefix of the shared tokens (up to n).
-        Open(usize),
-        /// Continue a cache with registered blocks of the shared tokens (up to n positions).
-        Extend(usize, usize),
+        /// Open a cache in partition 0 or 1 and attach the registered prefix of the shared
+        /// tokens (up to n).
+        Open(usize, bool),
+        /// Continue a cache with registered blocks of the shared tokens (up to n positions),
+        /// passing its own root or (true) the other partition's.
+        Extend(usize, usize, bool),
         Grow(usize, usize, u32),
         Truncate(usize, usize),
         Register(usize),
@@ -263,8 +266,8 @@ mod tests {
 
     fn share_op() -> impl Strategy<Value = ShareOp> {
         prop_oneof![
-            (0..70usize).prop_map(ShareOp::Open),
-            (0..8usize, 0..50usize).prop_map(|(s, n)| ShareOp::Extend(s, n)),
+            (0..70usize, any::<bool>()).prop_map(|(n, p)| ShareOp::Open(n, p)),
+            (0..8usize, 0..50usize, any::<bool>()).prop_map(|(s, n, o)| ShareOp::Extend(s, n, o)),
             (0..8usize, 1..40usize, 0..3u32).prop_map(|(s, n, salt)| ShareOp::Grow(s, n, salt)),
             (0..8usize, 0..60usize).prop_map(|(s, n)| ShareOp::Truncate(s, n)),
             (0..8usize).prop_map(ShareOp::Register),
@@ -277,27 +280,37 @@ mod tests {
         /// block is never written, a truncation into one copies it before the next write), a
         /// private block belongs to one cache, the pool counts each held block once and never
         /// more than its capacity, and releasing everything leaves only idle blocks, which
-        /// are free room.
+        /// are free room. Two partitions (API keys): every registered block a cache holds
+        /// chains back to its own partition's root, whatever root a caller passes, so one
+        /// partition never reads the other's blocks.
         #[test]
         fn shared_prefix_blocks(ops in proptest::collection::vec(share_op(), 1..80), blocks in 2..16usize) {
             let kv_dim = 4;
             let block_bytes = BLOCK_POSITIONS * position_bytes(range().len(), kv_dim);
             let pool = KvPool::new(range(), kv_dim, blocks * block_bytes);
-            let root = KvPool::prefix_root(0);
-            let mut caches: Vec<(KvCache, Vec<u32>)> = Vec::new();
+            let roots = [KvPool::prefix_root(1), KvPool::prefix_root(2)];
+            let mut caches: Vec<(KvCache, Vec<u32>, u64)> = Vec::new();
             for op in ops {
                 match op {
-                    ShareOp::Open(n) => {
+                    ShareOp::Open(n, partition) => {
+                        let root = roots[usize::from(partition)];
                         let mut c = pool.new_cache(1 << 20);
                         let want = tokens_of(0, n, 0);
                         let got = pool.attach(&mut c, &want, root, n.saturating_sub(1));
                         prop_assert!(got < n.max(1));
                         prop_assert_eq!(c.n_shared_blocks(), got.div_ceil(BLOCK_POSITIONS));
-                        caches.push((c, want[..got].to_vec()));
+                        caches.push((c, want[..got].to_vec(), root));
                     }
-                    ShareOp::Extend(i, n) if !caches.is_empty() => {
+                    ShareOp::Extend(i, n, other) if !caches.is_empty() => {
                         let k = i % caches.len();
-                        let (c, tokens) = &mut caches[k];
+                        let (c, tokens, own) = &mut caches[k];
+                        // An empty cache is in the partition it is attached under; one that
+                        // holds blocks is in its own, whatever root is passed.
+                        let root = if other && !c.blocks.is_empty() {
+                            roots[0] ^ roots[1] ^ *own
+                        } else {
+                            *own
+                        };
                         let from = c.len();
                         let next = tokens_of(from, from + n, 0);
                         // Inside a block, only a registered one is taken up again.
@@ -309,14 +322,14 @@ mod tests {
                     }
                     ShareOp::Grow(i, n, salt) if !caches.is_empty() => {
                         let k = i % caches.len();
-                        let (c, tokens) = &mut caches[k];
+                        let (c, tokens, root) = &mut caches[k];
                         let (from, to) = (c.len(), c.len() + n);
                         let before = pool.blocks_in_use();
                         match c.reserve(to) {
                             Ok(()) => {
                                 tokens.extend(tokens_of(from, to, salt));
                                 for pos in from..to {
-                                    let v = fingerprint(tokens, pos);
+                                    let v = fingerprint(tokens, pos, *root);
                                     for layer in 0..2 {
                                         for which in 0..2 {
                                             c.row_mut(layer, which, pos).fill(v);
@@ -333,14 +346,14 @@ mod tests {
                     }
                     ShareOp::Truncate(i, n) if !caches.is_empty() => {
                         let k = i % caches.len();
-                        let (c, tokens) = &mut caches[k];
+                        let (c, tokens, _) = &mut caches[k];
                         c.truncate(n);
                         tokens.truncate(c.len());
                     }
                     ShareOp::Register(i) if !caches.is_empty() => {
                         let k = i % caches.len();
-                        let (c, tokens) = &mut caches[k];
-                        pool.register(c, tokens, root);
+                        let (c, tokens, root) = &mut caches[k];
+                        pool.register(c, tokens, *root);
                     }
                     ShareOp::Close(i) if !caches.is_empty() => {
                         let k = i % caches.len();
@@ -352,16 +365,21 @@ mod tests {
                 }
                 let mut private = HashSet::new();
                 let mut held = HashSet::new();
-                for (c, tokens) in &caches {
+                let state = pool.lock();
+                for (c, tokens, root) in &caches {
                     prop_assert_eq!(c.len(), tokens.len());
-                    for b in &c.blocks {
+                    for (i, b) in c.blocks.iter().enumerate() {
                         if b.uid == 0 {
                             prop_assert!(private.insert(b.id), "private block {} held twice", b.id);
+                        } else {
+                            // Its key names the block before it, or the cache's own root.
+                            let parent = if i == 0 { *root } else { c.blocks[i - 1].uid };
+                            prop_assert_eq!(state.registered[&b.uid].key.0, parent, "block {} of another chain", i);
                         }
                         held.insert(b.id);
                     }
                     for pos in 0..c.len() {
-                        let want = fingerprint(tokens, pos);
+                        let want = fingerprint(tokens, pos, *root);
                         for layer in 0..2 {
                             for which in 0..2 {
                                 prop_assert!(c.row(layer, which, pos).iter().all(|v| v.to_bits() == want.to_bits()),
@@ -370,6 +388,7 @@ mod tests {
                         }
                     }
                 }
+                drop(state);
                 prop_assert_eq!(pool.blocks_in_use(), held.len());
                 prop_assert!(pool.blocks_in_use() + pool.idle_blocks() <= pool.capacity_blocks());
             }

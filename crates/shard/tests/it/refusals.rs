@@ -454,45 +454,17 @@ async fn sessions_with_a_shared_prompt_prefix_share_its_cached_blocks() {
     assert_eq!(core.stats().kv_blocks_idle, 0);
     // A prompt in chunks: a chunk that does not sample may be taken whole from the cache
     // (nothing computed), and the next continues from there.
-    let (reused, computed) = (
-        core.stats().prefix_reused_tokens,
-        core.stats().prefill_tokens,
+    assert_eq!(
+        in_two_chunks(&core, &mut route, 6, &prompt, 32).await,
+        (t, 32, 8)
     );
-    let head = Fragment {
-        want_output: false,
-        ..first_frag(6, &prompt[..32])
-    };
-    let r = route.step(1, vec![head], vec![]).await;
-    assert!(r.errors.is_empty() && r.outputs.is_empty(), "{r:?}");
-    let tail = Fragment {
-        reuse_prefix: true,
-        ..frag(6, 32, &prompt[32..])
-    };
-    let r = route.step(1, vec![tail], vec![]).await;
-    assert_eq!(r.outputs[0].token, t);
-    assert_eq!(core.stats().prefix_reused_tokens - reused, 32);
-    assert_eq!(core.stats().prefill_tokens - computed, 8);
     // In chunks smaller than a block (a step's budget cut the first to 10 tokens): the first
     // ends inside a cached block, the next takes that block up again, and all 32 positions
     // still come from the cache.
-    let (reused, computed) = (
-        core.stats().prefix_reused_tokens,
-        core.stats().prefill_tokens,
+    assert_eq!(
+        in_two_chunks(&core, &mut route, 8, &prompt, 10).await,
+        (t, 32, 8)
     );
-    let head = Fragment {
-        want_output: false,
-        ..first_frag(8, &prompt[..10])
-    };
-    let r = route.step(1, vec![head], vec![]).await;
-    assert!(r.errors.is_empty() && r.outputs.is_empty(), "{r:?}");
-    let tail = Fragment {
-        reuse_prefix: true,
-        ..frag(8, 10, &prompt[10..])
-    };
-    let r = route.step(1, vec![tail], vec![]).await;
-    assert_eq!(r.outputs[0].token, t);
-    assert_eq!(core.stats().prefix_reused_tokens - reused, 32);
-    assert_eq!(core.stats().prefill_tokens - computed, 8);
     // A recomputation (no reuse asked) computes everything.
     let before = core.stats().prefill_tokens;
     route.step(1, vec![frag(4, 0, &prompt)], vec![]).await;
@@ -519,6 +491,78 @@ async fn sessions_with_a_shared_prompt_prefix_share_its_cached_blocks() {
         "{}",
         r.errors[0].message
     );
+}
+
+/// A session's fragment refused for the KV budget after it took cached blocks gives them back:
+/// they were idle, free room for the step's other fragments, and a held block the refused
+/// fragment never uses would leave those others planned on room that is gone.
+#[tokio::test]
+async fn a_fragment_refused_for_kv_gives_back_the_cached_blocks_it_took() {
+    let budgets = core(64 << 20).info.budgets.unwrap();
+    let block_bytes = budgets.kv_block_bytes as usize;
+    let core = core(3 * block_bytes);
+    let digest = core.info.model_digest.clone();
+    let mut route = open(&core, 1, &digest).await.unwrap();
+    let prompt: Vec<u32> = (0..40).map(|i| 20 + (i * 7) % 50).collect();
+    let r = route.step(1, vec![first_frag(1, &prompt)], vec![]).await;
+    assert!(r.errors.is_empty(), "{r:?}");
+    route.step(1, vec![], vec![1]).await;
+    assert_eq!(
+        (core.stats().kv_blocks_in_use, core.stats().kv_blocks_idle),
+        (0, 2)
+    );
+    // Session 2 takes the prompt's first block from the cache...
+    let head = Fragment {
+        want_output: false,
+        ..first_frag(2, &prompt[..16])
+    };
+    let r = route.step(1, vec![head], vec![]).await;
+    assert!(r.errors.is_empty(), "{r:?}");
+    assert_eq!(core.stats().kv_blocks_in_use, 1);
+    // ... then asks for the second and 24 positions past the prompt: 4 blocks of a budget of 3.
+    let long: Vec<u32> = prompt[16..].iter().copied().chain(0..24).collect();
+    let tail = Fragment {
+        reuse_prefix: true,
+        ..frag(2, 16, &long)
+    };
+    let r = route.step(1, vec![tail], vec![]).await;
+    assert_eq!(reasons(&r), vec![(2, "capacity".to_string())], "{r:?}");
+    // It holds its first block, as before the step; the second is idle again.
+    assert_eq!(
+        (core.stats().kv_blocks_in_use, core.stats().kv_blocks_idle),
+        (1, 1)
+    );
+}
+
+/// Sends `prompt` as session `id`'s two chunks split at `at`, as the tracker does (the first
+/// samples nothing, the second may continue on cached blocks): the token sampled, and the
+/// positions the shard took from its cache and computed meanwhile.
+async fn in_two_chunks(
+    core: &ShardCore,
+    route: &mut Route,
+    id: u64,
+    prompt: &[u32],
+    at: usize,
+) -> (u32, u64, u64) {
+    let before = core.stats();
+    let head = Fragment {
+        want_output: false,
+        ..first_frag(id, &prompt[..at])
+    };
+    let r = route.step(1, vec![head], vec![]).await;
+    assert!(r.errors.is_empty() && r.outputs.is_empty(), "{r:?}");
+    let tail = Fragment {
+        reuse_prefix: true,
+        ..frag(id, at as u32, &prompt[at..])
+    };
+    let r = route.step(1, vec![tail], vec![]).await;
+    assert!(r.errors.is_empty(), "{r:?}");
+    let after = core.stats();
+    (
+        r.outputs[0].token,
+        after.prefix_reused_tokens - before.prefix_reused_tokens,
+        after.prefill_tokens - before.prefill_tokens,
+    )
 }
 
 /// A heavy grammar: calls of seven tools, each of 128 optional properties (tens of
