@@ -54,6 +54,40 @@ impl PoolState {
             .max_by_key(|&(same, uid)| (same, std::cmp::Reverse(uid)))
     }
 
+    /// Takes up again the registered block `cache` ends inside (its positions held are the
+    /// block's leading ones): the registered block continuing the same parent along those
+    /// positions and the most of `tokens` replaces it, and the cache grows by the tokens it
+    /// matches. The parent is the one the block's own key names (the cache's previous block,
+    /// or the root it was attached under), so the cache stays in its partition. Returns the
+    /// positions added and, when the block is now whole, its id to continue from.
+    fn take_up_last(&mut self, cache: &mut KvCache, tokens: &[u32]) -> (usize, Option<u64>) {
+        let n = cache.blocks.len();
+        let inside = cache.len % BLOCK_POSITIONS;
+        let last = &cache.blocks[n - 1];
+        if last.uid == 0 {
+            return (0, None);
+        }
+        let (parent, held) = self.registered[&last.uid].key;
+        // The positions held in the block, then as many of the new as fit in it.
+        let mut seq = [0u32; BLOCK_POSITIONS];
+        seq[..inside].copy_from_slice(&held[..inside]);
+        let k = tokens.len().min(BLOCK_POSITIONS - inside);
+        seq[inside..inside + k].copy_from_slice(&tokens[..k]);
+        let Some((same, uid)) = self.continuation(parent, &seq[..inside + k]) else {
+            return (0, None);
+        };
+        if same <= inside {
+            return (0, None);
+        }
+        if uid != last.uid {
+            let taken = self.hold(uid);
+            let given = std::mem::replace(&mut cache.blocks[n - 1], taken);
+            self.release(given);
+        }
+        cache.len += same - inside;
+        (same - inside, (same == BLOCK_POSITIONS).then_some(uid))
+    }
+
     /// Takes a registered block for a cache (no longer idle).
     fn hold(&mut self, uid: u64) -> Block {
         let r = self.registered.get_mut(&uid).expect("registered");
@@ -112,35 +146,15 @@ impl KvPool {
         let mut parent = match cache.blocks.last() {
             None => root,
             Some(b) if inside == 0 => b.uid,
-            Some(last) => {
-                if last.uid == 0 {
-                    return 0;
+            Some(_) => {
+                let (added, whole) = s.take_up_last(cache, tokens);
+                match whole {
+                    Some(uid) => {
+                        tokens = &tokens[added..];
+                        uid
+                    }
+                    None => return added,
                 }
-                // Its siblings continue what its key names: the cache's previous block, or
-                // the root (the partition) it was attached under, whatever `root` says now.
-                let (parent, held) = s.registered[&last.uid].key;
-                // The positions held in the block, then as many of the new as fit in it.
-                let mut seq = [0u32; BLOCK_POSITIONS];
-                seq[..inside].copy_from_slice(&held[..inside]);
-                let k = tokens.len().min(BLOCK_POSITIONS - inside);
-                seq[inside..inside + k].copy_from_slice(&tokens[..k]);
-                let Some((same, uid)) = s.continuation(parent, &seq[..inside + k]) else {
-                    return 0;
-                };
-                if same <= inside {
-                    return 0;
-                }
-                if uid != last.uid {
-                    let taken = s.hold(uid);
-                    let given = std::mem::replace(&mut cache.blocks[n - 1], taken);
-                    s.release(given);
-                }
-                cache.len += same - inside;
-                tokens = &tokens[same - inside..];
-                if same < BLOCK_POSITIONS {
-                    return cache.len - start;
-                }
-                uid
             }
         };
         if parent == 0 {
@@ -190,15 +204,19 @@ impl KvPool {
             let chunk = &tokens[b * BLOCK_POSITIONS..(b + 1) * BLOCK_POSITIONS];
             let key = (parent, chunk.try_into().expect("a full block of tokens"));
             if let Some(&uid) = s.keys.get(&key) {
+                // The same tokens after the same block give the same K and V wherever they
+                // were computed; a block that differs came from inputs that broke this (a
+                // shard past the first sent other activations for the same tokens): it and
+                // the blocks after it stay private.
+                let same = s.registered[&uid]
+                    .data
+                    .iter()
+                    .zip(cache.blocks[b].data.iter())
+                    .all(|(a, c)| a.to_bits() == c.to_bits());
+                if !same {
+                    break;
+                }
                 let shared = s.hold(uid);
-                assert!(
-                    shared
-                        .data
-                        .iter()
-                        .zip(cache.blocks[b].data.iter())
-                        .all(|(a, c)| a.to_bits() == c.to_bits()),
-                    "the same prefix gave different K and V"
-                );
                 let own = std::mem::replace(&mut cache.blocks[b], shared);
                 s.release(own);
             } else {
@@ -273,6 +291,52 @@ mod tests {
             (0..8usize).prop_map(ShareOp::Register),
             (0..8usize).prop_map(ShareOp::Close),
         ]
+    }
+
+    /// What `shared_prefix_blocks` checks after every operation: each cache reads what its
+    /// own tokens wrote in its own partition, its registered blocks chain back to its root, a
+    /// private block belongs to one cache, and the pool counts each held block once and never
+    /// more than its capacity.
+    fn holds(pool: &KvPool, caches: &[(KvCache, Vec<u32>, u64)]) -> Result<(), TestCaseError> {
+        let mut private = HashSet::new();
+        let mut held = HashSet::new();
+        let state = pool.lock();
+        for (c, tokens, root) in caches {
+            prop_assert_eq!(c.len(), tokens.len());
+            for (i, b) in c.blocks.iter().enumerate() {
+                if b.uid == 0 {
+                    prop_assert!(private.insert(b.id), "private block {} held twice", b.id);
+                } else {
+                    // Its key names the block before it, or the cache's own root.
+                    let parent = if i == 0 { *root } else { c.blocks[i - 1].uid };
+                    prop_assert_eq!(
+                        state.registered[&b.uid].key.0,
+                        parent,
+                        "block {} of another chain",
+                        i
+                    );
+                }
+                held.insert(b.id);
+            }
+            for pos in 0..c.len() {
+                let want = fingerprint(tokens, pos, *root);
+                for layer in 0..2 {
+                    for which in 0..2 {
+                        prop_assert!(
+                            c.row(layer, which, pos)
+                                .iter()
+                                .all(|v| v.to_bits() == want.to_bits()),
+                            "position {} reads another session's data",
+                            pos
+                        );
+                    }
+                }
+            }
+        }
+        drop(state);
+        prop_assert_eq!(pool.blocks_in_use(), held.len());
+        prop_assert!(pool.blocks_in_use() + pool.idle_blocks() <= pool.capacity_blocks());
+        Ok(())
     }
 
     proptest! {
@@ -363,34 +427,7 @@ mod tests {
                     }
                     _ => {}
                 }
-                let mut private = HashSet::new();
-                let mut held = HashSet::new();
-                let state = pool.lock();
-                for (c, tokens, root) in &caches {
-                    prop_assert_eq!(c.len(), tokens.len());
-                    for (i, b) in c.blocks.iter().enumerate() {
-                        if b.uid == 0 {
-                            prop_assert!(private.insert(b.id), "private block {} held twice", b.id);
-                        } else {
-                            // Its key names the block before it, or the cache's own root.
-                            let parent = if i == 0 { *root } else { c.blocks[i - 1].uid };
-                            prop_assert_eq!(state.registered[&b.uid].key.0, parent, "block {} of another chain", i);
-                        }
-                        held.insert(b.id);
-                    }
-                    for pos in 0..c.len() {
-                        let want = fingerprint(tokens, pos, *root);
-                        for layer in 0..2 {
-                            for which in 0..2 {
-                                prop_assert!(c.row(layer, which, pos).iter().all(|v| v.to_bits() == want.to_bits()),
-                                    "position {} reads another session's data", pos);
-                            }
-                        }
-                    }
-                }
-                drop(state);
-                prop_assert_eq!(pool.blocks_in_use(), held.len());
-                prop_assert!(pool.blocks_in_use() + pool.idle_blocks() <= pool.capacity_blocks());
+                holds(&pool, &caches)?;
             }
             caches.clear();
             prop_assert_eq!(pool.blocks_in_use(), 0);
