@@ -267,8 +267,14 @@ fn overload_gets_fast_typed_refusals_and_bounded_memory() {
 }
 
 /// Agent calls keep their latency while 100 grading requests burst against the same model:
-/// agent p99 under the burst stays within 1.5 times its p99 alone (both from the latency
-/// histogram of this run), and every grading request completes.
+/// agent p99 under the burst stays within 1.5 times its p99 alone (both measured by the client
+/// in this run), and every grading request completes.
+///
+/// 400 calls a phase: the p99 is then the 5th slowest call. On two cores shared by the test,
+/// the tracker and the shard's two compute threads, a few calls in a hundred take 30-50% longer
+/// whether grading work runs or not (the OS preempting a compute thread), so with 100 calls the
+/// p99 (the 2nd slowest) was one such call in one phase and not in the other often enough to
+/// fail one CI run in a few (1.57x on 100 calls against 0.90-1.09x on 400 in repeated runs).
 #[test]
 fn agent_latency_holds_under_a_grading_burst() {
     let _serial = serial();
@@ -283,8 +289,7 @@ fn agent_latency_holds_under_a_grading_burst() {
     for _ in 0..3 {
         call(&t.addr);
     }
-    // 100 calls per phase: the nearest-rank p99 is the 99th slowest, not the single maximum.
-    let n = 100;
+    let n = 400;
     let alone: Vec<Duration> = (0..n).map(|_| call(&t.addr)).collect();
     let grading = json!({"prompt": "Write a short grading note about the answer 42.", "max_tokens": 24, "temperature": 0, "ignore_eos": true});
     let (under, graded) = std::thread::scope(|s| {
