@@ -8,10 +8,51 @@
 //! tokens after an earlier occurrence of the last few tokens are a good guess of what follows.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::SessionId;
+
+/// Where a route's drafts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftKind {
+    /// Prompt lookup over the session's own tokens ([`NgramIndex`]): free, and ready at once.
+    Ngram,
+    /// A smaller model with the same vocabulary, running beside the route ([`DraftSource`]):
+    /// its drafts take time, so a session whose draft is being computed waits for it, at most
+    /// `max_wait`, then decodes without one.
+    Model { max_wait: Duration },
+}
+
+/// Wakes whoever plans steps (a route's loop) when a draft it waits for is ready.
+pub type Wake = Arc<dyn Fn() + Send + Sync>;
+
+/// What a draft source has for a session now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DraftPoll {
+    /// Tokens drafted to follow the session's known tokens (possibly none: nothing to
+    /// propose, or the source could not draft).
+    Ready(Vec<u32>),
+    /// A draft for these tokens is being computed: `wake` is called when it is ready.
+    Pending,
+}
+
+/// A drafter that runs beside the route (a draft model): asked without blocking, it drafts in
+/// its own time. A draft only proposes, so what it returns never changes what a client
+/// receives (the last shard verifies every drafted token), only how many tokens a trip yields.
+pub trait DraftSource: Send + Sync {
+    /// Up to `k` tokens to follow `tokens`, the session's known tokens (prompt and output
+    /// so far: between calls for one session they only grow, unless it was forgotten).
+    /// Starts a draft when it has none for them, and calls `wake` once it is ready.
+    fn poll(&self, session: SessionId, tokens: &[u32], k: usize, wake: &Wake) -> DraftPoll;
+    /// The session ended here: whatever is kept for it goes.
+    fn forget(&self, session: SessionId);
+}
 
 /// How a route drafts, for every session that does not opt out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DraftConfig {
+    pub kind: DraftKind,
     /// The most tokens drafted for one session in one step; 0 turns speculation off.
     pub max_draft: usize,
     /// Steps whose decode work holds more sessions than this draft for none of them: a full
@@ -24,6 +65,7 @@ pub struct DraftConfig {
 
 impl DraftConfig {
     pub const OFF: DraftConfig = DraftConfig {
+        kind: DraftKind::Ngram,
         max_draft: 0,
         max_batch: 0,
         min_ngram: 2,
@@ -36,6 +78,15 @@ impl DraftConfig {
             max_draft,
             max_batch: 1,
             ..DraftConfig::OFF
+        }
+    }
+
+    /// Drafts of at most `max_draft` tokens a step from a draft model ([`DraftSource`]),
+    /// waited for at most `max_wait`.
+    pub fn model(max_draft: usize, max_wait: Duration) -> DraftConfig {
+        DraftConfig {
+            kind: DraftKind::Model { max_wait },
+            ..DraftConfig::ngram(max_draft)
         }
     }
 
@@ -147,6 +198,15 @@ impl DraftLength {
             max,
             misses: 0,
             cooldown: 0,
+        }
+    }
+
+    /// What [`DraftLength::take`] will return, without counting a step.
+    pub fn next(&self) -> usize {
+        if self.cooldown > 0 {
+            0
+        } else {
+            self.k.min(self.max)
         }
     }
 

@@ -14,7 +14,7 @@ mod refusal;
 mod scheduler;
 
 pub use admission::{Admission, AdmissionConfig, Demand, ShardBudget};
-pub use draft::{DraftConfig, DraftLength, NgramIndex};
+pub use draft::{DraftConfig, DraftKind, DraftLength, DraftPoll, DraftSource, NgramIndex, Wake};
 pub use kv::{EvictionPolicy, Resident};
 pub use refusal::{Class, Reason, Refusal};
 

@@ -1,9 +1,10 @@
 //! The step scheduler.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::draft::{DraftConfig, DraftLength, NgramIndex};
+use crate::draft::{DraftConfig, DraftKind, DraftLength, DraftPoll, DraftSource, NgramIndex, Wake};
 
 /// Positions of a shard's KV block: the unit its prefix cache shares (`model::BLOCK_POSITIONS`;
 /// the shard checks that they agree). A prefill chunk that stops before the prompt's end stops
@@ -209,19 +210,49 @@ struct Entry {
     draft: Option<Drafting>,
 }
 
-/// A speculating session's n-gram index over its tokens and its next draft length.
+/// A speculating session's drafting state: where its drafts come from and its next draft
+/// length.
 #[derive(Debug)]
 struct Drafting {
-    index: NgramIndex,
+    source: Source,
     length: DraftLength,
+}
+
+#[derive(Debug)]
+enum Source {
+    /// An n-gram index over its tokens.
+    Ngram(NgramIndex),
+    /// The route's draft model; since when the session waits for its draft.
+    Model {
+        waiting_since: Option<Instant>,
+        max_wait: Duration,
+    },
 }
 
 impl Drafting {
     fn new(config: &DraftConfig) -> Option<Drafting> {
         config.is_on().then(|| Drafting {
-            index: NgramIndex::new(config),
+            source: match config.kind {
+                DraftKind::Ngram => Source::Ngram(NgramIndex::new(config)),
+                DraftKind::Model { max_wait } => Source::Model {
+                    waiting_since: None,
+                    max_wait,
+                },
+            },
             length: DraftLength::new(config.max_draft),
         })
+    }
+}
+
+/// The route's draft model, and how it wakes the route's loop.
+struct DraftModel {
+    source: Arc<dyn DraftSource>,
+    wake: Wake,
+}
+
+impl std::fmt::Debug for DraftModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DraftModel")
     }
 }
 
@@ -232,14 +263,54 @@ impl Entry {
 
     /// Tokens drafted to follow its last known token in its next decode step: at most
     /// `room` (what the step has left), and never past what it may still generate (its
-    /// admission reserved that many positions).
-    fn drafts(&mut self, room: usize) -> Vec<u32> {
+    /// admission reserved that many positions). `None` while the draft model computes its
+    /// draft (for at most the draft kind's `max_wait`): it decodes in a later step.
+    fn drafts(
+        &mut self,
+        session: SessionId,
+        room: usize,
+        now: Instant,
+        model: Option<&DraftModel>,
+    ) -> Option<Vec<u32>> {
         let left = self.max_new.saturating_sub(self.n_generated() + 1);
         let Some(d) = &mut self.draft else {
-            return Vec::new();
+            return Some(Vec::new());
         };
-        let k = d.length.take().min(room).min(left);
-        d.index.draft(&self.tokens, k)
+        let k = d.length.next().min(room).min(left);
+        match &mut d.source {
+            Source::Ngram(index) => {
+                d.length.take();
+                Some(index.draft(&self.tokens, k))
+            }
+            Source::Model {
+                waiting_since,
+                max_wait,
+            } => {
+                let poll = match model {
+                    Some(m) if k > 0 => m.source.poll(session, &self.tokens, k, &m.wake),
+                    _ => DraftPoll::Ready(Vec::new()),
+                };
+                match poll {
+                    DraftPoll::Pending
+                        if now.saturating_duration_since(*waiting_since.get_or_insert(now))
+                            < *max_wait =>
+                    {
+                        None
+                    }
+                    DraftPoll::Pending => {
+                        *waiting_since = None;
+                        d.length.take();
+                        Some(Vec::new())
+                    }
+                    DraftPoll::Ready(mut t) => {
+                        *waiting_since = None;
+                        d.length.take();
+                        t.truncate(k);
+                        Some(t)
+                    }
+                }
+            }
+        }
     }
 
     /// Its last known token awaits its one-position decode step.
@@ -269,6 +340,7 @@ struct StepLimits {
     max_sessions: usize,
     /// Decode items may carry drafted tokens (speculation is on and the batch is not full).
     draft: bool,
+    now: Instant,
 }
 
 /// The scheduler: waiting sessions in arrival order per priority class, active sessions, steps
@@ -287,6 +359,8 @@ pub struct Scheduler {
     in_flight: BTreeMap<u64, Vec<PlanItem>>,
     to_release: Vec<SessionId>,
     next_step: u64,
+    /// Where drafts come from when the config's kind is [`DraftKind::Model`].
+    draft_model: Option<DraftModel>,
 }
 
 impl Scheduler {
@@ -301,6 +375,20 @@ impl Scheduler {
             in_flight: BTreeMap::new(),
             to_release: Vec::new(),
             next_step: 1,
+            draft_model: None,
+        }
+    }
+
+    /// Drafts of sessions come from `source` (with a [`DraftKind::Model`] config); `wake`
+    /// is called when a draft a session waits for is ready.
+    pub fn use_draft_model(&mut self, source: Arc<dyn DraftSource>, wake: Wake) {
+        self.draft_model = Some(DraftModel { source, wake });
+    }
+
+    /// A session left: the draft model forgets it.
+    fn forget_draft(&self, session: SessionId) {
+        if let Some(m) = &self.draft_model {
+            m.source.forget(session);
         }
     }
 
@@ -412,6 +500,7 @@ impl Scheduler {
             max_sessions,
             draft: self.config.draft.is_on()
                 && n_decoding.min(max_sessions) <= self.config.draft.max_batch,
+            now,
         };
         self.take(Priority::Agent, limits, &mut budget, &mut items);
         let with_agent = !items.is_empty();
@@ -474,6 +563,7 @@ impl Scheduler {
         budget: &mut usize,
         items: &mut Vec<PlanItem>,
     ) {
+        let model = self.draft_model.as_ref();
         for (&id, e) in self.active.iter_mut() {
             if *budget == 0 || items.len() >= limits.max_sessions {
                 break;
@@ -483,7 +573,10 @@ impl Scheduler {
             }
             let mut tokens = vec![e.tokens[e.n_computed]];
             if limits.draft {
-                tokens.extend(e.drafts(*budget - 1));
+                let Some(drafts) = e.drafts(id, *budget - 1, limits.now, model) else {
+                    continue;
+                };
+                tokens.extend(drafts);
             }
             *budget -= tokens.len();
             items.push(PlanItem {
@@ -672,6 +765,7 @@ impl Scheduler {
         {
             e.draft = None;
         }
+        self.forget_draft(session);
     }
 
     /// Whether `step` carried a fragment of `session` that no longer counts: the session was
@@ -703,6 +797,7 @@ impl Scheduler {
     pub fn finish(&mut self, session: SessionId) {
         if self.active.remove(&session).is_some() {
             self.to_release.push(session);
+            self.forget_draft(session);
         }
     }
 
@@ -710,6 +805,7 @@ impl Scheduler {
     pub fn abort(&mut self, session: SessionId) {
         if let Some(e) = self.pending_new.remove(&session) {
             self.waiting[e.priority.index()].retain(|s| *s != session);
+            self.forget_draft(session);
             return;
         }
         self.finish(session);
@@ -718,6 +814,7 @@ impl Scheduler {
     fn remove(&mut self, session: SessionId) {
         self.active.remove(&session);
         self.to_release.push(session);
+        self.forget_draft(session);
     }
 
     /// Drops everything (the route broke) and says, for every session that was waiting or
@@ -733,6 +830,9 @@ impl Scheduler {
             })
             .collect();
         out.sort_by_key(|(id, _, _)| *id);
+        for (id, _, _) in &out {
+            self.forget_draft(*id);
+        }
         self.reset();
         out
     }
@@ -742,6 +842,9 @@ impl Scheduler {
         let mut all: Vec<SessionId> = self.active.keys().copied().collect();
         for w in &mut self.waiting {
             all.extend(w.drain(..));
+        }
+        for &session in &all {
+            self.forget_draft(session);
         }
         self.active.clear();
         self.pending_new.clear();
@@ -1265,8 +1368,27 @@ mod tests {
     /// drafts kept while they equal the sample before them); `known` holds every session's
     /// prompt and gets its output. Returns the drafted and accepted totals.
     fn run_to_end(s: &mut Scheduler, known: &mut BTreeMap<SessionId, Vec<u32>>) -> (usize, usize) {
+        run_with_drafter(s, known, None)
+    }
+
+    /// [`run_to_end`] with a draft model's drafts: when no step can go, the sessions wait for
+    /// drafts, which `drafter` then computes.
+    fn run_with_drafter(
+        s: &mut Scheduler,
+        known: &mut BTreeMap<SessionId, Vec<u32>>,
+        drafter: Option<&FakeDraftModel>,
+    ) -> (usize, usize) {
         let (mut drafted, mut accepted) = (0, 0);
-        while let Some(plan) = s.schedule(Instant::now()) {
+        loop {
+            let Some(plan) = s.schedule(Instant::now()) else {
+                match drafter {
+                    Some(d) if !s.is_idle() => {
+                        assert!(d.complete() > 0, "only a draft may hold a session back");
+                        continue;
+                    }
+                    _ => break,
+                }
+            };
             let mut outputs = Vec::new();
             for item in plan.items.iter().filter(|i| i.want_output) {
                 let mut h = known[&item.session].clone();
@@ -1334,6 +1456,142 @@ mod tests {
             }
             assert_eq!(results[0], results[1], "{n_sessions} sessions");
         }
+    }
+
+    /// A draft model for tests: its drafts follow [`next_of`] except every fifth position, and
+    /// are computed only when [`FakeDraftModel::complete`] is called.
+    /// A draft asked for: the session, its tokens, how many to draft, whom to wake.
+    type Asked = (SessionId, Vec<u32>, usize, Wake);
+
+    #[derive(Default)]
+    struct FakeDraftModel {
+        asked: std::sync::Mutex<Vec<Asked>>,
+        ready: std::sync::Mutex<HashMap<SessionId, (usize, Vec<u32>)>>,
+        forgotten: std::sync::Mutex<Vec<SessionId>>,
+        wakes: std::sync::atomic::AtomicUsize,
+    }
+
+    impl DraftSource for FakeDraftModel {
+        fn poll(&self, session: SessionId, tokens: &[u32], k: usize, wake: &Wake) -> DraftPoll {
+            let mut ready = self.ready.lock().unwrap();
+            if let Some((base, d)) = ready.remove(&session) {
+                if base == tokens.len() {
+                    return DraftPoll::Ready(d);
+                }
+            }
+            self.asked
+                .lock()
+                .unwrap()
+                .push((session, tokens.to_vec(), k, Arc::clone(wake)));
+            DraftPoll::Pending
+        }
+
+        fn forget(&self, session: SessionId) {
+            self.forgotten.lock().unwrap().push(session);
+        }
+    }
+
+    impl FakeDraftModel {
+        /// Computes every draft asked for; returns how many.
+        fn complete(&self) -> usize {
+            let asked = std::mem::take(&mut *self.asked.lock().unwrap());
+            for (session, mut h, k, wake) in asked.iter().cloned() {
+                let base = h.len();
+                for _ in 0..k {
+                    let t = if h.len() % 5 == 0 { 99 } else { next_of(&h) };
+                    h.push(t);
+                }
+                self.ready
+                    .lock()
+                    .unwrap()
+                    .insert(session, (base, h[base..].to_vec()));
+                wake();
+            }
+            asked.len()
+        }
+    }
+
+    /// Sessions drafting from a draft model, whose drafts take time and are sometimes wrong,
+    /// end with exactly the tokens plain decoding gives, at 1, 4 and 16 sessions; each waited
+    /// for its drafts, was woken when one was ready, and is forgotten by the draft model once
+    /// it ends.
+    #[test]
+    fn draft_model_decoding_gives_exactly_the_tokens_of_plain_decoding() {
+        for n_sessions in [1, 4, 16] {
+            let mut results = Vec::new();
+            for with_model in [false, true] {
+                let draft = if with_model {
+                    DraftConfig::model(6, Duration::from_secs(3600))
+                } else {
+                    DraftConfig::OFF
+                };
+                let mut s = Scheduler::new(SchedulerConfig {
+                    draft: DraftConfig {
+                        max_batch: 16,
+                        ..draft
+                    },
+                    ..cfg(64, 16)
+                });
+                let fake = Arc::new(FakeDraftModel::default());
+                let wakes = Arc::clone(&fake);
+                s.use_draft_model(
+                    fake.clone(),
+                    Arc::new(move || {
+                        wakes
+                            .wakes
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }),
+                );
+                let mut known = BTreeMap::new();
+                for i in 0..n_sessions {
+                    let prompt: Vec<u32> = (0..9).map(|j| (i * 3 + j) % 7).collect();
+                    s.add(SessionId(i as u64), prompt.clone(), 40, Priority::Agent, 0);
+                    known.insert(SessionId(i as u64), prompt);
+                }
+                let (drafted, accepted) = run_with_drafter(&mut s, &mut known, Some(&fake));
+                assert!(known.values().all(|t| t.len() == 9 + 40));
+                let woken = fake.wakes.load(std::sync::atomic::Ordering::Relaxed);
+                if with_model {
+                    assert!(
+                        drafted > 0 && accepted > 0 && accepted < drafted && woken > 0,
+                        "drafted {drafted}, accepted {accepted}, woken {woken}"
+                    );
+                    let mut forgotten = fake.forgotten.lock().unwrap().clone();
+                    forgotten.sort();
+                    forgotten.dedup();
+                    assert_eq!(forgotten.len(), n_sessions as usize);
+                } else {
+                    assert_eq!((drafted, woken), (0, 0));
+                }
+                results.push(known);
+            }
+            assert_eq!(results[0], results[1], "{n_sessions} sessions");
+        }
+    }
+
+    /// A session whose draft is not ready waits for it at most the draft kind's `max_wait`,
+    /// then decodes without one.
+    #[test]
+    fn a_late_draft_is_waited_for_at_most_max_wait() {
+        let wait = Duration::from_millis(50);
+        let mut s = Scheduler::new(SchedulerConfig {
+            draft: DraftConfig::model(4, wait),
+            ..cfg(64, 16)
+        });
+        let fake = Arc::new(FakeDraftModel::default());
+        s.use_draft_model(fake.clone(), Arc::new(|| {}));
+        s.add(SessionId(1), vec![1, 2, 3], 10, Priority::Agent, 0);
+        let t0 = Instant::now();
+        let plan = s.schedule(t0).unwrap();
+        assert_eq!(plan.items[0].tokens, vec![1, 2, 3], "the prompt");
+        s.update_from_output(plan.step_id, &[(SessionId(1), 4)], &[]);
+        assert!(s.schedule(t0).is_none(), "waits for its draft");
+        assert!(s.schedule(t0 + wait / 2).is_none(), "still within max_wait");
+        let plan = s.schedule(t0 + wait).unwrap();
+        assert_eq!(
+            (plan.items[0].tokens.clone(), plan.items[0].n_draft),
+            (vec![4], 0)
+        );
     }
 
     /// A draft never reaches past the positions a session may still generate (its admission

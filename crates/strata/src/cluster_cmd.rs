@@ -293,6 +293,25 @@ pub struct RouteArgs {
     /// The most tokens drafted for one session in one step (1 to 16).
     #[arg(long, default_value_t = 8)]
     draft_max: usize,
+    /// Drafts come from this model (a path, or a known name as for `--model`) instead of
+    /// n-gram lookup: a smaller model with the same vocabulary (Qwen2.5-Coder-0.5B for the
+    /// 1.5B), run in this process on threads of its own, drafting each speculating session's
+    /// greedy continuation while the route decodes others. The client still gets exactly the
+    /// tokens plain decoding gives. A draft model whose vocabulary differs from the served
+    /// model's is refused at start (`serve`) or left unused for that model's routes
+    /// (`tracker`, which logs why).
+    #[arg(long, value_parser = crate::models::model_path)]
+    draft_model: Option<PathBuf>,
+    /// Kernel threads of the draft model.
+    #[arg(long, default_value_t = 2, requires = "draft_model")]
+    draft_threads: usize,
+    /// MiB of draft KV for every session together (the oldest sessions' draft KV goes when
+    /// it is full; they compute it again when they draft next).
+    #[arg(long, default_value_t = 256, requires = "draft_model")]
+    draft_kv_mib: usize,
+    /// Most milliseconds a session waits for its draft before it decodes without one.
+    #[arg(long, default_value_t = 200, requires = "draft_model")]
+    draft_wait_ms: u64,
     /// Decode steps with more sessions than this draft for none: a batch keeps the weights
     /// busy already (on 2 AVX2 cores, 4 speculating streams decoded at 0.83x of plain, one
     /// at 2.04x; measure before raising it).
@@ -428,12 +447,39 @@ impl RouteArgs {
             );
         }
         match self.speculative.as_str() {
+            "ngram" if self.draft_model.is_some() => Ok(engine::DraftConfig {
+                max_batch: self.draft_max_batch,
+                ..engine::DraftConfig::model(
+                    self.draft_max,
+                    Duration::from_millis(self.draft_wait_ms),
+                )
+            }),
             "ngram" => Ok(engine::DraftConfig {
                 max_batch: self.draft_max_batch,
                 ..engine::DraftConfig::ngram(self.draft_max)
             }),
+            _ if self.draft_model.is_some() => {
+                bail!("`--draft-model` drafts for speculation, which `--speculative off` turns off")
+            }
             _ => Ok(engine::DraftConfig::OFF),
         }
+    }
+
+    /// The draft model of `--draft-model`, loaded, with its thread started.
+    fn draft_model(&self) -> Result<Option<Arc<dyn tracker::DraftModel>>> {
+        let Some(path) = &self.draft_model else {
+            return Ok(None);
+        };
+        if self.draft_threads == 0 || self.draft_kv_mib == 0 {
+            bail!("`--draft-threads` and `--draft-kv-mib` must be at least 1");
+        }
+        let draft = crate::draft_model::DraftModel::load(
+            path,
+            self.draft_threads,
+            self.draft_kv_mib << 20,
+            usize::MAX,
+        )?;
+        Ok(Some(Arc::new(draft)))
     }
 
     fn seam(&self) -> Result<SeamDtype> {
@@ -491,6 +537,7 @@ pub fn tracker_config(route: &RouteArgs, api: &ApiArgs) -> Result<tracker::Track
     let scheduler = route.scheduler()?;
     Ok(tracker::TrackerConfig {
         scheduler,
+        draft_model: route.draft_model()?,
         admission: engine::AdmissionConfig {
             queue_slots: [route.agent_queue, route.grading_queue],
             key_share: route.key_share,

@@ -5,6 +5,7 @@ mod bench;
 mod bench_cluster;
 mod cluster_cmd;
 mod config;
+mod draft_model;
 mod local;
 mod model_cmd;
 mod models;

@@ -81,6 +81,16 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let file =
         gguf::GgufFile::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
     let n_layers = model::ModelConfig::from_header(file.header())?.n_layers;
+    if let Some(draft) = &config.draft_model {
+        let target = text::Tokenizer::from_header(file.header())?;
+        if let Some(why) = draft.vocabulary_difference(&target) {
+            bail!(
+                "the draft model {} cannot draft for {}: their vocabularies differ ({why})",
+                draft.name(),
+                a.model.display()
+            );
+        }
+    }
     drop(file);
     if a.shards > n_layers {
         bail!(

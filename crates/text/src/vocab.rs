@@ -208,6 +208,41 @@ impl Tokenizer {
         self.tokens.len()
     }
 
+    /// How `other`'s vocabulary differs from this one (`None` when it is the same: the same
+    /// algorithm, tokens, kinds and end tokens), naming the first difference. A draft model
+    /// must share its target's vocabulary: a drafted id means a token of the target.
+    pub fn difference(&self, other: &Tokenizer) -> Option<String> {
+        if self.model() != other.model() {
+            return Some(format!(
+                "the tokenizer models differ ({:?} and {:?})",
+                self.model(),
+                other.model()
+            ));
+        }
+        if self.n_vocab() != other.n_vocab() {
+            return Some(format!(
+                "the vocabularies hold {} and {} tokens",
+                self.n_vocab(),
+                other.n_vocab()
+            ));
+        }
+        let first = (0..self.tokens.len())
+            .find(|&i| self.tokens[i] != other.tokens[i] || self.kinds[i] != other.kinds[i]);
+        if let Some(i) = first {
+            return Some(format!(
+                "token {i} is {:?} ({:?}) in one and {:?} ({:?}) in the other",
+                self.tokens[i], self.kinds[i], other.tokens[i], other.kinds[i]
+            ));
+        }
+        if (self.eos, self.eot) != (other.eos, other.eot) {
+            return Some(format!(
+                "the end tokens differ (eos {:?}, eot {:?} and eos {:?}, eot {:?})",
+                self.eos, self.eot, other.eos, other.eot
+            ));
+        }
+        None
+    }
+
     pub fn kind(&self, id: u32) -> Option<TokenKind> {
         self.kinds.get(id as usize).copied()
     }

@@ -49,6 +49,16 @@ pub struct TrackerConfig {
     pub prefix_scope: crate::route::driver::PrefixScope,
     /// How a new session's route is picked (`--route-by`, `--cache-route-slack`).
     pub route_choice: crate::route::prefixes::RouteChoice,
+    /// The draft model the routes of every model with its vocabulary draft from, when the
+    /// scheduler's drafts are [`engine::DraftKind::Model`] (`--draft-model`).
+    pub draft_model: Option<Arc<dyn DraftModel>>,
+}
+
+/// A draft model running beside the routes (see [`engine::DraftSource`]).
+pub trait DraftModel: engine::DraftSource + std::fmt::Debug {
+    /// Why it cannot draft for a model of vocabulary `target` (`None`: it can).
+    fn vocabulary_difference(&self, target: &text::Tokenizer) -> Option<String>;
+    fn name(&self) -> &str;
 }
 
 /// Following a registry: where it is, this cluster's prefix in it, and how to reach the shards
@@ -85,6 +95,7 @@ impl Default for TrackerConfig {
             stored_response_bytes: 64 << 20,
             prefix_scope: crate::route::driver::PrefixScope::Key,
             route_choice: crate::route::prefixes::RouteChoice::default(),
+            draft_model: None,
         }
     }
 }

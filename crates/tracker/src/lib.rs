@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 
 pub use api::fields::NO_EFFECT;
 pub use api::server::{default_max_connections, HttpConfig};
-pub use config::{RegistryConfig, TrackerConfig};
+pub use config::{DraftModel, RegistryConfig, TrackerConfig};
 pub use metrics::Metrics;
 pub use route::cluster::{validate_route, Cluster, Health};
 pub use route::driver::PrefixScope;

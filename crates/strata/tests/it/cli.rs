@@ -410,6 +410,25 @@ fn speculation_flags_out_of_range_are_refused_naming_them() {
         assert!(!out.status.success(), "{flag} {value}");
         assert!(err.contains(want), "{flag} {value}: {err}");
     }
+    // A draft model's settings need one, and a draft model needs speculation on.
+    for (args, want) in [
+        (
+            &["--draft-model", &m, "--speculative", "off"][..],
+            "`--draft-model` drafts for speculation, which `--speculative off` turns off",
+        ),
+        (&["--draft-wait-ms", "5"][..], "--draft-model"),
+        (
+            &["--draft-model", &m, "--draft-threads", "0"][..],
+            "`--draft-threads` and `--draft-kv-mib` must be at least 1",
+        ),
+    ] {
+        let mut all = vec!["serve", "--model", &m];
+        all.extend(args);
+        let out = strata(&all);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
 }
 
 #[test]

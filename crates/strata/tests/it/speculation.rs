@@ -310,3 +310,67 @@ fn a_speculating_session_moved_by_a_shard_kill_keeps_plain_decodings_tokens() {
     );
     let _ = shards.remove(1);
 }
+
+/// Drafts from a draft model (`--draft-model`, here SmolLM2 itself: the same vocabulary, and
+/// drafts that greedy decoding keeps while sampled ones are often rejected) through a route of
+/// two shards: every answer, one at a time and 4 at once, equals plain decoding's, and drafted
+/// tokens were verified under the `model` drafter. `serve` refuses at start a draft model whose
+/// vocabulary differs from its model's, naming the difference.
+#[test]
+fn a_draft_model_gives_plain_decodings_answers_and_another_vocabulary_is_refused() {
+    let token = procs::token_file(TOKEN);
+    let cases = cases(1, 32);
+    let shards = route(&["0..15", "15..30"], &token);
+    let refs: Vec<&Proc> = shards.iter().collect();
+    let m = testkit::real_model();
+    let tracker = procs::tracker(
+        exe(),
+        &refs,
+        &token,
+        &[
+            "--draft-model",
+            m.to_str().unwrap(),
+            "--draft-threads",
+            "1",
+            "--draft-max",
+            "6",
+            "--draft-max-batch",
+            "16",
+        ],
+    );
+    let addr = &tracker.addr;
+    let plain = answers(addr, &cases, 4, false);
+    assert_eq!(metric(addr, "strata_spec_drafted_tokens_total"), 0.0);
+    assert_same(&plain, &answers(addr, &cases, 1, true), "one at a time");
+    assert_same(&plain, &answers(addr, &cases, 4, true), "4 at once");
+    assert_verified(addr, "a draft model");
+    let by_model = testkit::http::get(addr, "/metrics");
+    assert!(
+        by_model
+            .body
+            .contains("strata_spec_drafted_tokens_total{drafter=\"model\""),
+        "drafts counted under the model drafter"
+    );
+
+    let gemma = testkit::named_model("gemma3-270m");
+    let out = std::process::Command::new(exe())
+        .args([
+            "serve",
+            "--shards",
+            "1",
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+        ])
+        .arg(&m)
+        .arg("--draft-model")
+        .arg(&gemma)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("cannot draft for") && stderr.contains("tokenizer models differ"),
+        "{stderr}"
+    );
+}

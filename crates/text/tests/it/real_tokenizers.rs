@@ -137,3 +137,22 @@ fn qwen_renders_tools_tool_calls_and_tool_results() {
     let sunny = text.find("{\"sky\"").unwrap();
     assert!(parts.content.iter().any(|r| r.contains(&sunny)));
 }
+
+/// A draft model must share its target's vocabulary: Qwen2.5-Coder 0.5B and 1.5B do; SmolLM2
+/// and Gemma 3 do not, and the difference names what differs.
+#[test]
+fn vocabularies_compare_for_drafting() {
+    let load = |name: &str| {
+        let f = gguf::GgufFile::open(testkit::named_model(name)).unwrap();
+        Tokenizer::from_header(f.header()).unwrap()
+    };
+    let (qwen_small, qwen) = (load("qwen2.5-coder-0.5b"), load("qwen2.5-coder-1.5b"));
+    assert_eq!(qwen.difference(&qwen_small), None);
+    assert_eq!(qwen.difference(&qwen), None);
+    let smol = load("smollm2-135m");
+    let gemma = load("gemma3-270m");
+    let why = smol.difference(&gemma).expect("SmolLM2 and Gemma 3 differ");
+    assert!(why.contains("tokenizer models differ"), "{why}");
+    let why = qwen.difference(&smol).expect("Qwen and SmolLM2 differ");
+    assert!(why.contains("49152") && why.contains("151"), "{why}");
+}

@@ -210,6 +210,8 @@ pub struct RunnerParts {
     pub prefixes: Arc<super::prefixes::PrefixIndex>,
     /// Its time per token, from its decode steps, published for choosing routes.
     pub pace: Arc<super::pace::Pace>,
+    /// Where its sessions' drafts come from when they come from a draft model.
+    pub draft: Option<Arc<dyn engine::DraftSource>>,
 }
 
 /// The prefix-cache partition of a session of tenant `tenant` (0 is the partition every
@@ -281,6 +283,8 @@ struct Link {
 
 pub struct Runner {
     config: RunnerConfig,
+    /// Notified by the draft model when a draft a session waits for is ready.
+    draft_ready: Arc<tokio::sync::Notify>,
     /// The route's name, and where its sessions go when it fails (`None`: they fail).
     name: String,
     failover: Option<mpsc::UnboundedSender<Box<Moved>>>,
@@ -376,7 +380,14 @@ fn health_refusal(health: &Health) -> Refusal {
 
 impl Runner {
     pub fn new(p: RunnerParts) -> Runner {
+        let mut scheduler = Scheduler::new(p.config.scheduler);
+        let draft_ready = Arc::new(tokio::sync::Notify::new());
+        if let Some(draft) = p.draft {
+            let ready = Arc::clone(&draft_ready);
+            scheduler.use_draft_model(draft, Arc::new(move || ready.notify_one()));
+        }
         Runner {
+            draft_ready,
             table: p.replicas,
             retired: false,
             commands_closed: false,
@@ -388,7 +399,7 @@ impl Runner {
             route_up: p.route_up,
             admission: p.admission,
             ledger: p.ledger,
-            scheduler: Scheduler::new(p.config.scheduler),
+            scheduler,
             config: p.config,
             cluster: p.cluster,
             tokenizer: p.tokenizer,
@@ -551,6 +562,7 @@ impl Runner {
             reply = next_of(direct) => Waited::Direct(reply),
             cmd = commands.recv(), if !self.commands_closed => cmd.map_or(Waited::Closed, Waited::Command),
             _ = sleep_until(due) => Waited::Timeout,
+            _ = self.draft_ready.notified() => Waited::Idle,
             _ = self.health.changed(), if due.is_none() => Waited::Idle,
             _ = tokio::time::sleep(idle_sleep), if due.is_none() => Waited::Idle,
         }

@@ -88,6 +88,7 @@ async fn start(name: &str) -> Route {
         load: Arc::clone(&load),
         prefixes: Arc::new(crate::route::prefixes::PrefixIndex::new(64)),
         pace: Default::default(),
+        draft: None,
     });
     let (commands, rx) = mpsc::channel(16);
     tokio::spawn(runner.run(rx));

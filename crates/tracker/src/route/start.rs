@@ -61,6 +61,7 @@ impl RouteStarter {
             name,
             Arc::clone(&cluster),
             Arc::clone(&entry.tokenizer),
+            draft_for(config, name, &entry),
             &self.metrics,
             self.moved.clone(),
             Arc::clone(&self.table),
@@ -217,12 +218,36 @@ pub(crate) fn admission_of(config: &TrackerConfig, cluster: &Cluster) -> engine:
     )
 }
 
+/// The draft model a route of `entry`'s model drafts from: the tracker's, when its drafts come
+/// from a draft model and it shares the model's vocabulary (a route of another vocabulary
+/// runs without drafts, and says why).
+fn draft_for(
+    config: &TrackerConfig,
+    name: &str,
+    entry: &ModelEntry,
+) -> Option<Arc<dyn engine::DraftSource>> {
+    let draft = config.draft_model.as_ref()?;
+    if let Some(why) = draft.vocabulary_difference(&entry.tokenizer) {
+        tracing::warn!(
+            route = name,
+            model = %entry.id,
+            draft = draft.name(),
+            "the draft model cannot draft for this model, whose vocabulary differs ({why}): the route decodes without drafts"
+        );
+        return None;
+    }
+    let source: Arc<dyn engine::DraftSource> = draft.clone();
+    Some(source)
+}
+
 /// Starts one route's health monitor and scheduling loop and waits until the route is open.
+#[allow(clippy::too_many_arguments)]
 async fn start_route(
     config: &TrackerConfig,
     name: &str,
     cluster: Arc<Cluster>,
     tokenizer: Arc<Tokenizer>,
+    draft: Option<Arc<dyn engine::DraftSource>>,
     metrics: &Arc<Metrics>,
     moved: mpsc::UnboundedSender<Box<driver::Moved>>,
     table: Arc<RouteTable>,
@@ -265,6 +290,7 @@ async fn start_route(
         load: Arc::clone(&load),
         prefixes: Arc::clone(&prefixes),
         pace: Arc::clone(&pace),
+        draft,
     });
     tokio::spawn(runner.run(cmd_rx));
     // Ready means the route is open end to end, not just that the shards answered.

@@ -116,7 +116,11 @@ impl Runner {
 
     /// Drafted and accepted tokens of one verification step, per drafter.
     fn count_verified(&self, drafted: usize, accepted: usize) {
-        let labels = [("drafter", "ngram")];
+        let drafter = match self.config.scheduler.draft.kind {
+            engine::DraftKind::Ngram => "ngram",
+            engine::DraftKind::Model { .. } => "model",
+        };
+        let labels = [("drafter", drafter)];
         self.metrics
             .inc("strata_spec_drafted_tokens_total", &labels, drafted as f64);
         self.metrics.inc(
