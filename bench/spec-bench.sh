@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Speculative decoding, single stream, on the workload set (bench/spec-workload.json): strata
-# with `--speculative ngram` against itself without (the same server, requests alternating with
-# `"speculative": false`), and llama-server with its own n-gram speculation (`--spec-type
-# ngram-simple`) and, when a draft model is given, `--model-draft`, against llama-server without,
-# on the same cores, in the same run. Greedy requests; every variant's texts are compared.
+# with `--speculative ngram` and, when a draft model is given, with `--draft-model`, each against
+# itself without (the same server, requests alternating with `"speculative": false`), and
+# llama-server with its own n-gram speculation (`--spec-type ngram-simple`) and `--model-draft`,
+# against llama-server without, on the same cores, in the same run. Greedy requests; every
+# variant's texts are compared.
 #
 # Then, on the same strata server, STREAMS concurrent streams (each request sent STREAMS times at
 # once, with and without speculation in turn): the aggregate rate, which speculation must not
@@ -54,6 +55,15 @@ if [ "$STREAMS" -gt 0 ]; then
   run "strata-x$STREAMS" http://127.0.0.1:18311 --a '{"speculative": false}' --b '{}' --concurrency "$STREAMS"
 fi
 stop $pid
+if [ -n "$draft" ]; then
+  echo "strata: $STRATA serve --draft-model $(basename "$draft")" >&2
+  "$STRATA" serve --model "$model" --shards 1 --threads "$threads" --draft-model "$draft" \
+    --draft-threads "$threads" --draft-max 8 --listen 127.0.0.1:18315 >"$out/strata-draft.log" 2>&1 &
+  pid=$!
+  wait_http 18315
+  run strata-draft http://127.0.0.1:18315 --a '{"speculative": false}' --b '{}'
+  stop $pid
+fi
 
 ls=$LLAMA_CPP_DIR/bin/llama-server
 common=(-m "$model" -t "$threads" -c 8192 --host 127.0.0.1 -np 1)
@@ -92,6 +102,15 @@ for k in kinds:
     a, b = s["a"]["decode_tps_p50"], s["b"]["decode_tps_p50"]
     v = lambda r: r["a"]["decode_tps_p50"] if r else float("nan")
     print(f"| {k} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {s['same_text']} | {v(lp):.2f} | {v(ln):.2f} | {v(ld):.2f} | {b / v(ln):.2f}x |")
+if any(load("strata-draft", k) for k in kinds):
+    print("\nwith a draft model (strata --draft-model, llama-server --model-draft, the same file)")
+    print("| kind | strata plain | strata draft | draft / plain | same text | llama-server plain | llama-server draft | llama-server draft / plain | strata draft / llama-server draft |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    for k in kinds:
+        s, lp, ld = load("strata-draft", k), load("llama-plain", k), load("llama-draft", k)
+        if s:
+            a, b = s["a"]["decode_tps_p50"], s["b"]["decode_tps_p50"]
+            print(f"| {k} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {s['same_text']} | {v(lp):.2f} | {v(ld):.2f} | {v(ld) / v(lp):.2f}x | {b / v(ld):.2f}x |")
 if n > 0:
     print(f"\nstrata, {n} concurrent streams: aggregate tokens/s (median of the requests)")
     print("| kind | plain | speculation | ratio | same text |")

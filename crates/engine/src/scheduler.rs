@@ -313,6 +313,17 @@ impl Entry {
         }
     }
 
+    /// Ends a wait for a draft model's draft (the session decodes without, or starts over).
+    fn end_wait(&mut self) {
+        if let Some(Drafting {
+            source: Source::Model { waiting_since, .. },
+            ..
+        }) = &mut self.draft
+        {
+            *waiting_since = None;
+        }
+    }
+
     /// Its last known token awaits its one-position decode step.
     fn decodes(&self) -> bool {
         self.in_flight.is_empty()
@@ -577,6 +588,8 @@ impl Scheduler {
                     continue;
                 };
                 tokens.extend(drafts);
+            } else {
+                e.end_wait();
             }
             *budget -= tokens.len();
             items.push(PlanItem {
@@ -787,6 +800,7 @@ impl Scheduler {
                 e.n_computed = 0;
                 e.n_planned = 0;
                 e.in_flight.clear();
+                e.end_wait();
                 true
             }
             None => false,

@@ -305,8 +305,9 @@ pub struct RouteArgs {
     /// Kernel threads of the draft model.
     #[arg(long, default_value_t = 2, requires = "draft_model")]
     draft_threads: usize,
-    /// MiB of draft KV for every session together (the oldest sessions' draft KV goes when
-    /// it is full; they compute it again when they draft next).
+    /// MiB of draft KV for every session together (when it is full, the draft KV of the
+    /// sessions that drafted least recently goes; they read their tokens again when they
+    /// draft next, decoding without drafts meanwhile).
     #[arg(long, default_value_t = 256, requires = "draft_model")]
     draft_kv_mib: usize,
     /// Most milliseconds a session waits for its draft before it decodes without one.

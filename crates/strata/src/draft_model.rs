@@ -30,12 +30,18 @@ use text::Tokenizer;
 /// chunks, so a round's memory stays bounded whatever the context.
 const CHUNK: usize = 256;
 
+/// A session whose known tokens are this many ahead of what the draft model has read (a new
+/// prompt) decodes without drafts while the thread catches up, instead of waiting for it.
+const CATCH_UP: usize = 32;
+
 /// The draft model and the thread that runs it.
 pub struct DraftModel {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
     tokenizer: Tokenizer,
     name: String,
+    /// Most positions a session's draft KV may hold.
+    n_ctx: usize,
 }
 
 struct Shared {
@@ -51,6 +57,8 @@ struct State {
     /// Sessions forgotten since the thread last looked: their KV goes.
     forgotten: Vec<SessionId>,
     shutdown: bool,
+    /// The thread stopped after a panic: no session waits for a draft any more.
+    dead: bool,
 }
 
 /// What a route and the thread share about one session.
@@ -67,6 +75,23 @@ struct Slot {
     computing: Option<usize>,
     /// The latest draft: how many of `tokens` it follows, and the drafted tokens.
     draft: Option<(usize, Vec<u32>)>,
+    /// How many of `tokens` the thread's KV of the session holds, as of its last draft.
+    read: usize,
+    /// The session alone does not fit the draft KV budget: it gets no drafts (until its
+    /// tokens are replaced).
+    unable: bool,
+}
+
+impl Slot {
+    /// Up to `k` tokens of the latest draft that follow the session's tokens now: the draft
+    /// follows them, or the tokens past its base are its own first tokens (what the route
+    /// kept of a longer draft, and a next token that agreed).
+    fn ready(&self, k: usize) -> Option<Vec<u32>> {
+        let (base, draft) = self.draft.as_ref()?;
+        let past = self.tokens.len().checked_sub(*base)?;
+        let fits = past == 0 || past < draft.len() && self.tokens[*base..] == draft[..past];
+        fits.then(|| draft[past..(past + k).min(draft.len())].to_vec())
+    }
 }
 
 /// The thread's own state of one session: its KV and the tokens in it.
@@ -77,6 +102,9 @@ struct Run {
     /// The leading tokens of `computed` known to equal the slot's tokens of `epoch`.
     agreed: usize,
     epoch: u64,
+    /// When it last drafted (the thread's count of jobs): the least recent run's KV goes
+    /// first when the pool is full.
+    used: u64,
 }
 
 impl DraftModel {
@@ -115,6 +143,8 @@ impl DraftModel {
                         n_vocab,
                         runs: HashMap::new(),
                         logits: Vec::new(),
+                        jobs: 0,
+                        evicted: Vec::new(),
                     }
                     .serve(&shared)
                 })
@@ -123,6 +153,7 @@ impl DraftModel {
         Ok(DraftModel {
             shared,
             thread: Some(thread),
+            n_ctx,
             tokenizer,
             name: path.file_name().map_or_else(
                 || path.display().to_string(),
@@ -166,6 +197,9 @@ impl DraftSource for DraftModel {
     fn poll(&self, session: SessionId, tokens: &[u32], k: usize, wake: &Wake) -> DraftPoll {
         let mut state = self.lock();
         let state = &mut *state;
+        if state.dead || tokens.is_empty() || tokens.len() + k > self.n_ctx {
+            return DraftPoll::Ready(Vec::new());
+        }
         let slot = state.sessions.entry(session).or_default();
         // The session's tokens only grow while it stays here: extend them, or take them anew
         // when they do not continue what the slot holds.
@@ -174,21 +208,17 @@ impl DraftSource for DraftModel {
         if continues {
             slot.tokens.extend_from_slice(&tokens[n..]);
         } else {
-            slot.tokens = tokens.to_vec();
-            slot.epoch += 1;
-            slot.draft = None;
-            slot.computing = None;
+            *slot = Slot {
+                tokens: tokens.to_vec(),
+                epoch: slot.epoch + 1,
+                ..Slot::default()
+            };
         }
-        if let Some((base, draft)) = &slot.draft {
-            // Ready when the tokens past its base are the draft's own first tokens (nothing
-            // past the base, or what the route kept of it and a next token that agreed).
-            let past = tokens.len().checked_sub(*base);
-            if let Some(past) = past.filter(|&p| p <= draft.len()) {
-                if tokens[*base..] == draft[..past] && (past < draft.len() || past == 0) {
-                    let rest = &draft[past..];
-                    return DraftPoll::Ready(rest[..rest.len().min(k)].to_vec());
-                }
-            }
+        if slot.unable {
+            return DraftPoll::Ready(Vec::new());
+        }
+        if let Some(draft) = slot.ready(k) {
+            return DraftPoll::Ready(draft);
         }
         if slot.computing == Some(tokens.len()) {
             // Its draft is on the way (the thread wakes whoever asked).
@@ -199,6 +229,10 @@ impl DraftSource for DraftModel {
         }
         slot.ask = Some((k, Arc::clone(wake)));
         self.shared.work.notify_one();
+        if tokens.len() - slot.read.min(tokens.len()) > CATCH_UP {
+            // A prompt the draft model has not read: decode without a draft meanwhile.
+            return DraftPoll::Ready(Vec::new());
+        }
         DraftPoll::Pending
     }
 
@@ -221,6 +255,10 @@ struct Drafter {
     n_vocab: usize,
     runs: HashMap<SessionId, Run>,
     logits: Vec<f32>,
+    /// Jobs taken so far (the runs' clock).
+    jobs: u64,
+    /// Sessions whose KV went to make room, since the last job ended.
+    evicted: Vec<SessionId>,
 }
 
 /// One round's work, taken under the lock: the tokens to append past what agrees.
@@ -237,9 +275,10 @@ struct Job {
 
 impl Drafter {
     fn serve(mut self, shared: &Shared) {
+        let lock = || shared.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             let job = {
-                let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+                let mut state = lock();
                 loop {
                     for s in std::mem::take(&mut state.forgotten) {
                         self.runs.remove(&s);
@@ -253,14 +292,33 @@ impl Drafter {
                     state = shared.work.wait(state).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            let draft = self.draft(&job);
-            let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+            let drafted =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.draft(&job)));
+            let mut state = lock();
+            let Ok((draft, outcome)) = drafted else {
+                tracing::error!("the draft model's thread failed: sessions decode without drafts");
+                state.dead = true;
+                drop(state);
+                (job.wake)();
+                return;
+            };
+            for s in std::mem::take(&mut self.evicted) {
+                if let Some(slot) = state.sessions.get_mut(&s) {
+                    slot.read = 0;
+                }
+            }
             // A draft of tokens the session no longer has (they were replaced meanwhile) is
             // dropped.
             if let Some(slot) = state.sessions.get_mut(&job.session) {
                 if slot.epoch == job.epoch {
                     slot.draft = Some((job.len, draft));
                     slot.computing = None;
+                    slot.read = if outcome == Outcome::Drafted {
+                        job.len
+                    } else {
+                        0
+                    };
+                    slot.unable = outcome == Outcome::Unable;
                 }
             }
             drop(state);
@@ -277,12 +335,19 @@ impl Drafter {
             let Some((k, wake)) = slot.ask.take() else {
                 continue;
             };
+            if slot.unable || slot.ready(k).is_some() {
+                // Answered already (the route finds the draft when it asks next).
+                continue;
+            }
+            self.jobs += 1;
             let run = self.runs.entry(session).or_insert_with(|| Run {
                 cache: self.pool.new_cache(self.n_ctx),
                 computed: Vec::new(),
                 agreed: 0,
                 epoch: slot.epoch,
+                used: 0,
             });
+            run.used = self.jobs;
             if run.epoch != slot.epoch {
                 run.epoch = slot.epoch;
                 run.agreed = 0;
@@ -309,21 +374,33 @@ impl Drafter {
     }
 
     /// The draft model's greedy continuation of the job's tokens, `k` tokens long (fewer
-    /// when the context or the KV budget runs out, none after a failure).
-    fn draft(&mut self, job: &Job) -> Vec<u32> {
+    /// when the context runs out, none after a failure), and how it went.
+    fn draft(&mut self, job: &Job) -> (Vec<u32>, Outcome) {
         if job.len == 0 || job.len + job.k > self.n_ctx {
-            return Vec::new();
+            return (Vec::new(), Outcome::Failed);
         }
         let Some(mut run) = self.runs.remove(&job.session) else {
-            return Vec::new();
+            return (Vec::new(), Outcome::Failed);
         };
-        let out = self.extend(&mut run, job).unwrap_or_else(|e| {
-            tracing::debug!(session = job.session.0, "no draft: {e}");
-            run.cache.truncate(0);
-            run.computed.clear();
-            run.agreed = 0;
-            Vec::new()
-        });
+        let out = match self.extend(&mut run, job) {
+            Ok(draft) => (draft, Outcome::Drafted),
+            Err(e) => {
+                tracing::debug!(session = job.session.0, "no draft: {e}");
+                run.cache.truncate(0);
+                run.computed.clear();
+                run.agreed = 0;
+                // Alone in the pool and still short of room: it never fits.
+                let unable = matches!(e, model::Error::KvExhausted(_));
+                (
+                    Vec::new(),
+                    if unable {
+                        Outcome::Unable
+                    } else {
+                        Outcome::Failed
+                    },
+                )
+            }
+        };
         self.runs.insert(job.session, run);
         out
     }
@@ -373,22 +450,39 @@ impl Drafter {
             rows: &rows,
             hidden: None,
         };
-        if let Err(e) = self
+        // When the pool is full, the least recently drafting sessions' KV makes room, one at
+        // a time (they read their tokens again when they draft next).
+        while let Err(e) = self
             .model
             .forward_into(batch, &mut [&mut run.cache], &mut self.logits)
         {
-            if !matches!(e, model::Error::KvExhausted(_)) || self.runs.is_empty() {
-                return Err(e);
+            let lru = self
+                .runs
+                .iter()
+                .min_by_key(|(_, r)| r.used)
+                .map(|(&s, _)| s);
+            match (e, lru) {
+                (model::Error::KvExhausted(_), Some(s)) => {
+                    self.runs.remove(&s);
+                    self.evicted.push(s);
+                }
+                (e, _) => return Err(e),
             }
-            // Other sessions' draft KV makes room (they compute theirs again when asked).
-            self.runs.clear();
-            self.model
-                .forward_into(batch, &mut [&mut run.cache], &mut self.logits)?;
         }
         run.computed.extend_from_slice(tokens);
         let n = self.model.config().n_vocab.min(self.n_vocab);
         Ok(argmax(&self.logits[..n]))
     }
+}
+
+/// How a job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Drafted,
+    /// The session alone does not fit the draft KV budget.
+    Unable,
+    /// Anything else: nothing drafted this time.
+    Failed,
 }
 
 /// The first index of the largest value.
@@ -400,4 +494,154 @@ fn argmax(v: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use super::*;
+
+    fn slot(tokens: &[u32], base: usize, draft: &[u32]) -> Slot {
+        Slot {
+            tokens: tokens.to_vec(),
+            draft: Some((base, draft.to_vec())),
+            ..Slot::default()
+        }
+    }
+
+    #[test]
+    fn a_draft_is_ready_for_its_base_and_for_what_the_route_kept_of_it() {
+        let d = [7, 8, 9, 10];
+        assert_eq!(slot(&[1, 2], 2, &d).ready(3), Some(vec![7, 8, 9]));
+        // The route kept 7 and its own next token was 8: the rest follows.
+        assert_eq!(slot(&[1, 2, 7, 8], 2, &d).ready(8), Some(vec![9, 10]));
+        assert_eq!(
+            slot(&[1, 2, 7, 5], 2, &d).ready(8),
+            None,
+            "a token that differs"
+        );
+        assert_eq!(slot(&[1, 2, 7, 8, 9, 10], 2, &d).ready(8), None, "all used");
+        assert_eq!(slot(&[1], 2, &d).ready(8), None, "a base past the tokens");
+        assert_eq!(
+            slot(&[1, 2], 2, &[]).ready(8),
+            Some(vec![]),
+            "nothing to propose"
+        );
+    }
+
+    /// Polls until the draft is ready, waiting for the thread's wake-ups.
+    fn drafted(d: &DraftModel, session: u64, tokens: &[u32], k: usize) -> Vec<u32> {
+        let (tx, rx) = mpsc::channel();
+        let tx = Mutex::new(tx);
+        let wake: Wake = Arc::new(move || {
+            let _ = tx.lock().unwrap().send(());
+        });
+        loop {
+            match d.poll(SessionId(session), tokens, k, &wake) {
+                DraftPoll::Ready(t) if !t.is_empty() => return t,
+                DraftPoll::Ready(_) | DraftPoll::Pending => {
+                    rx.recv_timeout(Duration::from_secs(60))
+                        .expect("the draft thread wakes whoever asked");
+                }
+            }
+        }
+    }
+
+    /// The model's greedy continuation, computed the plain way.
+    fn greedy(path: &Path, tokens: &[u32], k: usize) -> Vec<u32> {
+        let file = gguf::GgufFile::open(path).unwrap();
+        let model = Model::load(&file, None, ModelOptions::default()).unwrap();
+        let mut cache = model.new_cache(4096);
+        let mut out = Vec::new();
+        let mut next = tokens.to_vec();
+        for _ in 0..k {
+            let rows: Vec<Row> = next
+                .iter()
+                .enumerate()
+                .map(|(i, &token)| Row {
+                    seq: 0,
+                    pos: cache.len() + i,
+                    token,
+                    want_logits: i + 1 == next.len(),
+                })
+                .collect();
+            let logits = match model
+                .forward(
+                    Batch {
+                        rows: &rows,
+                        hidden: None,
+                    },
+                    &mut [&mut cache],
+                )
+                .unwrap()
+            {
+                model::Output::Logits(l) => l,
+                model::Output::Hidden(_) => unreachable!("a whole model"),
+            };
+            let t = argmax(&logits);
+            out.push(t);
+            next = vec![t];
+        }
+        out
+    }
+
+    /// Drafts are the model's greedy continuation, for a new session, for one that goes on
+    /// (what it read is reused) and for one whose KV was evicted to make room for another's
+    /// (two sessions in a pool that holds one); a prompt far ahead of what the thread read
+    /// gets no draft at once (it decodes without while the thread reads it), and a session
+    /// that alone does not fit gets none at all.
+    #[test]
+    fn drafts_are_the_greedy_continuation_and_room_is_made_least_recent_first() {
+        let m = testkit::real_model();
+        let a: Vec<u32> = (0..20).map(|i| 100 + i * 7).collect();
+        let b: Vec<u32> = (0..20).map(|i| 300 + i * 5).collect();
+        // A pool of three KV blocks of 16 positions (f16 K and V of every layer) holds one
+        // session of these lengths (two blocks), not two.
+        let c =
+            model::ModelConfig::from_header(gguf::GgufFile::open(&m).unwrap().header()).unwrap();
+        let block = 16 * c.n_layers * c.kv_dim() * 2 * 2;
+        let d = DraftModel::load(&m, 1, 3 * block, 4096).unwrap();
+        let da = drafted(&d, 1, &a, 4);
+        assert_eq!(da, greedy(&m, &a, 4));
+        let mut a2 = a.clone();
+        a2.extend([da[0], 55]);
+        assert_eq!(drafted(&d, 1, &a2, 3), greedy(&m, &a2, 3), "going on");
+        assert_eq!(drafted(&d, 2, &b, 3), greedy(&m, &b, 3), "another session");
+        assert_eq!(d.lock().sessions[&SessionId(1)].read, 0, "its KV went");
+        a2.push(66);
+        assert_eq!(
+            drafted(&d, 1, &a2, 3),
+            greedy(&m, &a2, 3),
+            "after its KV went"
+        );
+
+        let long: Vec<u32> = (0..200).map(|i| 500 + i).collect();
+        let (tx, _rx) = mpsc::channel::<()>();
+        let tx = Mutex::new(tx);
+        let wake: Wake = Arc::new(move || {
+            let _ = tx.lock().unwrap().send(());
+        });
+        assert_eq!(
+            d.poll(SessionId(3), &long, 4, &wake),
+            DraftPoll::Ready(Vec::new()),
+            "a prompt not read yet"
+        );
+        let small = DraftModel::load(&m, 1, block, 4096).unwrap();
+        let waited = std::time::Instant::now();
+        loop {
+            match small.poll(SessionId(1), &long, 4, &wake) {
+                DraftPoll::Ready(t) if small.lock().sessions[&SessionId(1)].unable => {
+                    assert!(t.is_empty());
+                    break;
+                }
+                _ => std::thread::sleep(Duration::from_millis(10)),
+            }
+            assert!(
+                waited.elapsed() < Duration::from_secs(60),
+                "never marked unable"
+            );
+        }
+    }
 }

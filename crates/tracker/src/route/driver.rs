@@ -214,6 +214,13 @@ pub struct RunnerParts {
     pub draft: Option<Arc<dyn engine::DraftSource>>,
 }
 
+/// A new session's id, unique in this process: routes share the draft model, which keys its
+/// state by session.
+fn new_session_id() -> SessionId {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    SessionId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+}
+
 /// The prefix-cache partition of a session of tenant `tenant` (0 is the partition every
 /// session shares).
 fn cache_salt(scope: PrefixScope, tenant: CacheTenant) -> u64 {
@@ -313,7 +320,6 @@ pub struct Runner {
     admission: Admission,
     ledger: Option<Arc<crate::ledger::Ledger>>,
     live: HashMap<SessionId, Live>,
-    next_id: u64,
     epoch: u64,
     link: Option<Link>,
     /// Steps sent and not yet answered, oldest first (replies come back in order).
@@ -406,7 +412,6 @@ impl Runner {
             metrics: p.metrics,
             health: p.health,
             live: HashMap::new(),
-            next_id: 1,
             epoch: 0,
             link: None,
             in_flight: VecDeque::new(),
@@ -847,7 +852,7 @@ impl Runner {
             let _ = accepted.send(Err(health_refusal(&health)));
             return;
         }
-        let id = SessionId(self.next_id);
+        let id = new_session_id();
         let demand = Demand {
             n_positions: job.prompt_ids.len() + job.max_tokens,
             priority: job.priority,
@@ -858,7 +863,6 @@ impl Runner {
             let _ = accepted.send(Err(r));
             return;
         }
-        self.next_id += 1;
         let owner = owner_of(&job.key);
         self.scheduler.add(
             id,
@@ -911,7 +915,7 @@ impl Runner {
         accepted: oneshot::Sender<Result<SessionId, Box<Moved>>>,
     ) {
         let refused = self.retired || self.down_reason.is_some() || !self.health.borrow().serving();
-        let id = SessionId(self.next_id);
+        let id = new_session_id();
         let demand = Demand {
             n_positions: moved.tokens.len() + moved.max_new,
             priority: moved.live.priority,
@@ -922,7 +926,6 @@ impl Runner {
             let _ = accepted.send(Err(moved));
             return;
         }
-        self.next_id += 1;
         let Moved {
             mut live,
             tokens,
