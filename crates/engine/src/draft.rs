@@ -20,7 +20,10 @@ pub enum DraftKind {
     Ngram,
     /// A smaller model with the same vocabulary, running beside the route ([`DraftSource`]):
     /// its drafts take time, so a session whose draft is being computed waits for it, at most
-    /// `max_wait`, then decodes without one.
+    /// `max_wait`, then decodes without one. Its drafts cost compute, so a route drafts from it
+    /// only while it holds at most `max_batch` active sessions (not only decoding ones: the
+    /// draft model reads a session's prompt when it first drafts, which would slow the
+    /// prompts of the others).
     Model { max_wait: Duration },
 }
 

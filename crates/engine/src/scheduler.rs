@@ -510,7 +510,9 @@ impl Scheduler {
             step_id,
             max_sessions,
             draft: self.config.draft.is_on()
-                && n_decoding.min(max_sessions) <= self.config.draft.max_batch,
+                && n_decoding.min(max_sessions) <= self.config.draft.max_batch
+                && (self.config.draft.kind == DraftKind::Ngram
+                    || self.active.len() <= self.config.draft.max_batch),
             now,
         };
         self.take(Priority::Agent, limits, &mut budget, &mut items);
@@ -1483,10 +1485,12 @@ mod tests {
         ready: std::sync::Mutex<HashMap<SessionId, (usize, Vec<u32>)>>,
         forgotten: std::sync::Mutex<Vec<SessionId>>,
         wakes: std::sync::atomic::AtomicUsize,
+        polled: std::sync::Mutex<Vec<SessionId>>,
     }
 
     impl DraftSource for FakeDraftModel {
         fn poll(&self, session: SessionId, tokens: &[u32], k: usize, wake: &Wake) -> DraftPoll {
+            self.polled.lock().unwrap().push(session);
             let mut ready = self.ready.lock().unwrap();
             if let Some((base, d)) = ready.remove(&session) {
                 if base == tokens.len() {
@@ -1581,6 +1585,30 @@ mod tests {
             }
             assert_eq!(results[0], results[1], "{n_sessions} sessions");
         }
+    }
+
+    /// A draft model is asked only while the route holds at most `max_batch` (here 1) active
+    /// sessions: a session decoding beside another's work asks for nothing; once alone, it
+    /// drafts.
+    #[test]
+    fn a_draft_model_is_asked_only_by_a_session_alone_on_the_route() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            draft: DraftConfig::model(4, Duration::from_secs(3600)),
+            ..cfg(64, 16)
+        });
+        let fake = Arc::new(FakeDraftModel::default());
+        s.use_draft_model(fake.clone(), Arc::new(|| {}));
+        let (short, long) = (vec![1, 2, 3], vec![4; 40]);
+        s.add(SessionId(1), short.clone(), 3, Priority::Agent, 0);
+        s.add(SessionId(2), long.clone(), 30, Priority::Agent, 0);
+        let mut known = BTreeMap::from([(SessionId(1), short), (SessionId(2), long)]);
+        let (drafted, _) = run_with_drafter(&mut s, &mut known, Some(&fake));
+        let polled = fake.polled.lock().unwrap().clone();
+        assert!(!polled.contains(&SessionId(1)), "never alone: {polled:?}");
+        assert!(
+            polled.contains(&SessionId(2)) && drafted > 0,
+            "alone after the other ended"
+        );
     }
 
     /// A session whose draft is not ready waits for it at most the draft kind's `max_wait`,

@@ -310,8 +310,9 @@ pub struct RouteArgs {
     /// draft next, decoding without drafts meanwhile).
     #[arg(long, default_value_t = 256, requires = "draft_model")]
     draft_kv_mib: usize,
-    /// Most milliseconds a session waits for its draft before it decodes without one.
-    #[arg(long, default_value_t = 200, requires = "draft_model")]
+    /// Most milliseconds a session waits for its draft (or for the draft model to read a new
+    /// prompt of up to 512 tokens) before it decodes without one.
+    #[arg(long, default_value_t = 500, requires = "draft_model")]
     draft_wait_ms: u64,
     /// Decode steps with more sessions than this draft for none: a batch keeps the weights
     /// busy already (on 2 AVX2 cores, 4 speculating streams decoded at 0.83x of plain, one

@@ -30,9 +30,11 @@ use text::Tokenizer;
 /// chunks, so a round's memory stays bounded whatever the context.
 const CHUNK: usize = 256;
 
-/// A session whose known tokens are this many ahead of what the draft model has read (a new
-/// prompt) decodes without drafts while the thread catches up, instead of waiting for it.
-const CATCH_UP: usize = 32;
+/// A session whose known tokens are more than this many ahead of what the draft model has read
+/// (a long new prompt) decodes without drafts while the thread reads them, instead of waiting
+/// (it would wait `--draft-wait-ms` for every token until the thread is done); a shorter read
+/// is waited for, like a draft.
+const CATCH_UP: usize = 512;
 
 /// The draft model and the thread that runs it.
 pub struct DraftModel {
@@ -617,7 +619,7 @@ mod tests {
             "after its KV went"
         );
 
-        let long: Vec<u32> = (0..200).map(|i| 500 + i).collect();
+        let long: Vec<u32> = (0..600).map(|i| 500 + i).collect();
         let (tx, _rx) = mpsc::channel::<()>();
         let tx = Mutex::new(tx);
         let wake: Wake = Arc::new(move || {
