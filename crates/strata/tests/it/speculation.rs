@@ -245,6 +245,20 @@ fn stream_ids(addr: &str, body: &Value) -> Result<Vec<u64>, String> {
 /// the other route with no error and exactly the plain tokens.
 #[test]
 fn a_speculating_session_moved_by_a_shard_kill_keeps_plain_decodings_tokens() {
+    moved_by_a_shard_kill(&["--speculative", "ngram"]);
+}
+
+/// The same with drafts from a draft model (SmolLM2 itself), which forgets the moved sessions
+/// and reads them again for their new route.
+#[test]
+fn a_session_drafting_from_a_draft_model_moved_by_a_shard_kill_keeps_plain_decodings_tokens() {
+    let m = testkit::real_model();
+    moved_by_a_shard_kill(&["--draft-model", m.to_str().unwrap(), "--draft-threads", "1"]);
+}
+
+/// 8 streams over two replicated routes, drafting; a SIGKILL of a shard of one route moves its
+/// sessions to the other, and every stream gets plain decoding's tokens.
+fn moved_by_a_shard_kill(drafter: &[&str]) {
     let token = procs::token_file(TOKEN);
     let m = testkit::real_model();
     let mut shards: Vec<Proc> = ["0..15", "15..30", "0..12", "12..30"]
@@ -259,19 +273,21 @@ fn a_speculating_session_moved_by_a_shard_kill_keeps_plain_decodings_tokens() {
         ],
         &token,
         &[
-            "--health-period-ms",
-            "100",
-            "--liveness-ms",
-            "1000",
-            "--speculative",
-            "ngram",
-            "--draft-max-batch",
-            "8",
-            // The plain runs before left their prompts cached on one route, where a route
-            // chosen by cache would send all 8 streams.
-            "--route-by",
-            "load",
-        ],
+            &[
+                "--health-period-ms",
+                "100",
+                "--liveness-ms",
+                "1000",
+                "--draft-max-batch",
+                "8",
+                // The plain runs before left their prompts cached on one route, where a route
+                // chosen by cache would send all 8 streams.
+                "--route-by",
+                "load",
+            ],
+            drafter,
+        ]
+        .concat(),
     );
     let addr = tracker.addr.clone();
     let want: Vec<Vec<u64>> = (0..8)
@@ -312,45 +328,56 @@ fn a_speculating_session_moved_by_a_shard_kill_keeps_plain_decodings_tokens() {
 }
 
 /// Drafts from a draft model (`--draft-model`, here SmolLM2 itself: the same vocabulary, and
-/// drafts that greedy decoding keeps while sampled ones are often rejected) through a route of
-/// two shards: every answer, one at a time and 4 at once, equals plain decoding's, and drafted
-/// tokens were verified under the `model` drafter. `serve` refuses at start a draft model whose
+/// drafts that greedy decoding keeps while sampled ones are often rejected) through routes of
+/// one, two and three shards: every answer equals plain decoding's, one at a time (and on two
+/// shards 4 and 16 at once), and drafted tokens were verified under the `model` drafter. `serve` refuses at start a draft model whose
 /// vocabulary differs from its model's, naming the difference.
 #[test]
 fn a_draft_model_gives_plain_decodings_answers_and_another_vocabulary_is_refused() {
     let token = procs::token_file(TOKEN);
     let cases = cases(1, 32);
-    let shards = route(&["0..15", "15..30"], &token);
-    let refs: Vec<&Proc> = shards.iter().collect();
     let m = testkit::real_model();
-    let tracker = procs::tracker(
-        exe(),
-        &refs,
-        &token,
-        &[
-            "--draft-model",
-            m.to_str().unwrap(),
-            "--draft-threads",
-            "1",
-            "--draft-max",
-            "6",
-            "--draft-max-batch",
-            "16",
-        ],
-    );
-    let addr = &tracker.addr;
-    let plain = answers(addr, &cases, 4, false);
-    assert_eq!(metric(addr, "strata_spec_drafted_tokens_total"), 0.0);
-    assert_same(&plain, &answers(addr, &cases, 1, true), "one at a time");
-    assert_same(&plain, &answers(addr, &cases, 4, true), "4 at once");
-    assert_verified(addr, "a draft model");
-    let by_model = testkit::http::get(addr, "/metrics");
-    assert!(
-        by_model
-            .body
-            .contains("strata_spec_drafted_tokens_total{drafter=\"model\""),
-        "drafts counted under the model drafter"
-    );
+    for ranges in [
+        &["0..15", "15..30"][..],
+        &["0..30"],
+        &["0..10", "10..20", "20..30"],
+    ] {
+        let shards = route(ranges, &token);
+        let refs: Vec<&Proc> = shards.iter().collect();
+        let tracker = procs::tracker(
+            exe(),
+            &refs,
+            &token,
+            &[
+                "--draft-model",
+                m.to_str().unwrap(),
+                "--draft-threads",
+                "1",
+                "--draft-max",
+                "6",
+                "--draft-max-batch",
+                "16",
+            ],
+        );
+        let addr = &tracker.addr;
+        let plain = answers(addr, &cases, 4, false);
+        assert_eq!(metric(addr, "strata_spec_drafted_tokens_total"), 0.0);
+        assert_same(&plain, &answers(addr, &cases, 1, true), "one at a time");
+        if ranges.len() == 2 {
+            assert_same(&plain, &answers(addr, &cases, 4, true), "4 at once");
+            let twice: Vec<Value> = cases.iter().chain(&cases).cloned().collect();
+            let plain_twice: Vec<Value> = plain.iter().chain(&plain).cloned().collect();
+            assert_same(&plain_twice, &answers(addr, &twice, 16, true), "16 at once");
+            let by_model = testkit::http::get(addr, "/metrics");
+            assert!(
+                by_model
+                    .body
+                    .contains("strata_spec_drafted_tokens_total{drafter=\"model\""),
+                "drafts counted under the model drafter"
+            );
+        }
+        assert_verified(addr, &format!("a draft model, {ranges:?}"));
+    }
 
     let gemma = testkit::named_model("gemma3-270m");
     let out = std::process::Command::new(exe())
