@@ -111,8 +111,15 @@ struct Run {
 
 impl DraftModel {
     /// Loads the model at `path` with `n_threads` kernel threads and a KV budget of
-    /// `kv_bytes` for every session's draft KV together; `n_ctx` caps a session's positions.
-    pub fn load(path: &Path, n_threads: usize, kv_bytes: usize, n_ctx: usize) -> Result<Self> {
+    /// `kv_bytes` for every session's draft KV together; `n_ctx` caps a session's positions;
+    /// `ahead` tokens are drafted past each handed-out draft while the route verifies it.
+    pub fn load(
+        path: &Path,
+        n_threads: usize,
+        kv_bytes: usize,
+        n_ctx: usize,
+        ahead: usize,
+    ) -> Result<Self> {
         let file =
             gguf::GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?;
         let tokenizer = Tokenizer::from_header(file.header())
@@ -147,6 +154,7 @@ impl DraftModel {
                         logits: Vec::new(),
                         jobs: 0,
                         evicted: Vec::new(),
+                        ahead,
                     }
                     .serve(&shared)
                 })
@@ -261,6 +269,8 @@ struct Drafter {
     jobs: u64,
     /// Sessions whose KV went to make room, since the last job ended.
     evicted: Vec<SessionId>,
+    /// Tokens drafted past a handed-out draft while the route verifies it.
+    ahead: usize,
 }
 
 /// One round's work, taken under the lock: the tokens to append past what agrees.
@@ -325,7 +335,73 @@ impl Drafter {
             }
             drop(state);
             (job.wake)();
+            if outcome == Outcome::Drafted && self.ahead > 0 {
+                let ahead = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    self.ahead(shared, &job)
+                }));
+                if ahead.is_err() {
+                    tracing::error!(
+                        "the draft model's thread failed: sessions decode without drafts"
+                    );
+                    lock().dead = true;
+                    return;
+                }
+            }
         }
+    }
+
+    /// Drafts on past a draft it handed out, up to `ahead` tokens, while no session asks for
+    /// anything and the session's tokens are still the draft's base: when the route keeps the
+    /// whole draft and its own next token equals the draft's, the next draft is ready at once.
+    /// The thread does this while the route verifies, so on cores of its own it costs the
+    /// route nothing.
+    fn ahead(&mut self, shared: &Shared, job: &Job) {
+        let lock = || shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(mut run) = self.runs.remove(&job.session) else {
+            return;
+        };
+        for _ in 0..self.ahead {
+            let last = {
+                let state = lock();
+                let Some(slot) = state.sessions.get(&job.session) else {
+                    break;
+                };
+                match &slot.draft {
+                    Some((base, d))
+                        if state.asked.is_empty()
+                            && !state.shutdown
+                            && slot.epoch == job.epoch
+                            && *base == job.len
+                            && slot.tokens.len() == job.len
+                            && !d.is_empty()
+                            && run.computed.len() + 1 == job.len + d.len() =>
+                    {
+                        d[d.len() - 1]
+                    }
+                    _ => break,
+                }
+            };
+            let Ok(next) = self.step(&mut run, &[last]) else {
+                break;
+            };
+            if next as usize >= self.n_vocab {
+                break;
+            }
+            let mut state = lock();
+            for s in std::mem::take(&mut self.evicted) {
+                if let Some(slot) = state.sessions.get_mut(&s) {
+                    slot.read = 0;
+                }
+            }
+            match state.sessions.get_mut(&job.session) {
+                Some(slot) if slot.epoch == job.epoch => match &mut slot.draft {
+                    Some((base, d)) if *base == job.len => d.push(next),
+                    _ => break,
+                },
+                _ => break,
+            }
+        }
+        self.runs.insert(job.session, run);
     }
 
     /// The oldest session that asked and is still here, with the tokens its run lacks.
@@ -589,6 +665,41 @@ mod tests {
         out
     }
 
+    /// With `ahead`, the thread drafts on past a handed-out draft: when the route keeps it
+    /// whole and its next token is the draft's, the next draft is ready without waiting, and
+    /// it is the model's greedy continuation still.
+    #[test]
+    fn drafting_ahead_has_the_next_draft_ready_when_the_route_keeps_the_whole_draft() {
+        let m = testkit::real_model();
+        let d = DraftModel::load(&m, 1, 64 << 20, 4096, 4).unwrap();
+        let a: Vec<u32> = (0..20).map(|i| 100 + i * 7).collect();
+        let want = greedy(&m, &a, 6);
+        assert_eq!(drafted(&d, 1, &a, 2), want[..2]);
+        let waited = std::time::Instant::now();
+        while d.lock().sessions[&SessionId(1)]
+            .draft
+            .as_ref()
+            .unwrap()
+            .1
+            .len()
+            < 6
+        {
+            assert!(
+                waited.elapsed() < Duration::from_secs(60),
+                "never drafted ahead"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // The route kept both drafted tokens and sampled the draft's third as its own.
+        let mut kept = a.clone();
+        kept.extend(&want[..3]);
+        let wake: Wake = Arc::new(|| {});
+        assert_eq!(
+            d.poll(SessionId(1), &kept, 2, &wake),
+            DraftPoll::Ready(want[3..5].to_vec())
+        );
+    }
+
     /// Drafts are the model's greedy continuation, for a new session, for one that goes on
     /// (what it read is reused) and for one whose KV was evicted to make room for another's
     /// (two sessions in a pool that holds one); a prompt far ahead of what the thread read
@@ -604,7 +715,7 @@ mod tests {
         let c =
             model::ModelConfig::from_header(gguf::GgufFile::open(&m).unwrap().header()).unwrap();
         let block = 16 * c.n_layers * c.kv_dim() * 2 * 2;
-        let d = DraftModel::load(&m, 1, 3 * block, 4096).unwrap();
+        let d = DraftModel::load(&m, 1, 3 * block, 4096, 0).unwrap();
         let da = drafted(&d, 1, &a, 4);
         assert_eq!(da, greedy(&m, &a, 4));
         let mut a2 = a.clone();
@@ -630,7 +741,7 @@ mod tests {
             DraftPoll::Ready(Vec::new()),
             "a prompt not read yet"
         );
-        let small = DraftModel::load(&m, 1, block, 4096).unwrap();
+        let small = DraftModel::load(&m, 1, block, 4096, 0).unwrap();
         let waited = std::time::Instant::now();
         loop {
             match small.poll(SessionId(1), &long, 4, &wake) {

@@ -421,6 +421,10 @@ fn speculation_flags_out_of_range_are_refused_naming_them() {
             &["--draft-model", &m, "--draft-threads", "0"][..],
             "`--draft-threads` and `--draft-kv-mib` must be at least 1",
         ),
+        (
+            &["--draft-model", &m, "--draft-ahead", "17"][..],
+            "`--draft-ahead` must be 0 to 16, got 17",
+        ),
     ] {
         let mut all = vec!["serve", "--model", &m];
         all.extend(args);
