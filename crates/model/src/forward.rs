@@ -46,6 +46,23 @@ pub struct Row {
     pub want_logits: bool,
 }
 
+impl Row {
+    /// The rows of one session (the batch's first cache) holding `tokens` at positions
+    /// `start..`: logits for every row when `all_logits`, else for the last one.
+    pub fn of_session(start: usize, tokens: &[u32], all_logits: bool) -> Vec<Row> {
+        tokens
+            .iter()
+            .enumerate()
+            .map(|(i, &token)| Row {
+                seq: 0,
+                pos: start + i,
+                token,
+                want_logits: all_logits || i + 1 == tokens.len(),
+            })
+            .collect()
+    }
+}
+
 /// A batch: rows from any sessions, and for ranges past layer 0 their hidden states
 /// (`rows.len() * n_embd` values, in row order).
 #[derive(Debug, Clone, Copy)]

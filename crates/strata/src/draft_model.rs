@@ -513,17 +513,7 @@ impl Drafter {
 
     /// Runs `tokens` after the run's cache and returns the greedy next token.
     fn step(&mut self, run: &mut Run, tokens: &[u32]) -> Result<u32, model::Error> {
-        let start = run.cache.len();
-        let rows: Vec<Row> = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, &token)| Row {
-                seq: 0,
-                pos: start + i,
-                token,
-                want_logits: i + 1 == tokens.len(),
-            })
-            .collect();
+        let rows = Row::of_session(run.cache.len(), tokens, false);
         let batch = Batch {
             rows: &rows,
             hidden: None,
@@ -635,16 +625,7 @@ mod tests {
         let mut out = Vec::new();
         let mut next = tokens.to_vec();
         for _ in 0..k {
-            let rows: Vec<Row> = next
-                .iter()
-                .enumerate()
-                .map(|(i, &token)| Row {
-                    seq: 0,
-                    pos: cache.len() + i,
-                    token,
-                    want_logits: i + 1 == next.len(),
-                })
-                .collect();
+            let rows = Row::of_session(cache.len(), &next, false);
             let logits = match model
                 .forward(
                     Batch {

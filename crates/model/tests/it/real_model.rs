@@ -40,17 +40,7 @@ fn logits(out: Output) -> Vec<f32> {
 }
 
 fn prefill_all(m: &Model, cache: &mut KvCache, ids: &[u32], all: bool) -> Vec<f32> {
-    let start = cache.len();
-    let rows: Vec<Row> = ids
-        .iter()
-        .enumerate()
-        .map(|(i, &token)| Row {
-            seq: 0,
-            pos: start + i,
-            token,
-            want_logits: all || i + 1 == ids.len(),
-        })
-        .collect();
+    let rows = Row::of_session(cache.len(), ids, all);
     logits(
         m.forward(
             Batch {
