@@ -223,10 +223,7 @@ enum Source {
     /// An n-gram index over its tokens.
     Ngram(NgramIndex),
     /// The route's draft model; since when the session waits for its draft.
-    Model {
-        waiting_since: Option<Instant>,
-        max_wait: Duration,
-    },
+    Model { waiting_since: Option<Instant> },
 }
 
 impl Drafting {
@@ -234,9 +231,8 @@ impl Drafting {
         config.is_on().then(|| Drafting {
             source: match config.kind {
                 DraftKind::Ngram => Source::Ngram(NgramIndex::new(config)),
-                DraftKind::Model { max_wait } => Source::Model {
+                DraftKind::Model { .. } => Source::Model {
                     waiting_since: None,
-                    max_wait,
                 },
             },
             length: DraftLength::new(config.max_draft),
@@ -244,10 +240,12 @@ impl Drafting {
     }
 }
 
-/// The route's draft model, and how it wakes the route's loop.
+/// The route's draft model, how it wakes the route's loop, and how long a session waits for
+/// its draft (the config's [`DraftKind::Model`]).
 struct DraftModel {
     source: Arc<dyn DraftSource>,
     wake: Wake,
+    max_wait: Duration,
 }
 
 impl std::fmt::Debug for DraftModel {
@@ -282,27 +280,24 @@ impl Entry {
                 d.length.take();
                 Some(index.draft(&self.tokens, k))
             }
-            Source::Model {
-                waiting_since,
-                max_wait,
-            } => {
+            Source::Model { waiting_since } => {
                 let poll = match model {
                     Some(m) if k > 0 => m.source.poll(session, &self.tokens, k, &m.wake),
                     _ => DraftPoll::Ready(Vec::new()),
                 };
-                match poll {
-                    DraftPoll::Pending
+                match (poll, model) {
+                    (DraftPoll::Pending, Some(m))
                         if now.saturating_duration_since(*waiting_since.get_or_insert(now))
-                            < *max_wait =>
+                            < m.max_wait =>
                     {
                         None
                     }
-                    DraftPoll::Pending => {
+                    (DraftPoll::Pending, _) => {
                         *waiting_since = None;
                         d.length.take();
                         Some(Vec::new())
                     }
-                    DraftPoll::Ready(mut t) => {
+                    (DraftPoll::Ready(mut t), _) => {
                         *waiting_since = None;
                         d.length.take();
                         t.truncate(k);
@@ -393,7 +388,15 @@ impl Scheduler {
     /// Drafts of sessions come from `source` (with a [`DraftKind::Model`] config); `wake`
     /// is called when a draft a session waits for is ready.
     pub fn use_draft_model(&mut self, source: Arc<dyn DraftSource>, wake: Wake) {
-        self.draft_model = Some(DraftModel { source, wake });
+        let max_wait = match self.config.draft.kind {
+            DraftKind::Model { max_wait } => max_wait,
+            DraftKind::Ngram => Duration::ZERO,
+        };
+        self.draft_model = Some(DraftModel {
+            source,
+            wake,
+            max_wait,
+        });
     }
 
     /// A session left: the draft model forgets it.

@@ -474,6 +474,11 @@ impl RouteArgs {
         }
     }
 
+    /// The file of `--draft-model`, when given.
+    pub fn draft_model_path(&self) -> Option<&Path> {
+        self.draft_model.as_deref()
+    }
+
     /// The draft model of `--draft-model`, loaded, with its thread started.
     fn draft_model(&self) -> Result<Option<Arc<dyn tracker::DraftModel>>> {
         let Some(path) = &self.draft_model else {

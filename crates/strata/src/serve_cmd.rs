@@ -4,7 +4,7 @@
 //! (`strata_serve_shard_restarts_total`), so the tracker's route comes back by itself.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -66,6 +66,27 @@ fn fresh_token() -> Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// Refuses a draft model whose vocabulary differs from the served model's, naming the
+/// difference; from the two files' headers, before the draft model's weights are loaded.
+fn check_draft_vocabulary(target: &gguf::GgufFile, target_path: &Path, draft: &Path) -> Result<()> {
+    let draft_file =
+        gguf::GgufFile::open(draft).with_context(|| format!("opening {}", draft.display()))?;
+    let target = text::Tokenizer::from_header(target.header())?;
+    let theirs = text::Tokenizer::from_header(draft_file.header())
+        .with_context(|| format!("reading the vocabulary of {}", draft.display()))?;
+    if let Some(why) = target.difference(&theirs) {
+        bail!(
+            "the draft model {} cannot draft for {}: their vocabularies differ ({why})",
+            draft.file_name().map_or_else(
+                || draft.display().to_string(),
+                |n| n.to_string_lossy().into()
+            ),
+            target_path.display()
+        );
+    }
+    Ok(())
+}
+
 pub fn serve(a: ServeArgs) -> Result<()> {
     if a.shards == 0 {
         bail!("`--shards` must be at least 1");
@@ -77,21 +98,14 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             a.shards
         );
     }
-    let config = tracker_config(&a.route, &a.api)?;
     let file =
         gguf::GgufFile::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
     let n_layers = model::ModelConfig::from_header(file.header())?.n_layers;
-    if let Some(draft) = &config.draft_model {
-        let target = text::Tokenizer::from_header(file.header())?;
-        if let Some(why) = draft.vocabulary_difference(&target) {
-            bail!(
-                "the draft model {} cannot draft for {}: their vocabularies differ ({why})",
-                draft.name(),
-                a.model.display()
-            );
-        }
+    if let Some(draft) = a.route.draft_model_path() {
+        check_draft_vocabulary(&file, &a.model, draft)?;
     }
     drop(file);
+    let config = tracker_config(&a.route, &a.api)?;
     if a.shards > n_layers {
         bail!(
             "`--shards` is {} but the model has only {n_layers} layers",
