@@ -122,8 +122,9 @@ pub fn file_digest(path: &std::path::Path) -> Result<String, Error> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// A GGUF holding only the metadata a tokenizer and chat template need (no tensors).
-fn vocab_file(f: &GgufFile) -> Vec<u8> {
+/// A GGUF holding only the metadata a tokenizer and chat template need (no tensors): what
+/// `Vocab` answers.
+pub fn vocab_file(f: &GgufFile) -> Vec<u8> {
     let mut w = Writer::new(3);
     for (k, v) in f.header().metadata() {
         if k.starts_with("tokenizer.") || k == "general.architecture" || k == "general.name" {

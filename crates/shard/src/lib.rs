@@ -21,7 +21,7 @@ mod worker;
 
 use std::path::PathBuf;
 
-pub use crate::core::{file_digest, ComputeStopped, ShardCore};
+pub use crate::core::{file_digest, vocab_file, ComputeStopped, ShardCore};
 #[cfg(feature = "fault-injection")]
 pub use faulty::{Fault, FaultyShard};
 pub use messages::Counters;

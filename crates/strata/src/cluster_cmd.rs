@@ -199,6 +199,18 @@ pub struct TrackerArgs {
     /// CA certificate (PEM) the shards' certificates must chain to: shard links are then TLS.
     #[arg(long)]
     tls_ca: Option<PathBuf>,
+    /// Drafts come from a `strata drafter` at HOST:PORT, a draft model in a process of its
+    /// own (reached like the shards: the cluster token, TLS with `--tls-ca`), instead of
+    /// n-gram lookup. Its vocabulary is read at start (waiting up to `--startup-wait-ms`); a
+    /// route of a model of another vocabulary decodes without drafts and logs why. While the
+    /// drafter is unreachable every session decodes without drafts. The draft model's own
+    /// settings (threads, KV, drafting ahead) are the drafter's flags.
+    #[arg(
+        long,
+        group = "draft_source",
+        conflicts_with_all = ["draft_threads", "draft_kv_mib", "draft_ahead"]
+    )]
+    drafter: Option<String>,
     /// etcd endpoints (`http://host:port`, or `https://` with `--registry-ca`; comma separated):
     /// routes are built from the shards announced there, as they join and leave (besides any
     /// `--shards` or `--route`).
@@ -300,7 +312,7 @@ pub struct RouteArgs {
     /// tokens plain decoding gives. A draft model whose vocabulary differs from the served
     /// model's is refused at start (`serve`) or left unused for that model's routes
     /// (`tracker`, which logs why).
-    #[arg(long, value_parser = crate::models::model_path)]
+    #[arg(long, value_parser = crate::models::model_path, group = "draft_source")]
     draft_model: Option<PathBuf>,
     /// Kernel threads of the draft model.
     #[arg(long, default_value_t = 2, requires = "draft_model")]
@@ -312,7 +324,7 @@ pub struct RouteArgs {
     draft_kv_mib: usize,
     /// Most milliseconds a session waits for its draft (or for the draft model to read a new
     /// prompt of up to 512 tokens) before it decodes without one.
-    #[arg(long, default_value_t = 500, requires = "draft_model")]
+    #[arg(long, default_value_t = 500, requires = "draft_source")]
     draft_wait_ms: u64,
     /// Tokens the draft model drafts past each draft it handed out, while the route verifies
     /// it (0 to 16): when the route keeps the whole draft, the next one is ready at once. Meant
@@ -443,6 +455,12 @@ impl RouteArgs {
     }
 
     fn draft(&self) -> Result<engine::DraftConfig> {
+        self.draft_from(self.draft_model.is_some().then_some("--draft-model"))
+    }
+
+    /// How routes draft; `model`: the flag naming a draft model they draft from
+    /// (`--draft-model`, or a tracker's `--drafter`).
+    fn draft_from(&self, model: Option<&str>) -> Result<engine::DraftConfig> {
         if self.draft_max_batch == 0 {
             bail!(
                 "`--draft-max-batch` must be at least 1 (`--speculative off` turns drafting off)"
@@ -456,7 +474,7 @@ impl RouteArgs {
             );
         }
         match self.speculative.as_str() {
-            "ngram" if self.draft_model.is_some() => Ok(engine::DraftConfig {
+            "ngram" if model.is_some() => Ok(engine::DraftConfig {
                 max_batch: self.draft_max_batch,
                 ..engine::DraftConfig::model(
                     self.draft_max,
@@ -467,8 +485,11 @@ impl RouteArgs {
                 max_batch: self.draft_max_batch,
                 ..engine::DraftConfig::ngram(self.draft_max)
             }),
-            _ if self.draft_model.is_some() => {
-                bail!("`--draft-model` drafts for speculation, which `--speculative off` turns off")
+            _ if model.is_some() => {
+                bail!(
+                    "`{}` drafts for speculation, which `--speculative off` turns off",
+                    model.unwrap_or_default()
+                )
             }
             _ => Ok(engine::DraftConfig::OFF),
         }
@@ -779,7 +800,7 @@ pub async fn run_tracker(
 pub fn tracker(a: TrackerArgs) -> Result<()> {
     let token = read_token(&a.cluster_token_file)?;
     let link = link(token, a.tls_ca.as_deref())?;
-    let config = tracker::TrackerConfig {
+    let mut config = tracker::TrackerConfig {
         registry: a
             .registry_access
             .connect(a.registry.as_ref())?
@@ -815,8 +836,17 @@ pub fn tracker(a: TrackerArgs) -> Result<()> {
             bail!("route `{name}` names shard {twice} twice: a route passes each shard once");
         }
     }
+    if a.drafter.is_some() {
+        config.scheduler.draft = a.route.draft_from(Some("--drafter"))?;
+    }
     let rt = runtime(2)?;
     rt.block_on(async {
+        if let Some(address) = &a.drafter {
+            let drafter =
+                crate::draft_remote::RemoteDraft::connect(address, &link, config.startup_wait)
+                    .await?;
+            config.draft_model = Some(Arc::new(drafter));
+        }
         let routes = named
             .into_iter()
             .map(|(name, addrs)| {

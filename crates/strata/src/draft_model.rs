@@ -172,6 +172,16 @@ impl DraftModel {
         })
     }
 
+    /// Token ids of its vocabulary are below this.
+    pub fn n_vocab(&self) -> usize {
+        self.tokenizer.n_vocab()
+    }
+
+    /// Most tokens of a session it drafts for.
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -6,6 +6,8 @@ mod bench_cluster;
 mod cluster_cmd;
 mod config;
 mod draft_model;
+mod draft_remote;
+mod drafter_cmd;
 mod local;
 mod model_cmd;
 mod models;
@@ -78,6 +80,9 @@ enum Command {
     Shard(shard_cmd::ShardArgs),
     /// Drive sessions through a route of shards and serve the OpenAI-compatible API.
     Tracker(cluster_cmd::TrackerArgs),
+    /// Serve a draft model in a process of its own: it drafts tokens for the speculating
+    /// sessions of trackers started with `--drafter`.
+    Drafter(drafter_cmd::DrafterArgs),
     /// Start a local cluster: N shard processes and a tracker (N = 1: one process).
     Serve(serve_cmd::ServeArgs),
 }
@@ -250,6 +255,7 @@ fn main() {
         Command::Plan(a) => plan_cmd::plan(a),
         Command::Shard(a) => shard_cmd::shard(a),
         Command::Tracker(a) => cluster_cmd::tracker(a),
+        Command::Drafter(a) => drafter_cmd::drafter(a),
         Command::Serve(a) => serve_cmd::serve(a),
     };
     if let Err(e) = result {

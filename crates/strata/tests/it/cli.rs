@@ -433,6 +433,36 @@ fn speculation_flags_out_of_range_are_refused_naming_them() {
         assert!(!out.status.success(), "{args:?}");
         assert!(err.contains(want), "{args:?}: {err}");
     }
+    // The same for a tracker's drafter process, which is one draft model or the other.
+    let token = testkit::procs::token_file("test-cli-drafter-token-0123456789");
+    let token = token.to_str().unwrap();
+    for (args, want) in [
+        (
+            &["--drafter", "127.0.0.1:9", "--speculative", "off"][..],
+            "`--drafter` drafts for speculation, which `--speculative off` turns off",
+        ),
+        (
+            &["--drafter", "127.0.0.1:9", "--draft-model", &m][..],
+            "cannot be used with",
+        ),
+        (
+            &["--drafter", "127.0.0.1:9", "--draft-threads", "1"][..],
+            "'--drafter <DRAFTER>' cannot be used with '--draft-threads",
+        ),
+    ] {
+        let mut all = vec![
+            "tracker",
+            "--shards",
+            "127.0.0.1:9",
+            "--cluster-token-file",
+            token,
+        ];
+        all.extend(args);
+        let out = strata(&all);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
 }
 
 #[test]

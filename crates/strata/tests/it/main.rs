@@ -8,6 +8,7 @@ mod chaos;
 mod cli;
 mod cluster;
 mod compute_failure;
+mod drafter;
 mod error_bodies;
 mod failover;
 mod families;

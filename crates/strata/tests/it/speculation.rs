@@ -16,11 +16,11 @@ use testkit::http::{post_json, stream_token_ids};
 use testkit::observe::{shard_stat, tracker_metric as metric, wait_until};
 use testkit::procs::{self, Proc};
 
-fn exe() -> &'static Path {
+pub(super) fn exe() -> &'static Path {
     procs::strata_bin(env!("CARGO_BIN_EXE_strata"))
 }
 
-const TOKEN: &str = "test-speculation-token-0123456789";
+pub(super) const TOKEN: &str = "test-speculation-token-0123456789";
 
 /// The workload set (`bench/spec-workload.json`): code edits, JSON extractions, chats.
 fn workload() -> Vec<(String, Value)> {
@@ -42,7 +42,7 @@ fn workload() -> Vec<(String, Value)> {
 /// The requests of a run: `per_kind` requests of each kind of the workload (all of them with
 /// `usize::MAX`), each greedy and seeded at temperature 0.8 with penalties, `max_tokens` long,
 /// then one JSON-schema answer and one tool call; all with token ids and log-probabilities.
-fn cases(per_kind: usize, max_tokens: usize) -> Vec<Value> {
+pub(super) fn cases(per_kind: usize, max_tokens: usize) -> Vec<Value> {
     let mut taken: Vec<(String, Value)> = Vec::new();
     for (kind, messages) in workload() {
         if taken.iter().filter(|(k, _)| *k == kind).count() < per_kind {
@@ -97,7 +97,12 @@ fn answer(addr: &str, case: &Value, speculative: bool) -> Value {
 }
 
 /// Every case answered with `in_flight` requests at once.
-fn answers(addr: &str, cases: &[Value], in_flight: usize, speculative: bool) -> Vec<Value> {
+pub(super) fn answers(
+    addr: &str,
+    cases: &[Value],
+    in_flight: usize,
+    speculative: bool,
+) -> Vec<Value> {
     let mut out = Vec::with_capacity(cases.len());
     for batch in cases.chunks(in_flight) {
         let handles: Vec<_> = batch
@@ -112,7 +117,7 @@ fn answers(addr: &str, cases: &[Value], in_flight: usize, speculative: bool) -> 
     out
 }
 
-fn assert_same(plain: &[Value], got: &[Value], what: &str) {
+pub(super) fn assert_same(plain: &[Value], got: &[Value], what: &str) {
     assert_eq!(plain.len(), got.len());
     for (i, (p, g)) in plain.iter().zip(got).enumerate() {
         assert_eq!(p, g, "{what}: case {i} differs from plain decoding");
@@ -120,7 +125,7 @@ fn assert_same(plain: &[Value], got: &[Value], what: &str) {
 }
 
 /// The shards of one route over SmolLM2's 30 layers, cut into `ranges`.
-fn route(ranges: &[&str], token: &Path) -> Vec<Proc> {
+pub(super) fn route(ranges: &[&str], token: &Path) -> Vec<Proc> {
     let m = testkit::real_model();
     ranges
         .iter()
@@ -147,7 +152,7 @@ fn spec_tracker(shards: &[Proc], token: &Path, draft_max: &str) -> Proc {
 }
 
 /// Drafted and kept tokens so far; at least one kept and one rejected.
-fn assert_verified(addr: &str, what: &str) {
+pub(super) fn assert_verified(addr: &str, what: &str) {
     let drafted = metric(addr, "strata_spec_drafted_tokens_total");
     let accepted = metric(addr, "strata_spec_accepted_tokens_total");
     eprintln!("{what}: drafted {drafted}, kept {accepted}");
@@ -225,7 +230,7 @@ fn long_the_whole_workload_set_gives_plain_decodings_answers() {
 }
 
 /// The body of streamed request `i` of the failover run: code edits, greedy and seeded.
-fn streamed(i: usize) -> Value {
+pub(super) fn streamed(i: usize) -> Value {
     let w = workload();
     let mut b = json!({"messages": w[i % 8].1, "max_tokens": 64, "stream": true,
                        "return_token_ids": true, "temperature": 0});
@@ -236,7 +241,7 @@ fn streamed(i: usize) -> Value {
     b
 }
 
-fn stream_ids(addr: &str, body: &Value) -> Result<Vec<u64>, String> {
+pub(super) fn stream_ids(addr: &str, body: &Value) -> Result<Vec<u64>, String> {
     stream_token_ids(addr, "/v1/chat/completions", body)
 }
 

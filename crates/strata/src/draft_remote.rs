@@ -1,0 +1,327 @@
+//! A tracker's side of a `strata drafter` (`--drafter HOST:PORT`): the draft model in a
+//! process of its own, maybe on a host of its own, seen by the routes as any other draft
+//! source ([`DraftSource`]).
+//!
+//! One `Draft` stream carries every session's asks. A session's ask sends only its tokens past
+//! what it sent before, so a long conversation costs each round only its new tokens. A route
+//! polls without blocking: a draft that has arrived for the session's tokens is used at once;
+//! otherwise an ask goes out (one at a time per session) and the route is woken when the draft
+//! arrives. While the drafter is unreachable every session decodes without drafts, and the
+//! stream is opened again in the background (the drafter's vocabulary checked again first).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Result};
+use engine::{DraftPoll, DraftSource, SessionId, Wake};
+use proto::drafter_client::DrafterClient;
+use proto::{Auth, DraftAsk, DraftOffer, Link, VocabRequest};
+use text::Tokenizer;
+use tokio::sync::mpsc;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+
+type Client = DrafterClient<InterceptedService<Channel, Auth>>;
+
+/// The most a reconnection waits after the drafter was lost (the wait doubles from 250 ms).
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// A drafter process, connected.
+pub struct RemoteDraft {
+    name: String,
+    tokenizer: Arc<Tokenizer>,
+    shared: Arc<Mutex<Shared>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct Shared {
+    /// Where asks go; `None` while the drafter is unreachable.
+    asks: Option<mpsc::UnboundedSender<DraftAsk>>,
+    sessions: HashMap<u64, Remote>,
+}
+
+/// What the tracker knows of one session's drafts.
+#[derive(Default)]
+struct Remote {
+    /// How many of its tokens the drafter holds, and the last of them: tokens that do not
+    /// continue them are sent again from the start.
+    sent: usize,
+    last: Option<u32>,
+    /// The ask in flight: for how many tokens, and whom to wake when its draft arrives.
+    asked: Option<usize>,
+    wake: Option<Wake>,
+    /// The latest draft: how many tokens it follows, and the drafted tokens.
+    offer: Option<(usize, Vec<u32>)>,
+}
+
+impl Remote {
+    /// Up to `k` tokens of the latest draft that follow `tokens` (as the draft model's own
+    /// [`crate::draft_model`] hands them out: the draft follows them, or the tokens past its
+    /// base are its own first tokens).
+    fn ready(&self, tokens: &[u32], k: usize) -> Option<Vec<u32>> {
+        let (base, draft) = self.offer.as_ref()?;
+        let past = tokens.len().checked_sub(*base)?;
+        let fits = past == 0 || past < draft.len() && tokens[*base..] == draft[..past];
+        fits.then(|| draft[past..(past + k).min(draft.len())].to_vec())
+    }
+}
+
+impl RemoteDraft {
+    /// Connects to the drafter at `address` and reads its vocabulary, trying for at most
+    /// `wait`.
+    pub async fn connect(address: &str, link: &Link, wait: Duration) -> Result<Self> {
+        let client = client(address, link)?;
+        let deadline = Instant::now() + wait;
+        let tokenizer = loop {
+            match vocabulary(&client).await {
+                Ok(t) => break Arc::new(t),
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(anyhow!(
+                        "the drafter at {address} did not answer within {wait:?}: {e}"
+                    ))
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        };
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let name = format!("the drafter at {address}");
+        let task = tokio::spawn(keep_stream(
+            client,
+            Arc::clone(&tokenizer),
+            name.clone(),
+            Arc::clone(&shared),
+        ));
+        Ok(RemoteDraft {
+            name,
+            tokenizer,
+            shared,
+            task,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        lock(&self.shared)
+    }
+}
+
+fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+    shared.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Drop for RemoteDraft {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl std::fmt::Debug for RemoteDraft {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RemoteDraft({})", self.name)
+    }
+}
+
+impl tracker::DraftModel for RemoteDraft {
+    fn vocabulary_difference(&self, target: &Tokenizer) -> Option<String> {
+        target.difference(&self.tokenizer)
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl DraftSource for RemoteDraft {
+    fn poll(&self, session: SessionId, tokens: &[u32], k: usize, wake: &Wake) -> DraftPoll {
+        let mut shared = self.lock();
+        let Some(asks) = shared.asks.clone() else {
+            return DraftPoll::Ready(Vec::new());
+        };
+        if tokens.is_empty() || k == 0 {
+            return DraftPoll::Ready(Vec::new());
+        }
+        let s = shared.sessions.entry(session.0).or_default();
+        let continues =
+            s.sent <= tokens.len() && (s.sent == 0 || s.last == Some(tokens[s.sent - 1]));
+        if !continues {
+            // Other tokens than the drafter holds (a session replayed elsewhere): start over.
+            *s = Remote::default();
+        }
+        if let Some(draft) = s.ready(tokens, k) {
+            return DraftPoll::Ready(draft);
+        }
+        match s.asked {
+            Some(n) if n == tokens.len() => {
+                s.wake = Some(Arc::clone(wake));
+                return DraftPoll::Pending;
+            }
+            // The route stopped waiting for the last draft and went on: the drafter is slow
+            // (or frozen). No new ask until it answers, so each token waits for it once.
+            Some(_) => return DraftPoll::Ready(Vec::new()),
+            None => {}
+        }
+        s.wake = Some(Arc::clone(wake));
+        let ask = DraftAsk {
+            session: session.0,
+            from: s.sent as u64,
+            tokens: tokens[s.sent..].to_vec(),
+            k: k as u32,
+            forget: false,
+        };
+        if asks.send(ask).is_err() {
+            return DraftPoll::Ready(Vec::new());
+        }
+        s.sent = tokens.len();
+        s.last = tokens.last().copied();
+        s.asked = Some(tokens.len());
+        DraftPoll::Pending
+    }
+
+    fn forget(&self, session: SessionId) {
+        let mut shared = self.lock();
+        if shared.sessions.remove(&session.0).is_some() {
+            if let Some(asks) = &shared.asks {
+                let _ = asks.send(DraftAsk {
+                    session: session.0,
+                    forget: true,
+                    ..DraftAsk::default()
+                });
+            }
+        }
+    }
+}
+
+fn client(address: &str, link: &Link) -> Result<Client> {
+    let scheme = if link.ca_pem.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
+        .map_err(|e| anyhow!("bad drafter address `{address}`: {e}"))?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(2))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .keep_alive_while_idle(true);
+    if let Some(ca) = &link.ca_pem {
+        let host = address
+            .rsplit_once(':')
+            .map_or(address, |(h, _)| h)
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        endpoint = endpoint
+            .tls_config(
+                tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+                    .domain_name(host),
+            )
+            .map_err(|e| anyhow!("TLS for the drafter `{address}`: {e}"))?;
+    }
+    let auth = Auth::new(&link.token).map_err(|e| anyhow!("{}", e.message()))?;
+    Ok(
+        DrafterClient::with_interceptor(endpoint.connect_lazy(), auth)
+            .max_decoding_message_size(proto::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(proto::MAX_MESSAGE_BYTES),
+    )
+}
+
+async fn vocabulary(client: &Client) -> Result<Tokenizer> {
+    let mut req = tonic::Request::new(VocabRequest {});
+    req.set_timeout(Duration::from_secs(10));
+    let reply = client.clone().vocab(req).await?.into_inner();
+    let file = gguf::GgufFile::from_bytes(reply.gguf)?;
+    Ok(Tokenizer::from_header(file.header())?)
+}
+
+/// Keeps the `Draft` stream open: opens it, delivers each draft to its session, and when the
+/// drafter is lost, lets every session decode without drafts (waking those that wait) and opens
+/// it again, with backoff, once the drafter answers with the same vocabulary.
+async fn keep_stream(
+    client: Client,
+    tokenizer: Arc<Tokenizer>,
+    name: String,
+    shared: Arc<Mutex<Shared>>,
+) {
+    let mut backoff = Duration::from_millis(250);
+    let mut first = true;
+    loop {
+        if !first {
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+            match vocabulary(&client).await {
+                Ok(t) => {
+                    if let Some(why) = tokenizer.difference(&t) {
+                        tracing::error!(drafter = %name, "the drafter now serves another vocabulary ({why}): sessions decode without drafts");
+                        continue;
+                    }
+                }
+                Err(_) => continue,
+            }
+        }
+        first = false;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let opened = client
+            .clone()
+            .draft(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await;
+        let mut offers = match opened {
+            Ok(r) => r.into_inner(),
+            Err(e) => {
+                tracing::warn!(drafter = %name, "opening the draft stream failed: {e}");
+                continue;
+            }
+        };
+        lock(&shared).asks = Some(tx);
+        let opened_at = Instant::now();
+        let why = loop {
+            match offers.message().await {
+                Ok(Some(offer)) => deliver(&shared, offer),
+                Ok(None) => break "the stream ended".to_string(),
+                Err(e) => break e.to_string(),
+            }
+        };
+        tracing::warn!(drafter = %name, "lost the drafter ({why}): sessions decode without drafts until it is back");
+        let wakes: Vec<Wake> = {
+            let mut shared = lock(&shared);
+            shared.asks = None;
+            shared
+                .sessions
+                .drain()
+                .filter_map(|(_, s)| s.asked.and(s.wake))
+                .collect()
+        };
+        for wake in wakes {
+            wake();
+        }
+        if opened_at.elapsed() > Duration::from_secs(60) {
+            backoff = Duration::from_millis(250);
+        }
+    }
+}
+
+/// A draft arrived: kept for its session, whose route is woken if it waits for it.
+fn deliver(shared: &Mutex<Shared>, offer: DraftOffer) {
+    let wake = {
+        let mut shared = lock(shared);
+        let Some(s) = shared.sessions.get_mut(&offer.session) else {
+            return;
+        };
+        let len = usize::try_from(offer.len).unwrap_or(usize::MAX);
+        if len > s.sent {
+            return;
+        }
+        s.offer = Some((len, offer.draft));
+        // One ask is in flight at a time: this answers it (the route may have stopped
+        // waiting for it; it asks again when it plans the session next).
+        if s.asked != Some(len) {
+            return;
+        }
+        s.asked = None;
+        s.wake.take()
+    };
+    if let Some(wake) = wake {
+        wake();
+    }
+}
