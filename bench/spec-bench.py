@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """Single-stream decode speed on the speculation workload set, two ways in the same run.
 
-Usage: bench/spec-bench.py URL [--kind code_edit|json|chat|all] [--requests N] [--max-tokens N]
+Usage: bench/spec-bench.py URL [--kind code_edit|json|chat|mixed|all] [--requests N] [--max-tokens N]
                            [--a JSON] [--b JSON] [--model NAME] [--concurrency C]
 
-Sends the workload's requests of one kind (bench/spec-workload.json, greedy) to an
+Sends the workload's requests of one kind (bench/spec-workload.json, greedy; `mixed`: the
+kinds in turn) to an
 OpenAI-compatible server, streamed, each twice in turn: once with the fields of --a merged into
 the body, once with those of --b (for strata: --a '{"speculative": false}' --b '{}'; for two
 llama-servers, run the script against each). A slow phase of the machine hits both alike.
 Reports per variant the median decode rate of a stream (tokens after the first / time after the
-first), the median time to first token, and whether the two variants returned the same text
+first), the workload's total rate (all those tokens over all that time: `decode_tps_total`),
+the median time to first token, and whether the two variants returned the same text
 for every request. Prints one JSON object.
 """
 import argparse
@@ -68,7 +70,15 @@ def main():
     ap.add_argument("--concurrency", type=int, default=1)
     args = ap.parse_args()
     w = json.load(open(Path(__file__).with_name("spec-workload.json")))["requests"]
-    reqs = [r for r in w if args.kind == "all" or r["kind"] == args.kind][: args.requests]
+    if args.kind == "mixed":
+        # The kinds in turn: code edit, JSON, chat, code edit, ...
+        by_kind = {}
+        for r in w:
+            by_kind.setdefault(r["kind"], []).append(r)
+        turns = zip(*by_kind.values())
+        reqs = [r for turn in turns for r in turn][: args.requests]
+    else:
+        reqs = [r for r in w if args.kind == "all" or r["kind"] == args.kind][: args.requests]
     variants = {"a": json.loads(args.a)}
     if args.b is not None:
         variants["b"] = json.loads(args.b)
@@ -105,6 +115,8 @@ def main():
         return {
             "decode_tps_p50": statistics.median(rates) if rates else 0.0,
             "decode_tps": [round(x, 2) for x in rates],
+            # The workload's own rate: every decoded token over all the decoding time.
+            "decode_tps_total": sum(x["tokens"] - 1 for x in rs) / max(1e-9, sum(x["decode_s"] for x in rs)),
             "ttft_s_p50": statistics.median(x["ttft"] for x in rs),
             "aggregate_tps_p50": statistics.median(x["aggregate_tps"] for x in rs),
             "tokens": [x["tokens"] for x in rs],
@@ -118,6 +130,8 @@ def main():
         out["same_text"] = all(x["text"] == y["text"] for x, y in zip(results["a"], results["b"]))
         a, b = out["a"]["decode_tps_p50"], out["b"]["decode_tps_p50"]
         out["b_over_a"] = b / a if a else None
+        a, b = out["a"]["decode_tps_total"], out["b"]["decode_tps_total"]
+        out["b_over_a_total"] = b / a if a else None
     print(json.dumps(out))
 
 
