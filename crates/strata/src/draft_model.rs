@@ -308,8 +308,20 @@ impl Drafter {
                     if state.shutdown {
                         return;
                     }
-                    if let Some(job) = self.next_job(&mut state) {
+                    let mut answered = Vec::new();
+                    let job = self.next_job(&mut state, &mut answered);
+                    if !answered.is_empty() {
+                        drop(state);
+                        for wake in answered {
+                            wake();
+                        }
+                        state = lock();
+                    }
+                    if let Some(job) = job {
                         break job;
+                    }
+                    if !state.asked.is_empty() || !state.forgotten.is_empty() || state.shutdown {
+                        continue;
                     }
                     state = shared.work.wait(state).unwrap_or_else(|e| e.into_inner());
                 }
@@ -414,8 +426,10 @@ impl Drafter {
         self.runs.insert(job.session, run);
     }
 
-    /// The oldest session that asked and is still here, with the tokens its run lacks.
-    fn next_job(&mut self, state: &mut State) -> Option<Job> {
+    /// The oldest session that asked and is still here, with the tokens its run lacks. An ask
+    /// answered meanwhile (drafting ahead made its draft) is skipped, its waker put in
+    /// `answered`: whoever asked is woken, or it would wait for nothing.
+    fn next_job(&mut self, state: &mut State, answered: &mut Vec<Wake>) -> Option<Job> {
         while let Some(session) = state.asked.pop_front() {
             let Some(slot) = state.sessions.get_mut(&session) else {
                 continue;
@@ -424,7 +438,8 @@ impl Drafter {
                 continue;
             };
             if slot.unable || slot.ready(k).is_some() {
-                // Answered already (the route finds the draft when it asks next).
+                // Answered already: the route finds the draft when it asks again.
+                answered.push(wake);
                 continue;
             }
             self.jobs += 1;

@@ -8,6 +8,10 @@
 //! otherwise an ask goes out (one at a time per session) and the route is woken when the draft
 //! arrives. While the drafter is unreachable every session decodes without drafts, and the
 //! stream is opened again in the background (the drafter's vocabulary checked again first).
+//! While it answers nothing at all (frozen, or a network that drops everything) for [`STALL`],
+//! no session waits for it: each decodes without drafts, one probe ask going out per `STALL`,
+//! until a draft arrives again. A draft is cut at its first token outside the vocabulary and
+//! at [`shard::MAX_DRAFT`] tokens: what a drafter sends never reaches a shard unchecked.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,6 +31,10 @@ type Client = DrafterClient<InterceptedService<Channel, Auth>>;
 /// The most a reconnection waits after the drafter was lost (the wait doubles from 250 ms).
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
+/// An ask unanswered, and no draft at all arriving, for this long: the drafter is stalled, and
+/// no session waits for it. An ask of one session unanswered this long is sent again.
+const STALL: Duration = Duration::from_secs(1);
+
 /// A drafter process, connected.
 pub struct RemoteDraft {
     name: String,
@@ -35,11 +43,37 @@ pub struct RemoteDraft {
     task: tokio::task::JoinHandle<()>,
 }
 
-#[derive(Default)]
 struct Shared {
     /// Where asks go; `None` while the drafter is unreachable.
     asks: Option<mpsc::UnboundedSender<DraftAsk>>,
     sessions: HashMap<u64, Remote>,
+    /// Token ids of the vocabulary are below this.
+    n_vocab: usize,
+    /// When the first ask since the last draft arrived went out: the drafter has answered
+    /// nothing since (an ask of a session that ended meanwhile may go unanswered; it costs at
+    /// most one probe).
+    quiet_since: Option<Instant>,
+    /// When the last probe ask went out while the drafter was stalled.
+    probed_at: Option<Instant>,
+}
+
+impl Shared {
+    fn new(n_vocab: usize) -> Self {
+        Shared {
+            asks: None,
+            sessions: HashMap::new(),
+            n_vocab,
+            quiet_since: None,
+            probed_at: None,
+        }
+    }
+}
+
+/// An ask in flight.
+struct Asked {
+    /// How many of the session's tokens it carried.
+    len: usize,
+    at: Instant,
 }
 
 /// What the tracker knows of one session's drafts.
@@ -49,11 +83,13 @@ struct Remote {
     /// continue them are sent again from the start.
     sent: usize,
     last: Option<u32>,
-    /// The ask in flight: for how many tokens, and whom to wake when its draft arrives.
-    asked: Option<usize>,
+    /// The ask in flight, and whom to wake when its draft arrives.
+    asked: Option<Asked>,
     wake: Option<Wake>,
     /// The latest draft: how many tokens it follows, and the drafted tokens.
     offer: Option<(usize, Vec<u32>)>,
+    /// The drafter drafts no more for it: no ask goes out until its tokens start over.
+    closed: bool,
 }
 
 impl Remote {
@@ -75,7 +111,12 @@ impl RemoteDraft {
         let client = client(address, link)?;
         let deadline = Instant::now() + wait;
         let tokenizer = loop {
-            match vocabulary(&client).await {
+            // Bounded by what is left of `wait`: a frozen drafter answers nothing.
+            let left = deadline.saturating_duration_since(Instant::now());
+            let answer = tokio::time::timeout(left, vocabulary(&client))
+                .await
+                .unwrap_or_else(|_| Err(anyhow!("no answer")));
+            match answer {
                 Ok(t) => break Arc::new(t),
                 Err(e) if Instant::now() >= deadline => {
                     return Err(anyhow!(
@@ -85,7 +126,7 @@ impl RemoteDraft {
                 Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
             }
         };
-        let shared = Arc::new(Mutex::new(Shared::default()));
+        let shared = Arc::new(Mutex::new(Shared::new(tokenizer.n_vocab())));
         let name = format!("the drafter at {address}");
         let task = tokio::spawn(keep_stream(
             client,
@@ -135,12 +176,14 @@ impl tracker::DraftModel for RemoteDraft {
 impl DraftSource for RemoteDraft {
     fn poll(&self, session: SessionId, tokens: &[u32], k: usize, wake: &Wake) -> DraftPoll {
         let mut shared = self.lock();
+        let shared = &mut *shared;
         let Some(asks) = shared.asks.clone() else {
             return DraftPoll::Ready(Vec::new());
         };
         if tokens.is_empty() || k == 0 {
             return DraftPoll::Ready(Vec::new());
         }
+        let now = Instant::now();
         let s = shared.sessions.entry(session.0).or_default();
         let continues =
             s.sent <= tokens.len() && (s.sent == 0 || s.last == Some(tokens[s.sent - 1]));
@@ -148,20 +191,35 @@ impl DraftSource for RemoteDraft {
             // Other tokens than the drafter holds (a session replayed elsewhere): start over.
             *s = Remote::default();
         }
+        if s.closed {
+            return DraftPoll::Ready(Vec::new());
+        }
         if let Some(draft) = s.ready(tokens, k) {
             return DraftPoll::Ready(draft);
         }
-        match s.asked {
-            Some(n) if n == tokens.len() => {
-                s.wake = Some(Arc::clone(wake));
-                return DraftPoll::Pending;
-            }
-            // The route stopped waiting for the last draft and went on: the drafter is slow
-            // (or frozen). No new ask until it answers, so each token waits for it once.
-            Some(_) => return DraftPoll::Ready(Vec::new()),
-            None => {}
+        let stalled = shared
+            .quiet_since
+            .is_some_and(|t| now.duration_since(t) > STALL);
+        // While the drafter answers nothing, one ask per `STALL` still goes out (to learn it is
+        // back), and no session waits for it.
+        let probe = stalled
+            && shared
+                .probed_at
+                .is_none_or(|t| now.duration_since(t) > STALL);
+        if stalled && !probe {
+            return DraftPoll::Ready(Vec::new());
         }
-        s.wake = Some(Arc::clone(wake));
+        if let Some(a) = &s.asked {
+            if !probe && now.duration_since(a.at) <= STALL {
+                if a.len == tokens.len() {
+                    s.wake = Some(Arc::clone(wake));
+                    return DraftPoll::Pending;
+                }
+                // The route stopped waiting for the last draft and went on: no new ask until
+                // it is answered (or `STALL` passes), so each token waits for it once.
+                return DraftPoll::Ready(Vec::new());
+            }
+        }
         let ask = DraftAsk {
             session: session.0,
             from: s.sent as u64,
@@ -174,20 +232,34 @@ impl DraftSource for RemoteDraft {
         }
         s.sent = tokens.len();
         s.last = tokens.last().copied();
-        s.asked = Some(tokens.len());
+        s.asked = Some(Asked {
+            len: tokens.len(),
+            at: now,
+        });
+        if probe {
+            s.wake = None;
+        } else {
+            s.wake = Some(Arc::clone(wake));
+        }
+        shared.quiet_since.get_or_insert(now);
+        if probe {
+            shared.probed_at = Some(now);
+            return DraftPoll::Ready(Vec::new());
+        }
         DraftPoll::Pending
     }
 
     fn forget(&self, session: SessionId) {
         let mut shared = self.lock();
-        if shared.sessions.remove(&session.0).is_some() {
-            if let Some(asks) = &shared.asks {
-                let _ = asks.send(DraftAsk {
-                    session: session.0,
-                    forget: true,
-                    ..DraftAsk::default()
-                });
-            }
+        if shared.sessions.remove(&session.0).is_none() {
+            return;
+        }
+        if let Some(asks) = &shared.asks {
+            let _ = asks.send(DraftAsk {
+                session: session.0,
+                forget: true,
+                ..DraftAsk::default()
+            });
         }
     }
 }
@@ -286,6 +358,8 @@ async fn keep_stream(
         let wakes: Vec<Wake> = {
             let mut shared = lock(&shared);
             shared.asks = None;
+            shared.quiet_since = None;
+            shared.probed_at = None;
             shared
                 .sessions
                 .drain()
@@ -301,10 +375,15 @@ async fn keep_stream(
     }
 }
 
-/// A draft arrived: kept for its session, whose route is woken if it waits for it.
+/// A draft arrived: kept for its session (cut at its first token outside the vocabulary and at
+/// [`shard::MAX_DRAFT`] tokens), whose route is woken if it waits for it.
 fn deliver(shared: &Mutex<Shared>, offer: DraftOffer) {
     let wake = {
         let mut shared = lock(shared);
+        let shared = &mut *shared;
+        // Any draft shows the drafter is alive.
+        shared.quiet_since = None;
+        let n_vocab = shared.n_vocab;
         let Some(s) = shared.sessions.get_mut(&offer.session) else {
             return;
         };
@@ -312,10 +391,16 @@ fn deliver(shared: &Mutex<Shared>, offer: DraftOffer) {
         if len > s.sent {
             return;
         }
-        s.offer = Some((len, offer.draft));
+        let mut draft = offer.draft;
+        draft.truncate(shard::MAX_DRAFT);
+        if let Some(i) = draft.iter().position(|&t| t as usize >= n_vocab) {
+            draft.truncate(i);
+        }
+        s.offer = Some((len, draft));
+        s.closed |= offer.closed;
         // One ask is in flight at a time: this answers it (the route may have stopped
         // waiting for it; it asks again when it plans the session next).
-        if s.asked != Some(len) {
+        if s.asked.as_ref().is_none_or(|a| a.len != len) {
             return;
         }
         s.asked = None;

@@ -5,14 +5,16 @@
 //! session's tokens past what it sent before, and how many tokens to draft. The drafter runs
 //! the same [`DraftModel`] a tracker runs in its own process with `--draft-model` (its thread,
 //! its KV of every session, its greedy continuation), and sends each draft back when it is
-//! ready, in whatever order they finish. A draft only proposes: the routes verify every token,
+//! ready, in whatever order they finish. A session it cannot draft for (no room, past the
+//! draft model's context) is told so once, and asks no more. A draft only proposes: the routes verify every token,
 //! so nothing the drafter sends changes what a client receives, only how many tokens a trip
-//! yields. What a stream holds goes when it closes.
+//! yields. What a stream holds goes when it closes; on SIGTERM or SIGINT every stream is ended
+//! (the trackers go on without drafts) and the process exits.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,7 +24,7 @@ use engine::{DraftPoll, DraftSource, SessionId, Wake};
 use futures::Stream;
 use proto::drafter_server::{Drafter, DrafterServer};
 use proto::{DraftAsk, DraftOffer, TokenCheck, VocabReply, VocabRequest};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::cluster_cmd::{listen_addr, loopback, read_file, read_token, runtime, shutdown_signal};
@@ -60,9 +62,10 @@ pub struct DrafterArgs {
     /// has cores of its own.
     #[arg(long, default_value_t = 0)]
     ahead: usize,
-    /// Sessions one tracker's stream may hold at once; a session past them gets no drafts
-    /// (it decodes without) until others end.
-    #[arg(long, default_value_t = 4096)]
+    /// Sessions this drafter holds at once, over every tracker's stream (each holds up to the
+    /// draft model's context of tokens, 4 bytes each); a session past them gets no drafts (it
+    /// decodes without).
+    #[arg(long, default_value_t = 1024)]
     max_sessions: usize,
 }
 
@@ -94,15 +97,20 @@ pub fn drafter(a: DrafterArgs) -> Result<()> {
     let limits = Limits {
         n_vocab: model.n_vocab(),
         n_ctx: model.n_ctx(),
-        max_sessions: a.max_sessions,
     };
+    let (stop_tx, stop) = watch::channel(false);
     let service = DrafterService {
         model: Arc::new(model),
         vocab,
         limits,
+        places: Arc::new(Places {
+            held: AtomicUsize::new(0),
+            max: a.max_sessions,
+        }),
+        stop: stop.clone(),
     };
     let rt = runtime(1)?;
-    rt.block_on(async {
+    rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&a.listen)
             .await
             .with_context(|| format!("binding {}", a.listen))?;
@@ -127,15 +135,50 @@ pub fn drafter(a: DrafterArgs) -> Result<()> {
             println!("strata drafter listening on {local}");
             std::io::stdout().flush()?;
         }
-        builder
+        // On the signal every stream ends (the trackers go on without drafts), then the server
+        // stops; it waits for nothing else longer than `STOP_GRACE`.
+        let serve = builder
             .tcp_nodelay(true)
             .http2_keepalive_interval(Some(Duration::from_secs(2)))
             .http2_keepalive_timeout(Some(Duration::from_secs(5)))
             .add_service(svc)
-            .serve_with_incoming_shutdown(incoming, shutdown_signal())
-            .await?;
+            .serve_with_incoming_shutdown(incoming, async move {
+                shutdown_signal().await;
+                let _ = stop_tx.send(true);
+            });
+        let mut stopped = stop;
+        tokio::select! {
+            r = serve => r?,
+            _ = async {
+                let _ = stopped.wait_for(|&s| s).await;
+                tokio::time::sleep(STOP_GRACE).await;
+            } => {}
+        }
         Ok(())
     })
+}
+
+/// How long a drafter told to stop waits for its connections to close.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// The sessions the drafter holds, over every stream.
+struct Places {
+    held: AtomicUsize,
+    max: usize,
+}
+
+impl Places {
+    fn take(&self) -> bool {
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self) {
+        self.held.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// What a stream's asks may hold.
@@ -145,13 +188,15 @@ struct Limits {
     n_vocab: usize,
     /// Most tokens of one session: past them the session gets no drafts.
     n_ctx: usize,
-    max_sessions: usize,
 }
 
 struct DrafterService {
     model: Arc<DraftModel>,
     vocab: Vec<u8>,
     limits: Limits,
+    places: Arc<Places>,
+    /// Becomes true when the process is told to stop.
+    stop: watch::Receiver<bool>,
 }
 
 type OfferStream = Pin<Box<dyn Stream<Item = Result<DraftOffer, Status>> + Send>>;
@@ -174,9 +219,10 @@ impl Drafter for DrafterService {
         let stream = TrackerStream {
             model: Arc::clone(&self.model) as Arc<dyn DraftSource>,
             limits: self.limits,
+            places: Arc::clone(&self.places),
             sessions: HashMap::new(),
         };
-        tokio::spawn(stream.run(req.into_inner(), tx));
+        tokio::spawn(stream.run(req.into_inner(), tx, self.stop.clone()));
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -194,7 +240,8 @@ fn new_session_id() -> SessionId {
 struct TrackerStream {
     model: Arc<dyn DraftSource>,
     limits: Limits,
-    /// By the tracker's session id.
+    places: Arc<Places>,
+    /// By the tracker's session id; each holds one of `places`.
     sessions: HashMap<u64, Session>,
 }
 
@@ -202,10 +249,8 @@ struct TrackerStream {
 struct Session {
     /// The draft model's id of it.
     id: SessionId,
-    /// Its known tokens (emptied once they outgrow the draft model's context: it gets no
-    /// drafts then, and only their count is kept).
+    /// Its known tokens.
     tokens: Vec<u32>,
-    len: usize,
     k: usize,
     /// An ask not answered yet (the draft model is computing it).
     waiting: bool,
@@ -217,10 +262,13 @@ impl TrackerStream {
         mut self,
         mut asks: Streaming<DraftAsk>,
         out: mpsc::Sender<Result<DraftOffer, Status>>,
+        mut stop: watch::Receiver<bool>,
     ) {
         let (woke_tx, mut woke) = mpsc::unbounded_channel::<u64>();
         loop {
             let offer = tokio::select! {
+                // The process is stopping: the stream ends, and the tracker goes on without.
+                _ = async { drop(stop.wait_for(|&s| s).await) } => break,
                 ask = asks.message() => match ask {
                     Ok(Some(ask)) => match self.ask(ask, &woke_tx) {
                         Ok(offer) => offer,
@@ -241,8 +289,17 @@ impl TrackerStream {
                 }
             }
         }
-        for s in self.sessions.values() {
+        for (_, s) in self.sessions.drain() {
             self.model.forget(s.id);
+            self.places.give_back();
+        }
+    }
+
+    /// The session goes, with its place.
+    fn remove(&mut self, session: u64) {
+        if let Some(s) = self.sessions.remove(&session) {
+            self.model.forget(s.id);
+            self.places.give_back();
         }
     }
 
@@ -253,9 +310,7 @@ impl TrackerStream {
         woke: &mpsc::UnboundedSender<u64>,
     ) -> Result<Option<DraftOffer>, Status> {
         if ask.forget {
-            if let Some(s) = self.sessions.remove(&ask.session) {
-                self.model.forget(s.id);
-            }
+            self.remove(ask.session);
             return Ok(None);
         }
         if ask.k == 0 || ask.k as usize > shard::MAX_DRAFT {
@@ -276,20 +331,20 @@ impl TrackerStream {
                 ask.session, self.limits.n_vocab
             )));
         }
+        let from = usize::try_from(ask.from).unwrap_or(usize::MAX);
+        let len = from.saturating_add(ask.tokens.len());
+        // No drafts for it, and the tracker asks no more: a session this stream does not hold
+        // past its first ask (it had no room, or outgrew the context), one without room now,
+        // one past the draft model's context.
+        let closed = Some(DraftOffer {
+            session: ask.session,
+            len: len as u64,
+            draft: Vec::new(),
+            closed: true,
+        });
         if !self.sessions.contains_key(&ask.session) {
-            if ask.from != 0 {
-                return Err(Status::invalid_argument(format!(
-                    "session {}: the first ask starts at token {}, not 0",
-                    ask.session, ask.from
-                )));
-            }
-            if self.sessions.len() >= self.limits.max_sessions {
-                // No room: this session decodes without drafts.
-                return Ok(Some(DraftOffer {
-                    session: ask.session,
-                    len: ask.tokens.len() as u64,
-                    draft: Vec::new(),
-                }));
+            if from != 0 || !self.places.take() {
+                return Ok(closed);
             }
             let session = ask.session;
             let woke = woke.clone();
@@ -298,7 +353,6 @@ impl TrackerStream {
                 Session {
                     id: new_session_id(),
                     tokens: Vec::new(),
-                    len: 0,
                     k: 1,
                     waiting: false,
                     wake: Arc::new(move || {
@@ -308,22 +362,19 @@ impl TrackerStream {
             );
         }
         let s = self.sessions.get_mut(&ask.session).expect("inserted above");
-        let from = usize::try_from(ask.from).unwrap_or(usize::MAX);
-        if from > s.len {
+        if from > s.tokens.len() {
             return Err(Status::invalid_argument(format!(
                 "session {}: an ask starts at token {from}, past the {} held",
-                ask.session, s.len
+                ask.session,
+                s.tokens.len()
             )));
         }
-        s.len = from + ask.tokens.len();
-        if s.len > self.limits.n_ctx || s.tokens.len() < from {
-            // Past the draft model's context (now or before): no drafts, and nothing kept but
-            // the count.
-            s.tokens = Vec::new();
-        } else {
-            s.tokens.truncate(from);
-            s.tokens.extend_from_slice(&ask.tokens);
+        if len > self.limits.n_ctx {
+            self.remove(ask.session);
+            return Ok(closed);
         }
+        s.tokens.truncate(from);
+        s.tokens.extend_from_slice(&ask.tokens);
         s.k = ask.k as usize;
         s.waiting = true;
         Ok(self.poll(ask.session))
@@ -335,19 +386,16 @@ impl TrackerStream {
         if !s.waiting {
             return None;
         }
-        let draft = if s.tokens.len() < s.len {
-            Vec::new()
-        } else {
-            match self.model.poll(s.id, &s.tokens, s.k, &s.wake) {
-                DraftPoll::Ready(draft) => draft,
-                DraftPoll::Pending => return None,
-            }
+        let draft = match self.model.poll(s.id, &s.tokens, s.k, &s.wake) {
+            DraftPoll::Ready(draft) => draft,
+            DraftPoll::Pending => return None,
         };
         s.waiting = false;
         Some(DraftOffer {
             session,
-            len: s.len as u64,
+            len: s.tokens.len() as u64,
             draft,
+            closed: false,
         })
     }
 }

@@ -1,6 +1,7 @@
 //! A draft model in a process of its own (`strata drafter`, a tracker's `--drafter`): the
-//! answers are plain decoding's through it, across its loss and its return, and the drafter
-//! refuses what a stream must not send.
+//! answers are plain decoding's through it, across its loss, its return and its stop, and
+//! whatever a drafter sends; the drafter refuses what a stream must not send, and bounds the
+//! sessions it holds.
 
 use std::path::Path;
 use std::time::Duration;
@@ -16,21 +17,40 @@ use super::speculation::{
 };
 
 fn drafter(model: &Path, token: &Path, listen: &str) -> Proc {
-    procs::spawn(
+    drafter_with(model, token, listen, &[])
+}
+
+fn drafter_with(model: &Path, token: &Path, listen: &str, extra: &[&str]) -> Proc {
+    let mut args = vec![
+        "drafter".to_string(),
+        "--model".into(),
+        model.display().to_string(),
+        "--listen".into(),
+        listen.into(),
+        "--cluster-token-file".into(),
+        token.display().to_string(),
+        "--threads".into(),
+        "1".into(),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    procs::spawn(exe(), &args, "strata drafter listening on ", "drafter")
+}
+
+/// A tracker drafting from the drafter at `at` for one route of `shards`.
+fn drafting_tracker(shards: &[Proc], token: &Path, at: &str) -> Proc {
+    let refs: Vec<&Proc> = shards.iter().collect();
+    procs::tracker(
         exe(),
+        &refs,
+        token,
         &[
-            "drafter".to_string(),
-            "--model".into(),
-            model.display().to_string(),
-            "--listen".into(),
-            listen.into(),
-            "--cluster-token-file".into(),
-            token.display().to_string(),
-            "--threads".into(),
-            "1".into(),
+            "--drafter",
+            at,
+            "--draft-max",
+            "6",
+            "--draft-max-batch",
+            "16",
         ],
-        "strata drafter listening on ",
-        "drafter",
     )
 }
 
@@ -46,20 +66,7 @@ fn a_drafter_process_gives_plain_decodings_answers_and_its_loss_costs_no_client_
     let first = drafter(&m, &token, "127.0.0.1:0");
     let at = first.addr.clone();
     let shards = route(&["0..15", "15..30"], &token);
-    let refs: Vec<&Proc> = shards.iter().collect();
-    let tracker = procs::tracker(
-        exe(),
-        &refs,
-        &token,
-        &[
-            "--drafter",
-            &at,
-            "--draft-max",
-            "6",
-            "--draft-max-batch",
-            "16",
-        ],
-    );
+    let tracker = drafting_tracker(&shards, &token, &at);
     let addr = &tracker.addr;
     let cases = cases(1, 32);
     let plain = answers(addr, &cases, 4, false);
@@ -134,12 +141,15 @@ fn a_drafter_process_gives_plain_decodings_answers_and_its_loss_costs_no_client_
 }
 
 /// What a stream must not send ends it with `invalid_argument`, naming why, and the drafter
-/// goes on serving other streams; a connection without the cluster token is refused.
+/// goes on serving other streams; a connection without the cluster token is refused. The
+/// drafter holds at most `--max-sessions` sessions over all its streams: a session past them,
+/// one it does not hold and one past the draft model's context are answered `closed` (no
+/// drafts, ask no more), and a session that ends gives its place back.
 #[test]
-fn a_drafter_refuses_garbage_and_strangers_and_keeps_serving() {
+fn a_drafter_refuses_garbage_and_strangers_and_bounds_its_sessions() {
     let token = procs::token_file(TOKEN);
     let m = testkit::real_model();
-    let d = drafter(&m, &token, "127.0.0.1:0");
+    let d = drafter_with(&m, &token, "127.0.0.1:0", &["--max-sessions", "2"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let connect = |secret: &str| {
@@ -175,7 +185,6 @@ fn a_drafter_refuses_garbage_and_strangers_and_keeps_serving() {
                 ask(2, 0, vec![1, 2, u32::MAX], 4),
                 "not in the draft model's vocabulary",
             ),
-            (ask(2, 5, vec![1, 2], 4), "starts at token 5"),
             (ask(1, 9, vec![1, 2], 4), "past the 3 held"),
             (ask(2, 0, vec![1, 2], 0), "k must be 1 to"),
             (ask(2, 0, vec![1, 2], 1000), "k must be 1 to"),
@@ -217,5 +226,214 @@ fn a_drafter_refuses_garbage_and_strangers_and_keeps_serving() {
         let next = offers.message().await.unwrap().unwrap();
         assert_eq!((next.session, next.len), (7, 5));
         assert_eq!(next.draft, first.draft[2..4]);
+        assert!(!first.closed && !next.closed);
+
+        // Session 7 holds one of the two places; another stream's session 8 the other.
+        let (tx2, rx2) = tokio::sync::mpsc::unbounded_channel();
+        let mut offers2 = client
+            .draft(tokio_stream::wrappers::UnboundedReceiverStream::new(rx2))
+            .await
+            .unwrap()
+            .into_inner();
+        macro_rules! offer {
+            ($ask:expr) => {{
+                tx2.send($ask).unwrap();
+                offers2.message().await.unwrap().unwrap()
+            }};
+        }
+        let o = offer!(ask(8, 0, vec![1, 2, 3], 4));
+        assert_eq!(
+            (o.session, o.len, o.draft.len(), o.closed),
+            (8, 3, 4, false)
+        );
+        // No place left: closed, and so is what follows for a session not held (no error).
+        let o = offer!(ask(9, 0, vec![1, 2, 3], 4));
+        assert_eq!((o.session, o.len, o.draft.len(), o.closed), (9, 3, 0, true));
+        let o = offer!(ask(9, 3, vec![4, 5], 4));
+        assert_eq!((o.session, o.len, o.draft.len(), o.closed), (9, 5, 0, true));
+        // Session 8 ends: its place is free, and a session past the context does not keep it.
+        tx2.send(DraftAsk {
+            session: 8,
+            forget: true,
+            ..DraftAsk::default()
+        })
+        .unwrap();
+        let n_ctx = model::ModelConfig::from_header(gguf::GgufFile::open(&m).unwrap().header())
+            .unwrap()
+            .n_ctx_train;
+        let o = offer!(ask(10, 0, vec![1; n_ctx + 1], 4));
+        assert_eq!(
+            (o.session, o.len as usize, o.draft.len(), o.closed),
+            (10, n_ctx + 1, 0, true)
+        );
+        let o = offer!(ask(11, 0, vec![1, 2, 3], 4));
+        assert_eq!(
+            (o.session, o.len, o.draft.len(), o.closed),
+            (11, 3, 4, false)
+        );
     });
+}
+
+/// A drafter that proposes garbage: every draft is a token of the session's own, then ids past
+/// any vocabulary, and more tokens than any step takes. No client sees it, speculating or not,
+/// sharing steps with those that do: the tracker cuts each draft at its first id outside the
+/// vocabulary, and the answers are plain decoding's.
+#[test]
+fn a_drafter_proposing_garbage_changes_no_answer_and_fails_no_step() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use proto::drafter_server::{Drafter, DrafterServer};
+    use proto::{DraftOffer, VocabReply};
+
+    struct Garbage {
+        vocab: Vec<u8>,
+        asks: Arc<AtomicUsize>,
+    }
+
+    type Offers =
+        std::pin::Pin<Box<dyn futures::Stream<Item = Result<DraftOffer, tonic::Status>> + Send>>;
+
+    #[tonic::async_trait]
+    impl Drafter for Garbage {
+        async fn vocab(
+            &self,
+            _: tonic::Request<VocabRequest>,
+        ) -> Result<tonic::Response<VocabReply>, tonic::Status> {
+            Ok(tonic::Response::new(VocabReply {
+                gguf: self.vocab.clone(),
+            }))
+        }
+
+        type DraftStream = Offers;
+
+        async fn draft(
+            &self,
+            req: tonic::Request<tonic::Streaming<DraftAsk>>,
+        ) -> Result<tonic::Response<Offers>, tonic::Status> {
+            let mut asks = req.into_inner();
+            let counter = Arc::clone(&self.asks);
+            let (tx, rx) = tokio::sync::mpsc::channel(64);
+            tokio::spawn(async move {
+                let mut held = std::collections::HashMap::new();
+                while let Ok(Some(ask)) = asks.message().await {
+                    if ask.forget {
+                        held.remove(&ask.session);
+                        continue;
+                    }
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    let len = ask.from as usize + ask.tokens.len();
+                    let last = ask
+                        .tokens
+                        .last()
+                        .copied()
+                        .or(held.get(&ask.session).copied());
+                    if let Some(&t) = ask.tokens.last() {
+                        held.insert(ask.session, t);
+                    }
+                    let mut draft = vec![last.unwrap_or(0), u32::MAX, 4_000_000_000];
+                    draft.extend([7; 100]);
+                    let offer = DraftOffer {
+                        session: ask.session,
+                        len: len as u64,
+                        draft,
+                        closed: false,
+                    };
+                    if tx.send(Ok(offer)).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            Ok(tonic::Response::new(Box::pin(
+                tokio_stream::wrappers::ReceiverStream::new(rx),
+            )))
+        }
+    }
+
+    let token = procs::token_file(TOKEN);
+    let m = testkit::real_model();
+    let asks = Arc::new(AtomicUsize::new(0));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let at = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = listener.local_addr().unwrap().to_string();
+        let garbage = Garbage {
+            vocab: shard::vocab_file(&gguf::GgufFile::open(&m).unwrap()),
+            asks: Arc::clone(&asks),
+        };
+        let svc = tonic::service::interceptor::InterceptedService::new(
+            DrafterServer::new(garbage),
+            proto::TokenCheck::new(TOKEN),
+        );
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        at
+    });
+    let shards = route(&["0..30"], &token);
+    let tracker = drafting_tracker(&shards, &token, &at);
+    let addr = &tracker.addr;
+    let cases = cases(1, 32);
+    let plain = answers(addr, &cases, 4, false);
+    // Speculating and plain requests at once, so that steps hold both.
+    let (spec, also_plain) = std::thread::scope(|s| {
+        let spec = s.spawn(|| answers(addr, &cases, 4, true));
+        let also_plain = s.spawn(|| answers(addr, &cases, 4, false));
+        (spec.join().unwrap(), also_plain.join().unwrap())
+    });
+    assert_same(&plain, &spec, "speculating from garbage");
+    assert_same(&plain, &also_plain, "beside those speculating from garbage");
+    assert!(
+        asks.load(Ordering::Relaxed) > 0,
+        "the drafter was never asked"
+    );
+    assert!(
+        metric(addr, "strata_spec_drafted_tokens_total") > 0.0,
+        "the valid head of each draft was verified"
+    );
+}
+
+/// With `--ahead`, a drafter drafts past each draft while the route verifies it: every request
+/// keeps drafting to its end (a draft made ready by drafting ahead wakes whoever asked for
+/// it), the answers are plain decoding's. On SIGTERM the drafter ends its streams and exits
+/// with a tracker connected, and the tracker's answers stay the same.
+#[test]
+fn a_drafter_drafting_ahead_drafts_for_every_token_and_stops_on_sigterm() {
+    let token = procs::token_file(TOKEN);
+    let m = testkit::real_model();
+    let mut d = drafter_with(&m, &token, "127.0.0.1:0", &["--ahead", "4"]);
+    let shards = route(&["0..30"], &token);
+    let tracker = drafting_tracker(&shards, &token, &d.addr);
+    let addr = &tracker.addr;
+    let cases = cases(1, 48);
+    let plain = answers(addr, &cases, 1, false);
+    for (i, (case, want)) in cases.iter().zip(&plain).enumerate() {
+        let before = metric(addr, "strata_spec_drafted_tokens_total");
+        let got = answers(addr, std::slice::from_ref(case), 1, true);
+        assert_same(std::slice::from_ref(want), &got, "drafting ahead");
+        let drafted = metric(addr, "strata_spec_drafted_tokens_total") - before;
+        // SmolLM2 drafts for itself, so most steps draft, unless the answer is short or held
+        // to a grammar (the last two cases: a session held to one gets no drafts).
+        let tokens = want["ids"].as_array().map_or(0, |a| a.len());
+        eprintln!("case {i}: {tokens} tokens, {drafted} drafted");
+        if tokens >= 16 && i + 2 < cases.len() {
+            assert!(
+                drafted >= tokens as f64 / 2.0,
+                "case {i}: {drafted} tokens drafted for an answer of {tokens}"
+            );
+        }
+    }
+
+    d.signal(libc::SIGTERM);
+    assert!(
+        wait_until(Duration::from_secs(20), || d.exited()),
+        "the drafter did not exit on SIGTERM with a tracker connected"
+    );
+    assert_same(
+        &plain,
+        &answers(addr, &cases, 4, true),
+        "the drafter stopped",
+    );
 }
