@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Speculative decoding, single stream, on the workload set (bench/spec-workload.json): strata
-# with `--speculative ngram` and, when a draft model is given, with `--draft-model`, each against
-# itself without (the same server, requests alternating with `"speculative": false`), and
+# with `--speculative ngram` and, when a draft model is given, with `--draft-model` (in the
+# tracker's process) and with `strata drafter` (a process of its own: shard, drafter and tracker
+# processes, `--drafter`), each against itself without (the same server, requests alternating with `"speculative": false`), and
 # llama-server with its own n-gram speculation (`--spec-type ngram-simple`) and `--model-draft`,
 # against llama-server without, on the same cores, in the same run. Greedy requests; every
 # variant's texts are compared.
+#
+# The draft tables end with the kinds together ("all": every decoded token over all the decoding
+# time, the mixed workload's rate).
 #
 # Then, on the same strata server, STREAMS concurrent streams (each request sent STREAMS times at
 # once, with and without speculation in turn): the aggregate rate, which speculation must not
@@ -63,6 +67,22 @@ if [ -n "$draft" ]; then
   wait_http 18315
   run strata-draft http://127.0.0.1:18315 --a '{"speculative": false}' --b '{}'
   stop $pid
+  echo "strata: shard, drafter --model $(basename "$draft") and tracker --drafter, 3 processes" >&2
+  n_layers=$("$STRATA" model info --model "$model" --json | python3 -c "import json,sys; print(json.load(sys.stdin)['n_layers'])")
+  head -c 32 /dev/urandom | xxd -p -c 64 > "$out/token"
+  "$STRATA" shard --model "$model" --layers "0..$n_layers" --threads "$threads" --listen 127.0.0.1:18316 \
+    --cluster-token-file "$out/token" >"$out/strata-shard.log" 2>&1 &
+  shard_pid=$!
+  "$STRATA" drafter --model "$draft" --threads "$threads" --listen 127.0.0.1:18317 \
+    --cluster-token-file "$out/token" >"$out/strata-drafter.log" 2>&1 &
+  drafter_pid=$!
+  "$STRATA" tracker --shards 127.0.0.1:18316 --drafter 127.0.0.1:18317 --draft-max 8 \
+    --startup-wait-ms 120000 --listen 127.0.0.1:18318 --cluster-token-file "$out/token" \
+    >"$out/strata-tracker.log" 2>&1 &
+  pid=$!
+  wait_http 18318
+  run strata-drafter http://127.0.0.1:18318 --a '{"speculative": false}' --b '{}'
+  stop $pid; stop $drafter_pid; stop $shard_pid
 fi
 
 ls=$LLAMA_CPP_DIR/bin/llama-server
@@ -93,6 +113,18 @@ out, model, reqs, mx, kinds, n = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv
 def load(label, k):
     p = f"{out}/{label}-{k}.json"
     return json.load(open(p)) if os.path.exists(p) else None
+def total(label, variant="a"):
+    # Every kind's decoded tokens over all their decoding time: the mixed workload's rate.
+    n = t = 0.0
+    for k in kinds:
+        r = load(label, k)
+        if not r:
+            return float("nan")
+        for tokens, rate in zip(r[variant]["tokens"], r[variant]["decode_tps"]):
+            if rate > 0:
+                n += tokens - 1
+                t += (tokens - 1) / rate
+    return n / t if t else float("nan")
 print(f"model {model}; {reqs} requests per kind, {mx} tokens each, greedy, single stream; decode tokens/s (median of the requests)")
 print("| kind | strata plain | strata ngram | ngram / plain | same text | llama-server plain | llama-server ngram | llama-server draft | strata ngram / llama-server ngram |")
 print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
@@ -102,15 +134,20 @@ for k in kinds:
     a, b = s["a"]["decode_tps_p50"], s["b"]["decode_tps_p50"]
     v = lambda r: r["a"]["decode_tps_p50"] if r else float("nan")
     print(f"| {k} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {s['same_text']} | {v(lp):.2f} | {v(ln):.2f} | {v(ld):.2f} | {b / v(ln):.2f}x |")
-if any(load("strata-draft", k) for k in kinds):
-    print("\nwith a draft model (strata --draft-model, llama-server --model-draft, the same file)")
+for label, what in [("strata-draft", "--draft-model, in the tracker's process"), ("strata-drafter", "strata drafter, a process of its own")]:
+    if not any(load(label, k) for k in kinds):
+        continue
+    print(f"\nwith a draft model (strata: {what}; llama-server --model-draft; the same file)")
     print("| kind | strata plain | strata draft | draft / plain | same text | llama-server plain | llama-server draft | llama-server draft / plain | strata draft / llama-server draft |")
     print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for k in kinds:
-        s, lp, ld = load("strata-draft", k), load("llama-plain", k), load("llama-draft", k)
+        s, lp, ld = load(label, k), load("llama-plain", k), load("llama-draft", k)
         if s:
             a, b = s["a"]["decode_tps_p50"], s["b"]["decode_tps_p50"]
             print(f"| {k} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {s['same_text']} | {v(lp):.2f} | {v(ld):.2f} | {v(ld) / v(lp):.2f}x | {b / v(ld):.2f}x |")
+    a, b, lp, ld = total(label), total(label, "b"), total("llama-plain"), total("llama-draft")
+    same = all(load(label, k)["same_text"] for k in kinds)
+    print(f"| all | {a:.2f} | {b:.2f} | {b / a:.2f}x | {same} | {lp:.2f} | {ld:.2f} | {ld / lp:.2f}x | {b / ld:.2f}x |")
 if n > 0:
     print(f"\nstrata, {n} concurrent streams: aggregate tokens/s (median of the requests)")
     print("| kind | plain | speculation | ratio | same text |")
