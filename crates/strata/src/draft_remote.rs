@@ -32,8 +32,13 @@ type Client = DrafterClient<InterceptedService<Channel, Auth>>;
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// An ask unanswered, and no draft at all arriving, for this long: the drafter is stalled, and
-/// no session waits for it. An ask of one session unanswered this long is sent again.
+/// no session waits for it. An ask of one session unanswered this long is sent again (and not
+/// waited for).
 const STALL: Duration = Duration::from_secs(1);
+
+/// A session the drafter answered `closed` (no room for it, past its context) asks again, from
+/// its first token, after this long: room may have been made.
+const CLOSED_RETRY: Duration = Duration::from_secs(5);
 
 /// A drafter process, connected.
 pub struct RemoteDraft {
@@ -88,8 +93,9 @@ struct Remote {
     wake: Option<Wake>,
     /// The latest draft: how many tokens it follows, and the drafted tokens.
     offer: Option<(usize, Vec<u32>)>,
-    /// The drafter drafts no more for it: no ask goes out until its tokens start over.
-    closed: bool,
+    /// When the drafter said it drafts no more for it: no ask goes out until its tokens start
+    /// over or [`CLOSED_RETRY`] passed.
+    closed: Option<Instant>,
 }
 
 impl Remote {
@@ -191,8 +197,13 @@ impl DraftSource for RemoteDraft {
             // Other tokens than the drafter holds (a session replayed elsewhere): start over.
             *s = Remote::default();
         }
-        if s.closed {
-            return DraftPoll::Ready(Vec::new());
+        match s.closed {
+            Some(t) if now.duration_since(t) <= CLOSED_RETRY => {
+                return DraftPoll::Ready(Vec::new());
+            }
+            // Asked again from the start: the drafter holds none of its tokens.
+            Some(_) => *s = Remote::default(),
+            None => {}
         }
         if let Some(draft) = s.ready(tokens, k) {
             return DraftPoll::Ready(draft);
@@ -209,6 +220,9 @@ impl DraftSource for RemoteDraft {
         if stalled && !probe {
             return DraftPoll::Ready(Vec::new());
         }
+        // An ask sent again after `STALL` unanswered is not waited for: the drafter is busy
+        // (reading a long prompt, say) or lost it.
+        let again = s.asked.is_some();
         if let Some(a) = &s.asked {
             if !probe && now.duration_since(a.at) <= STALL {
                 if a.len == tokens.len() {
@@ -236,16 +250,15 @@ impl DraftSource for RemoteDraft {
             len: tokens.len(),
             at: now,
         });
-        if probe {
-            s.wake = None;
-        } else {
-            s.wake = Some(Arc::clone(wake));
-        }
         shared.quiet_since.get_or_insert(now);
         if probe {
             shared.probed_at = Some(now);
+        }
+        if probe || again {
+            s.wake = None;
             return DraftPoll::Ready(Vec::new());
         }
+        s.wake = Some(Arc::clone(wake));
         DraftPoll::Pending
     }
 
@@ -397,13 +410,15 @@ fn deliver(shared: &Mutex<Shared>, offer: DraftOffer) {
             draft.truncate(i);
         }
         s.offer = Some((len, draft));
-        s.closed |= offer.closed;
         // One ask is in flight at a time: this answers it (the route may have stopped
         // waiting for it; it asks again when it plans the session next).
         if s.asked.as_ref().is_none_or(|a| a.len != len) {
             return;
         }
         s.asked = None;
+        if offer.closed {
+            s.closed = Some(Instant::now());
+        }
         s.wake.take()
     };
     if let Some(wake) = wake {

@@ -99,8 +99,9 @@ pub fn drafter(a: DrafterArgs) -> Result<()> {
         n_ctx: model.n_ctx(),
     };
     let (stop_tx, stop) = watch::channel(false);
+    let model = Arc::new(model);
     let service = DrafterService {
-        model: Arc::new(model),
+        model: Arc::clone(&model),
         vocab,
         limits,
         places: Arc::new(Places {
@@ -110,7 +111,7 @@ pub fn drafter(a: DrafterArgs) -> Result<()> {
         stop: stop.clone(),
     };
     let rt = runtime(1)?;
-    rt.block_on(async move {
+    let served = rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&a.listen)
             .await
             .with_context(|| format!("binding {}", a.listen))?;
@@ -155,11 +156,15 @@ pub fn drafter(a: DrafterArgs) -> Result<()> {
             } => {}
         }
         Ok(())
-    })
+    });
+    // The draft thread may be reading a long prompt: the process ends without waiting for it
+    // (the last handle on the model, dropped, would join the thread).
+    std::mem::forget(model);
+    served
 }
 
 /// How long a drafter told to stop waits for its connections to close.
-const STOP_GRACE: Duration = Duration::from_secs(5);
+const STOP_GRACE: Duration = Duration::from_secs(10);
 
 /// The sessions the drafter holds, over every stream.
 struct Places {

@@ -3,7 +3,9 @@
 //! whatever a drafter sends; the drafter refuses what a stream must not send, and bounds the
 //! sessions it holds.
 
+use std::collections::HashMap;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use proto::drafter_client::DrafterClient;
@@ -274,28 +276,37 @@ fn a_drafter_refuses_garbage_and_strangers_and_bounds_its_sessions() {
     });
 }
 
-/// A drafter that proposes garbage: every draft is a token of the session's own, then ids past
-/// any vocabulary, and more tokens than any step takes. No client sees it, speculating or not,
-/// sharing steps with those that do: the tracker cuts each draft at its first id outside the
-/// vocabulary, and the answers are plain decoding's.
-#[test]
-fn a_drafter_proposing_garbage_changes_no_answer_and_fails_no_step() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
+/// What a fake drafter answers every ask with.
+#[derive(Clone, Copy)]
+enum Fake {
+    /// A token of the session's own, repeated past any step's length, then ids past any
+    /// vocabulary.
+    Garbage,
+    /// `closed`: no drafts for this session.
+    Closed,
+}
 
+/// A fake `Drafter` service on 127.0.0.1 (serving `m`'s vocabulary and the test token), on
+/// `rt`: its address, and how many asks each session sent.
+fn fake_drafter(
+    rt: &tokio::runtime::Runtime,
+    m: &Path,
+    fake: Fake,
+) -> (String, Arc<Mutex<HashMap<u64, usize>>>) {
     use proto::drafter_server::{Drafter, DrafterServer};
     use proto::{DraftOffer, VocabReply};
 
-    struct Garbage {
+    struct Service {
         vocab: Vec<u8>,
-        asks: Arc<AtomicUsize>,
+        fake: Fake,
+        asks: Arc<Mutex<HashMap<u64, usize>>>,
     }
 
     type Offers =
         std::pin::Pin<Box<dyn futures::Stream<Item = Result<DraftOffer, tonic::Status>> + Send>>;
 
     #[tonic::async_trait]
-    impl Drafter for Garbage {
+    impl Drafter for Service {
         async fn vocab(
             &self,
             _: tonic::Request<VocabRequest>,
@@ -312,32 +323,32 @@ fn a_drafter_proposing_garbage_changes_no_answer_and_fails_no_step() {
             req: tonic::Request<tonic::Streaming<DraftAsk>>,
         ) -> Result<tonic::Response<Offers>, tonic::Status> {
             let mut asks = req.into_inner();
-            let counter = Arc::clone(&self.asks);
+            let (counts, fake) = (Arc::clone(&self.asks), self.fake);
             let (tx, rx) = tokio::sync::mpsc::channel(64);
             tokio::spawn(async move {
-                let mut held = std::collections::HashMap::new();
+                let mut last = HashMap::new();
                 while let Ok(Some(ask)) = asks.message().await {
                     if ask.forget {
-                        held.remove(&ask.session);
+                        last.remove(&ask.session);
                         continue;
                     }
-                    counter.fetch_add(1, Ordering::Relaxed);
-                    let len = ask.from as usize + ask.tokens.len();
-                    let last = ask
-                        .tokens
-                        .last()
-                        .copied()
-                        .or(held.get(&ask.session).copied());
+                    *counts.lock().unwrap().entry(ask.session).or_default() += 1;
                     if let Some(&t) = ask.tokens.last() {
-                        held.insert(ask.session, t);
+                        last.insert(ask.session, t);
                     }
-                    let mut draft = vec![last.unwrap_or(0), u32::MAX, 4_000_000_000];
-                    draft.extend([7; 100]);
+                    let (draft, closed) = match fake {
+                        Fake::Garbage => {
+                            let mut d = vec![last.get(&ask.session).copied().unwrap_or(0); 20];
+                            d.extend([u32::MAX, 4_000_000_000, 7]);
+                            (d, false)
+                        }
+                        Fake::Closed => (Vec::new(), true),
+                    };
                     let offer = DraftOffer {
                         session: ask.session,
-                        len: len as u64,
+                        len: ask.from + ask.tokens.len() as u64,
                         draft,
-                        closed: false,
+                        closed,
                     };
                     if tx.send(Ok(offer)).await.is_err() {
                         break;
@@ -350,19 +361,17 @@ fn a_drafter_proposing_garbage_changes_no_answer_and_fails_no_step() {
         }
     }
 
-    let token = procs::token_file(TOKEN);
-    let m = testkit::real_model();
-    let asks = Arc::new(AtomicUsize::new(0));
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let asks = Arc::new(Mutex::new(HashMap::new()));
+    let service = Service {
+        vocab: shard::vocab_file(&gguf::GgufFile::open(m).unwrap()),
+        fake,
+        asks: Arc::clone(&asks),
+    };
     let at = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let at = listener.local_addr().unwrap().to_string();
-        let garbage = Garbage {
-            vocab: shard::vocab_file(&gguf::GgufFile::open(&m).unwrap()),
-            asks: Arc::clone(&asks),
-        };
         let svc = tonic::service::interceptor::InterceptedService::new(
-            DrafterServer::new(garbage),
+            DrafterServer::new(service),
             proto::TokenCheck::new(TOKEN),
         );
         tokio::spawn(
@@ -372,6 +381,19 @@ fn a_drafter_proposing_garbage_changes_no_answer_and_fails_no_step() {
         );
         at
     });
+    (at, asks)
+}
+
+/// A drafter that proposes garbage: a token of the session's own, then more tokens than any
+/// step takes, then ids past any vocabulary. No client sees it, speculating or not, sharing
+/// steps with those that do: the tracker cuts each draft at its first id outside the
+/// vocabulary, and the answers are plain decoding's.
+#[test]
+fn a_drafter_proposing_garbage_changes_no_answer_and_fails_no_step() {
+    let token = procs::token_file(TOKEN);
+    let m = testkit::real_model();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (at, asks) = fake_drafter(&rt, &m, Fake::Garbage);
     let shards = route(&["0..30"], &token);
     let tracker = drafting_tracker(&shards, &token, &at);
     let addr = &tracker.addr;
@@ -386,13 +408,37 @@ fn a_drafter_proposing_garbage_changes_no_answer_and_fails_no_step() {
     assert_same(&plain, &spec, "speculating from garbage");
     assert_same(&plain, &also_plain, "beside those speculating from garbage");
     assert!(
-        asks.load(Ordering::Relaxed) > 0,
+        !asks.lock().unwrap().is_empty(),
         "the drafter was never asked"
     );
     assert!(
         metric(addr, "strata_spec_drafted_tokens_total") > 0.0,
         "the valid head of each draft was verified"
     );
+}
+
+/// A session the drafter answers `closed` asks no more (for 5 s, longer than any of these
+/// requests takes): one ask a session, and the answers are plain decoding's.
+#[test]
+fn a_session_the_drafter_closes_asks_no_more() {
+    let token = procs::token_file(TOKEN);
+    let m = testkit::real_model();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (at, asks) = fake_drafter(&rt, &m, Fake::Closed);
+    let shards = route(&["0..30"], &token);
+    let tracker = drafting_tracker(&shards, &token, &at);
+    let addr = &tracker.addr;
+    let cases = cases(1, 32);
+    let plain = answers(addr, &cases, 4, false);
+    assert_same(
+        &plain,
+        &answers(addr, &cases, 4, true),
+        "closed by the drafter",
+    );
+    let asks = asks.lock().unwrap();
+    // Sessions held to a grammar (the last two cases) never ask.
+    assert_eq!(asks.len(), cases.len() - 2, "{asks:?}");
+    assert!(asks.values().all(|&n| n == 1), "{asks:?}");
 }
 
 /// With `--ahead`, a drafter drafts past each draft while the route verifies it: every request
@@ -420,16 +466,18 @@ fn a_drafter_drafting_ahead_drafts_for_every_token_and_stops_on_sigterm() {
         eprintln!("case {i}: {tokens} tokens, {drafted} drafted");
         if tokens >= 16 && i + 2 < cases.len() {
             assert!(
-                drafted >= tokens as f64 / 2.0,
+                drafted >= tokens as f64 / 4.0,
                 "case {i}: {drafted} tokens drafted for an answer of {tokens}"
             );
         }
     }
 
+    // It ends its streams at once; only a connection that stays open would hold it for the
+    // grace of 10 s.
     d.signal(libc::SIGTERM);
     assert!(
-        wait_until(Duration::from_secs(20), || d.exited()),
-        "the drafter did not exit on SIGTERM with a tracker connected"
+        wait_until(Duration::from_secs(5), || d.exited()),
+        "the drafter did not end its streams on SIGTERM with a tracker connected"
     );
     assert_same(
         &plain,
