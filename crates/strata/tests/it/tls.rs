@@ -1,6 +1,6 @@
-//! TLS and keys, with real processes on 127.0.0.1: shards that serve TLS and verify the next
-//! shard against a CA, a tracker that verifies them and serves its API over HTTPS; plaintext
-//! and strangers are refused. With an API key, `/health` and `/metrics` need it too unless
+//! TLS and keys, with real processes on 127.0.0.1: shards and a drafter that serve TLS, shards
+//! that verify the next shard against a CA, a tracker that verifies them all and serves its API
+//! over HTTPS; plaintext and strangers are refused. With an API key, `/health` and `/metrics` need it too unless
 //! `--public-metrics` opens them.
 
 use std::io::{Read, Write};
@@ -103,6 +103,26 @@ fn a_cluster_with_tls_answers_and_refuses_plaintext_and_strangers() {
     let m = testkit::real_model();
     let a = tls_shard(&m, "0..15", &token, &cluster);
     let b = tls_shard(&m, "15..30", &token, &cluster);
+    let drafter = procs::spawn(
+        exe(),
+        &[
+            "drafter".to_string(),
+            "--model".into(),
+            m.display().to_string(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--cluster-token-file".into(),
+            token.display().to_string(),
+            "--threads".into(),
+            "1".into(),
+            "--tls-cert".into(),
+            cluster.cert.display().to_string(),
+            "--tls-key".into(),
+            cluster.key.display().to_string(),
+        ],
+        "strata drafter listening on ",
+        "drafter",
+    );
     let (ca, cert, key) = (
         cluster.ca.display().to_string(),
         api.cert.display().to_string(),
@@ -112,7 +132,16 @@ fn a_cluster_with_tls_answers_and_refuses_plaintext_and_strangers() {
         exe(),
         &[&a, &b],
         &token,
-        &["--tls-ca", &ca, "--tls-cert", &cert, "--tls-key", &key],
+        &[
+            "--tls-ca",
+            &ca,
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+            "--drafter",
+            &drafter.addr,
+        ],
     );
     // Over HTTPS, trusting the API's CA: answered, through shard links that are TLS too.
     let body = json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
@@ -121,6 +150,15 @@ fn a_cluster_with_tls_answers_and_refuses_plaintext_and_strangers() {
     assert_eq!(status, 200, "{text}");
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+    // Its decode steps verified drafts from the drafter, reached over TLS.
+    let (status, metrics) = https(&t.addr, &api.ca, "GET", "/metrics", "").unwrap();
+    assert_eq!(status, 200);
+    let drafted: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("strata_spec_drafted_tokens_total{drafter=\"model\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(drafted > 0.0, "no drafts from the TLS drafter:\n{metrics}");
     // Trusting another CA, the API is refused; plain HTTP gets no answer.
     assert!(https(&t.addr, &stranger.ca, "GET", "/health", "").is_err());
     assert!(request("GET", &t.addr, "/health", None, &[]).map_or(true, |r| r.status == 0));
