@@ -21,7 +21,7 @@ mod refusal;
 mod transport;
 pub use refusal::{reason_from_wire, reason_to_wire, refusal_status, status_refusal};
 pub use transport::{
-    connect, secrets_equal, Auth, GrpcShard, Link, ReplyStream, ShardTransport, TokenCheck,
+    channel, connect, secrets_equal, Auth, GrpcShard, Link, ReplyStream, ShardTransport, TokenCheck,
 };
 
 /// Bumped on any incompatible change of the messages.

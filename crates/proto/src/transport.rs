@@ -135,17 +135,18 @@ impl Link {
     }
 }
 
-/// Connects lazily to `address` ("host:port"); keepalive pings detect a frozen peer. With a CA
-/// in `link` the connection is TLS and the shard's certificate must name the host of
-/// `address` (a DNS name or an IP address).
-pub fn connect(address: &str, link: &Link) -> Result<GrpcShard, Status> {
+/// A lazy channel to `address` ("host:port") of a peer of the cluster (`what` names it in
+/// errors: "shard", "drafter"); keepalive pings detect a frozen peer. With a CA in `link` the
+/// connection is TLS and the peer's certificate must name the host of `address` (a DNS name or
+/// an IP address).
+pub fn channel(address: &str, link: &Link, what: &str) -> Result<Channel, Status> {
     let scheme = if link.ca_pem.is_some() {
         "https"
     } else {
         "http"
     };
     let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
-        .map_err(|e| Status::invalid_argument(format!("bad shard address `{address}`: {e}")))?
+        .map_err(|e| Status::invalid_argument(format!("bad {what} address `{address}`: {e}")))?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(2))
@@ -162,12 +163,17 @@ pub fn connect(address: &str, link: &Link) -> Result<GrpcShard, Status> {
             .domain_name(host);
         endpoint = endpoint
             .tls_config(tls)
-            .map_err(|e| Status::invalid_argument(format!("TLS for shard `{address}`: {e}")))?;
+            .map_err(|e| Status::invalid_argument(format!("TLS for {what} `{address}`: {e}")))?;
     }
-    let channel = endpoint.connect_lazy();
-    let client = ShardClient::with_interceptor(channel, Auth::new(&link.token)?)
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    Ok(endpoint.connect_lazy())
+}
+
+/// Connects lazily to the shard at `address` ([`channel`]).
+pub fn connect(address: &str, link: &Link) -> Result<GrpcShard, Status> {
+    let client =
+        ShardClient::with_interceptor(channel(address, link, "shard")?, Auth::new(&link.token)?)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
     Ok(GrpcShard {
         address: address.to_string(),
         client,

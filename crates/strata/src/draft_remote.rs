@@ -24,7 +24,7 @@ use proto::{Auth, DraftAsk, DraftOffer, Link, VocabRequest};
 use text::Tokenizer;
 use tokio::sync::mpsc;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 type Client = DrafterClient<InterceptedService<Channel, Auth>>;
 
@@ -278,38 +278,12 @@ impl DraftSource for RemoteDraft {
 }
 
 fn client(address: &str, link: &Link) -> Result<Client> {
-    let scheme = if link.ca_pem.is_some() {
-        "https"
-    } else {
-        "http"
-    };
-    let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
-        .map_err(|e| anyhow!("bad drafter address `{address}`: {e}"))?
-        .connect_timeout(Duration::from_secs(2))
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(2))
-        .keep_alive_timeout(Duration::from_secs(5))
-        .keep_alive_while_idle(true);
-    if let Some(ca) = &link.ca_pem {
-        let host = address
-            .rsplit_once(':')
-            .map_or(address, |(h, _)| h)
-            .trim_start_matches('[')
-            .trim_end_matches(']');
-        endpoint = endpoint
-            .tls_config(
-                tonic::transport::ClientTlsConfig::new()
-                    .ca_certificate(tonic::transport::Certificate::from_pem(ca))
-                    .domain_name(host),
-            )
-            .map_err(|e| anyhow!("TLS for the drafter `{address}`: {e}"))?;
-    }
+    let channel =
+        proto::channel(address, link, "drafter").map_err(|e| anyhow!("{}", e.message()))?;
     let auth = Auth::new(&link.token).map_err(|e| anyhow!("{}", e.message()))?;
-    Ok(
-        DrafterClient::with_interceptor(endpoint.connect_lazy(), auth)
-            .max_decoding_message_size(proto::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(proto::MAX_MESSAGE_BYTES),
-    )
+    Ok(DrafterClient::with_interceptor(channel, auth)
+        .max_decoding_message_size(proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(proto::MAX_MESSAGE_BYTES))
 }
 
 async fn vocabulary(client: &Client) -> Result<Tokenizer> {
