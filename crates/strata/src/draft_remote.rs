@@ -76,6 +76,8 @@ impl Shared {
 
 /// An ask in flight.
 struct Asked {
+    /// Its number: only the offer carrying it back answers it.
+    seq: u64,
     /// How many of the session's tokens it carried.
     len: usize,
     at: Instant,
@@ -90,6 +92,9 @@ struct Remote {
     last: Option<u32>,
     /// The ask in flight, and whom to wake when its draft arrives.
     asked: Option<Asked>,
+    /// The number of its next ask (numbers grow on, across a start over, so that a late
+    /// offer of an ask before it never answers a later one).
+    next_seq: u64,
     wake: Option<Wake>,
     /// The latest draft: how many tokens it follows, and the drafted tokens.
     offer: Option<(usize, Vec<u32>)>,
@@ -195,14 +200,22 @@ impl DraftSource for RemoteDraft {
             s.sent <= tokens.len() && (s.sent == 0 || s.last == Some(tokens[s.sent - 1]));
         if !continues {
             // Other tokens than the drafter holds (a session replayed elsewhere): start over.
-            *s = Remote::default();
+            *s = Remote {
+                next_seq: s.next_seq,
+                ..Remote::default()
+            };
         }
         match s.closed {
             Some(t) if now.duration_since(t) <= CLOSED_RETRY => {
                 return DraftPoll::Ready(Vec::new());
             }
             // Asked again from the start: the drafter holds none of its tokens.
-            Some(_) => *s = Remote::default(),
+            Some(_) => {
+                *s = Remote {
+                    next_seq: s.next_seq,
+                    ..Remote::default()
+                }
+            }
             None => {}
         }
         if let Some(draft) = s.ready(tokens, k) {
@@ -240,13 +253,16 @@ impl DraftSource for RemoteDraft {
             tokens: tokens[s.sent..].to_vec(),
             k: k as u32,
             forget: false,
+            seq: s.next_seq,
         };
         if asks.send(ask).is_err() {
             return DraftPoll::Ready(Vec::new());
         }
         s.sent = tokens.len();
         s.last = tokens.last().copied();
+        s.next_seq += 1;
         s.asked = Some(Asked {
+            seq: s.next_seq - 1,
             len: tokens.len(),
             at: now,
         });
@@ -386,7 +402,7 @@ fn deliver(shared: &Mutex<Shared>, offer: DraftOffer) {
         s.offer = Some((len, draft));
         // One ask is in flight at a time: this answers it (the route may have stopped
         // waiting for it; it asks again when it plans the session next).
-        if s.asked.as_ref().is_none_or(|a| a.len != len) {
+        if s.asked.as_ref().is_none_or(|a| a.seq != offer.seq) {
             return;
         }
         s.asked = None;

@@ -257,8 +257,10 @@ struct Session {
     /// Its known tokens.
     tokens: Vec<u32>,
     k: usize,
-    /// An ask not answered yet (the draft model is computing it).
+    /// An ask not answered yet (the draft model is computing it), and the number of the
+    /// latest ask, which its offer carries back.
     waiting: bool,
+    seq: u64,
     wake: Wake,
 }
 
@@ -346,6 +348,7 @@ impl TrackerStream {
             len: len as u64,
             draft: Vec::new(),
             closed: true,
+            seq: ask.seq,
         });
         if !self.sessions.contains_key(&ask.session) {
             if from != 0 || !self.places.take() {
@@ -360,6 +363,7 @@ impl TrackerStream {
                     tokens: Vec::new(),
                     k: 1,
                     waiting: false,
+                    seq: 0,
                     wake: Arc::new(move || {
                         let _ = woke.send(session);
                     }),
@@ -382,6 +386,7 @@ impl TrackerStream {
         s.tokens.extend_from_slice(&ask.tokens);
         s.k = ask.k as usize;
         s.waiting = true;
+        s.seq = ask.seq;
         Ok(self.poll(ask.session))
     }
 
@@ -401,6 +406,7 @@ impl TrackerStream {
             len: s.tokens.len() as u64,
             draft,
             closed: false,
+            seq: s.seq,
         })
     }
 }

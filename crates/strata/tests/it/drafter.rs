@@ -180,6 +180,8 @@ fn a_drafter_refuses_garbage_and_strangers_and_bounds_its_sessions() {
             tokens,
             k,
             forget: false,
+            // Each ask's own number: its offer carries it back.
+            seq: session * 1000 + from,
         };
         // One bad ask after a good one ends the stream, naming what was wrong.
         for (bad, why) in [
@@ -223,10 +225,11 @@ fn a_drafter_refuses_garbage_and_strangers_and_bounds_its_sessions() {
         tx.send(ask(7, 0, vec![1, 2, 3], 4)).unwrap();
         let first = offers.message().await.unwrap().unwrap();
         assert_eq!((first.session, first.len, first.draft.len()), (7, 3, 4));
+        assert_eq!(first.seq, 7000, "the offer names the ask it answers");
         // The same session goes on from what it sent: the draft follows all of its tokens.
         tx.send(ask(7, 3, first.draft[..2].to_vec(), 2)).unwrap();
         let next = offers.message().await.unwrap().unwrap();
-        assert_eq!((next.session, next.len), (7, 5));
+        assert_eq!((next.session, next.len, next.seq), (7, 5, 7003));
         assert_eq!(next.draft, first.draft[2..4]);
         assert!(!first.closed && !next.closed);
 
@@ -253,6 +256,7 @@ fn a_drafter_refuses_garbage_and_strangers_and_bounds_its_sessions() {
         assert_eq!((o.session, o.len, o.draft.len(), o.closed), (9, 3, 0, true));
         let o = offer!(ask(9, 3, vec![4, 5], 4));
         assert_eq!((o.session, o.len, o.draft.len(), o.closed), (9, 5, 0, true));
+        assert_eq!(o.seq, 9003, "a closed offer names the ask it answers");
         // Session 8 ends: its place is free, and a session past the context does not keep it.
         tx2.send(DraftAsk {
             session: 8,
@@ -349,6 +353,7 @@ fn fake_drafter(
                         len: ask.from + ask.tokens.len() as u64,
                         draft,
                         closed,
+                        seq: ask.seq,
                     };
                     if tx.send(Ok(offer)).await.is_err() {
                         break;
