@@ -54,9 +54,8 @@ struct Shared {
     sessions: HashMap<u64, Remote>,
     /// Token ids of the vocabulary are below this.
     n_vocab: usize,
-    /// When the first ask since the last draft arrived went out: the drafter has answered
-    /// nothing since (an ask of a session that ended meanwhile may go unanswered; it costs at
-    /// most one probe).
+    /// When the first ask since the last offer arrived went out: the drafter has answered
+    /// nothing since (a session's end is answered too, so an ask it dropped does not count).
     quiet_since: Option<Instant>,
     /// When the last probe ask went out while the drafter was stalled.
     probed_at: Option<Instant>,

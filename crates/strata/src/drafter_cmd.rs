@@ -318,7 +318,11 @@ impl TrackerStream {
     ) -> Result<Option<DraftOffer>, Status> {
         if ask.forget {
             self.remove(ask.session);
-            return Ok(None);
+            return Ok(Some(DraftOffer {
+                session: ask.session,
+                closed: true,
+                ..DraftOffer::default()
+            }));
         }
         if ask.k == 0 || ask.k as usize > shard::MAX_DRAFT {
             return Err(Status::invalid_argument(format!(

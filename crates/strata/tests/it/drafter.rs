@@ -264,6 +264,12 @@ fn a_drafter_refuses_garbage_and_strangers_and_bounds_its_sessions() {
             ..DraftAsk::default()
         })
         .unwrap();
+        let o = offers2.message().await.unwrap().unwrap();
+        assert_eq!(
+            (o.session, o.len, o.closed),
+            (8, 0, true),
+            "a forget is answered"
+        );
         let n_ctx = model::ModelConfig::from_header(gguf::GgufFile::open(&m).unwrap().header())
             .unwrap()
             .n_ctx_train;
