@@ -6,7 +6,9 @@
 //! JSON schema and a tool call (whose sessions never draft, beside ones that do), and across a
 //! SIGKILL of a shard of a replicated route. The plain answers are the same tracker's with
 //! `"speculative": false`, the per-request opt-out. The whole workload set (50 requests) is
-//! `long_the_whole_workload_set_gives_plain_decodings_answers` (`STRATA_LONG=1`).
+//! `long_the_whole_workload_set_gives_plain_decodings_answers` and, with a draft model,
+//! `long_the_whole_workload_set_with_a_draft_model_gives_plain_decodings_answers`
+//! (`STRATA_LONG=1`).
 
 use std::path::Path;
 use std::time::Duration;
@@ -227,6 +229,37 @@ fn long_the_whole_workload_set_gives_plain_decodings_answers() {
     let got = answers(addr, &cases, 16, true);
     assert_same(&plain, &got, "the workload set, 16 at once");
     assert_verified(addr, "the workload set");
+}
+
+/// The same with drafts from a draft model (SmolLM2 itself, drafting up to 8 tokens, as many
+/// as each session's acceptance allows), one at a time and 16 at once.
+#[test]
+fn long_the_whole_workload_set_with_a_draft_model_gives_plain_decodings_answers() {
+    let token = procs::token_file(TOKEN);
+    let cases = cases(usize::MAX, 32);
+    let m = testkit::real_model();
+    let shards = route(&["0..15", "15..30"], &token);
+    let refs: Vec<&Proc> = shards.iter().collect();
+    let tracker = procs::tracker(
+        exe(),
+        &refs,
+        &token,
+        &[
+            "--draft-model",
+            m.to_str().unwrap(),
+            "--draft-threads",
+            "1",
+            "--draft-max",
+            "8",
+            "--draft-max-batch",
+            "16",
+        ],
+    );
+    let addr = &tracker.addr;
+    let plain = answers(addr, &cases, 16, false);
+    assert_same(&plain, &answers(addr, &cases, 1, true), "one at a time");
+    assert_same(&plain, &answers(addr, &cases, 16, true), "16 at once");
+    assert_verified(addr, "the workload set with a draft model");
 }
 
 /// The body of streamed request `i` of the failover run: code edits, greedy and seeded.
