@@ -103,6 +103,14 @@ struct Remote {
 }
 
 impl Remote {
+    /// Forgets all but the number of its next ask: its next ask sends every token again.
+    fn start_over(&mut self) {
+        *self = Remote {
+            next_seq: self.next_seq,
+            ..Remote::default()
+        };
+    }
+
     /// Up to `k` tokens of the latest draft that follow `tokens` (as the draft model's own
     /// [`crate::draft_model`] hands them out: the draft follows them, or the tokens past its
     /// base are its own first tokens).
@@ -199,22 +207,14 @@ impl DraftSource for RemoteDraft {
             s.sent <= tokens.len() && (s.sent == 0 || s.last == Some(tokens[s.sent - 1]));
         if !continues {
             // Other tokens than the drafter holds (a session replayed elsewhere): start over.
-            *s = Remote {
-                next_seq: s.next_seq,
-                ..Remote::default()
-            };
+            s.start_over();
         }
         match s.closed {
             Some(t) if now.duration_since(t) <= CLOSED_RETRY => {
                 return DraftPoll::Ready(Vec::new());
             }
             // Asked again from the start: the drafter holds none of its tokens.
-            Some(_) => {
-                *s = Remote {
-                    next_seq: s.next_seq,
-                    ..Remote::default()
-                }
-            }
+            Some(_) => s.start_over(),
             None => {}
         }
         if let Some(draft) = s.ready(tokens, k) {

@@ -6,9 +6,9 @@
 //! the same [`DraftModel`] a tracker runs in its own process with `--draft-model` (its thread,
 //! its KV of every session, its greedy continuation), and sends each draft back when it is
 //! ready, in whatever order they finish. A session it cannot draft for (no room, past the
-//! draft model's context) is told so once, and asks no more. A draft only proposes: the routes verify every token,
-//! so nothing the drafter sends changes what a client receives, only how many tokens a trip
-//! yields. What a stream holds goes when it closes; on SIGTERM or SIGINT every stream is ended
+//! draft model's context) is answered `closed`, and its tracker stops asking for a while. A
+//! draft only proposes: the routes verify every token, so nothing the drafter sends changes
+//! what a client receives, only how many tokens a trip yields. What a stream holds goes when it closes; on SIGTERM or SIGINT every stream is ended
 //! (the trackers go on without drafts) and the process exits.
 
 use std::collections::HashMap;

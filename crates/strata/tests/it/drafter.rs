@@ -395,19 +395,39 @@ fn fake_drafter(
     (at, asks)
 }
 
+/// A route of one shard process and a tracker drafting from a fake drafter (served on `_rt`).
+struct FakeCluster {
+    tracker: Proc,
+    /// How many asks each session sent the fake.
+    asks: Arc<Mutex<HashMap<u64, usize>>>,
+    _shards: Vec<Proc>,
+    _rt: tokio::runtime::Runtime,
+}
+
+impl FakeCluster {
+    fn new(fake: Fake) -> FakeCluster {
+        let token = procs::token_file(TOKEN);
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let (at, asks) = fake_drafter(&rt, &testkit::real_model(), fake);
+        let shards = route(&["0..30"], &token);
+        let tracker = drafting_tracker(&shards, &token, &at);
+        FakeCluster {
+            tracker,
+            asks,
+            _shards: shards,
+            _rt: rt,
+        }
+    }
+}
+
 /// A drafter that proposes garbage: a token of the session's own, then more tokens than any
 /// step takes, then ids past any vocabulary. No client sees it, speculating or not, sharing
 /// steps with those that do: the tracker cuts each draft at its first id outside the
 /// vocabulary, and the answers are plain decoding's.
 #[test]
 fn a_drafter_proposing_garbage_changes_no_answer_and_fails_no_step() {
-    let token = procs::token_file(TOKEN);
-    let m = testkit::real_model();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let (at, asks) = fake_drafter(&rt, &m, Fake::Garbage);
-    let shards = route(&["0..30"], &token);
-    let tracker = drafting_tracker(&shards, &token, &at);
-    let addr = &tracker.addr;
+    let fake = FakeCluster::new(Fake::Garbage);
+    let (addr, asks) = (&fake.tracker.addr, &fake.asks);
     let cases = cases(1, 32);
     let plain = answers(addr, &cases, 4, false);
     // Speculating and plain requests at once, so that steps hold both.
@@ -432,13 +452,8 @@ fn a_drafter_proposing_garbage_changes_no_answer_and_fails_no_step() {
 /// requests takes): one ask a session, and the answers are plain decoding's.
 #[test]
 fn a_session_the_drafter_closes_asks_no_more() {
-    let token = procs::token_file(TOKEN);
-    let m = testkit::real_model();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let (at, asks) = fake_drafter(&rt, &m, Fake::Closed);
-    let shards = route(&["0..30"], &token);
-    let tracker = drafting_tracker(&shards, &token, &at);
-    let addr = &tracker.addr;
+    let fake = FakeCluster::new(Fake::Closed);
+    let (addr, asks) = (&fake.tracker.addr, &fake.asks);
     let cases = cases(1, 32);
     let plain = answers(addr, &cases, 4, false);
     assert_same(

@@ -153,6 +153,27 @@ fn spec_tracker(shards: &[Proc], token: &Path, draft_max: &str) -> Proc {
     )
 }
 
+/// A tracker over `shards` drafting from the draft model `draft` in its own process (one
+/// thread, up to `draft_max` tokens), for steps of up to 16 sessions.
+fn draft_model_tracker(shards: &[Proc], token: &Path, draft: &Path, draft_max: &str) -> Proc {
+    let refs: Vec<&Proc> = shards.iter().collect();
+    procs::tracker(
+        exe(),
+        &refs,
+        token,
+        &[
+            "--draft-model",
+            draft.to_str().unwrap(),
+            "--draft-threads",
+            "1",
+            "--draft-max",
+            draft_max,
+            "--draft-max-batch",
+            "16",
+        ],
+    )
+}
+
 /// Drafted and kept tokens so far; at least one kept and one rejected.
 pub(super) fn assert_verified(addr: &str, what: &str) {
     let drafted = metric(addr, "strata_spec_drafted_tokens_total");
@@ -239,22 +260,7 @@ fn long_the_whole_workload_set_with_a_draft_model_gives_plain_decodings_answers(
     let cases = cases(usize::MAX, 32);
     let m = testkit::real_model();
     let shards = route(&["0..15", "15..30"], &token);
-    let refs: Vec<&Proc> = shards.iter().collect();
-    let tracker = procs::tracker(
-        exe(),
-        &refs,
-        &token,
-        &[
-            "--draft-model",
-            m.to_str().unwrap(),
-            "--draft-threads",
-            "1",
-            "--draft-max",
-            "8",
-            "--draft-max-batch",
-            "16",
-        ],
-    );
+    let tracker = draft_model_tracker(&shards, &token, &m, "8");
     let addr = &tracker.addr;
     let plain = answers(addr, &cases, 16, false);
     assert_same(&plain, &answers(addr, &cases, 1, true), "one at a time");
@@ -381,22 +387,7 @@ fn a_draft_model_gives_plain_decodings_answers_and_another_vocabulary_is_refused
         &["0..10", "10..20", "20..30"],
     ] {
         let shards = route(ranges, &token);
-        let refs: Vec<&Proc> = shards.iter().collect();
-        let tracker = procs::tracker(
-            exe(),
-            &refs,
-            &token,
-            &[
-                "--draft-model",
-                m.to_str().unwrap(),
-                "--draft-threads",
-                "1",
-                "--draft-max",
-                "6",
-                "--draft-max-batch",
-                "16",
-            ],
-        );
+        let tracker = draft_model_tracker(&shards, &token, &m, "6");
         let addr = &tracker.addr;
         let plain = answers(addr, &cases, 4, false);
         assert_eq!(metric(addr, "strata_spec_drafted_tokens_total"), 0.0);
