@@ -1,12 +1,11 @@
 //! The batched forward pass over a layer range.
 
 use gguf::GgufFile;
-use half::slice::HalfFloatSliceExt;
 use std::sync::Mutex;
 
 use crate::config::{LayerSpec, ModelConfig, RopeStyle};
 use crate::kernels::{Isa, Kernels};
-use crate::kv::{KvCache, KvPool};
+use crate::kv::{hadamard, KvCache, KvPool, KvType};
 use crate::matmul::{matmul, matmul_prepared, ActScratch, Product, RowQuantizer};
 use crate::pool::{SharedMut, ThreadPool};
 use crate::weights::{LayerRange, Weights};
@@ -22,6 +21,8 @@ pub struct ModelOptions {
     pub n_threads: usize,
     /// `None` picks the best the CPU has.
     pub isa: Option<Isa>,
+    /// How sessions' caches store K and V.
+    pub kv_type: KvType,
 }
 
 impl Default for ModelOptions {
@@ -29,6 +30,7 @@ impl Default for ModelOptions {
         ModelOptions {
             n_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             isa: None,
+            kv_type: KvType::F16,
         }
     }
 }
@@ -104,6 +106,7 @@ pub struct Model {
     layer_rope: Vec<usize>,
     weights: Weights,
     kernels: Kernels,
+    kv_type: KvType,
     pool: ThreadPool,
     /// Per-step buffers, reused (forward passes run one at a time).
     workspace: Mutex<Workspace>,
@@ -178,6 +181,13 @@ impl Model {
             value: isa.name().to_string(),
             why: "this CPU does not support it",
         })?;
+        if !opts.kv_type.supports(config.head_dim) {
+            return Err(Error::BadConfig {
+                field: "kv_type",
+                value: opts.kv_type.name().to_string(),
+                why: "the model's head width is not a multiple of the type's 32-value blocks",
+            });
+        }
         let weights = Weights::load(file, &config, range, kernels.packs_weights())?;
         Ok(Model {
             config,
@@ -186,6 +196,7 @@ impl Model {
             layer_rope,
             weights,
             kernels,
+            kv_type: opts.kv_type,
             pool: ThreadPool::new(opts.n_threads),
             workspace: Mutex::new(Workspace::default()),
             lanes: (0..if opts.n_threads > 1 {
@@ -239,6 +250,11 @@ impl Model {
         self.range.start == 0
     }
 
+    /// How this model's caches store K and V.
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
+    }
+
     pub fn is_last(&self) -> bool {
         self.range.end == self.config.n_layers
     }
@@ -268,7 +284,13 @@ impl Model {
             .iter()
             .map(|l| l.window)
             .collect();
-        KvPool::with_windows(self.range, self.config.kv_dim(), &windows, budget_bytes)
+        KvPool::with_windows(
+            self.range,
+            self.config.kv_dim(),
+            self.kv_type,
+            &windows,
+            budget_bytes,
+        )
     }
 
     /// Runs `batch` through this range, appending each row's K and V to its session's cache.
@@ -518,6 +540,7 @@ impl Model {
             );
             {
                 let table = &rope[self.layer_rope[li]];
+                let rotations = self.kv_type.rotations(c.head_dim);
                 let (qs, ks, vs) = (SharedMut::new(q), SharedMut::new(k), SharedMut::new(v));
                 pool.run_rows(n, &|i| {
                     // SAFETY: each row's slices belong to this task alone.
@@ -529,18 +552,32 @@ impl Model {
                         )
                     };
                     self.shape_qkv(lw, table, i, qi, ki, vi);
+                    if let Some((qk, v)) = rotations {
+                        hadamard(qi, qk);
+                        hadamard(ki, qk);
+                        hadamard(vi, v);
+                    }
                 });
             }
             for (i, row) in rows.iter().enumerate() {
                 let cache = &mut caches[row.seq];
                 for (which, src) in [(0, &*k), (1, &*v)] {
-                    // Round to nearest even, eight values per instruction where F16C exists.
-                    cache
-                        .row_mut(li, which, row.pos)
-                        .convert_from_f32_slice(&src[i * kv..(i + 1) * kv]);
+                    self.kv_type.store(
+                        &src[i * kv..(i + 1) * kv],
+                        cache.row_mut(li, which, row.pos),
+                    );
                 }
             }
             self.attention(pool, li, layer.window, rows, caches, q, attn, attn_scratch);
+            if let Some((_, v)) = self.kv_type.rotations(c.head_dim) {
+                // The output is a sum of rotated V rows: rotated back, as the matrix is its
+                // own inverse.
+                let outs = SharedMut::new(attn);
+                pool.run_rows(n, &|i| {
+                    // SAFETY: each row's slice belongs to this task alone.
+                    hadamard(unsafe { outs.slice(i * qd, qd) }, v);
+                });
+            }
             matmul(
                 &self.kernels,
                 pool,

@@ -2,7 +2,8 @@
 //! registry of full blocks that sessions with the same token prefix share.
 //!
 //! A [`KvPool`] hands out blocks of [`BLOCK_POSITIONS`] positions; each block holds K and V
-//! (f16, as llama.cpp stores them by default) of those positions for every layer of one range.
+//! of those positions for every layer of one range, in f16 (as llama.cpp stores them by
+//! default) or `q8_0` ([`KvType`]: as llama.cpp's `--cache-type-k/-v q8_0`, 8.5 bits a value).
 //! A [`KvCache`] is one session's list of blocks. Sessions own their caches; the forward pass
 //! borrows them, so no session's state lives in the weights.
 //!
@@ -32,6 +33,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use crate::weights::LayerRange;
 
@@ -42,9 +44,124 @@ use prefix::{PrefixKey, Registered};
 /// Positions per block.
 pub const BLOCK_POSITIONS: usize = 16;
 
-/// Bytes one position of K and V (f16) costs for `layers` layers.
-pub(crate) fn position_bytes(layers: usize, kv_dim: usize) -> usize {
-    2 * layers * kv_dim * std::mem::size_of::<f16>()
+/// Bytes one position of K and V costs for `layers` layers whose rows take `row_units`
+/// 16-bit units ([`KvType::row_units`]).
+pub(crate) fn position_bytes(layers: usize, row_units: usize) -> usize {
+    2 * layers * row_units * std::mem::size_of::<f16>()
+}
+
+/// How a cache stores each K and V row (every KV head's values of one position and layer).
+/// Storage is in 16-bit units either way, so blocks, sharing and copies do not depend on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvType {
+    /// One f16 per value.
+    #[default]
+    F16,
+    /// llama.cpp's `q8_0`: each 32 values as an f16 scale `d` and 32 signed bytes `q`, the
+    /// value `d * q` (17 units for 32 values: 53% of f16's bytes). A head's values must be a
+    /// whole number of blocks, so heads stay apart ([`KvType::supports`]).
+    Q8_0,
+}
+
+/// Each `n` values of `x` (`n` a power of two) multiplied by the orthonormal Walsh-Hadamard
+/// matrix of order `n` (Sylvester's: entry `(i, j)` is `(-1)^popcount(i & j) / sqrt(n)`), in
+/// `log2 n` rounds of sums and differences, then the scale: the same plain f32 operations on
+/// every CPU. The matrix is symmetric and its own inverse.
+pub(crate) fn hadamard(x: &mut [f32], n: usize) {
+    assert!(n.is_power_of_two() && x.len().is_multiple_of(n));
+    let scale = 1.0 / (n as f32).sqrt();
+    for c in x.chunks_exact_mut(n) {
+        let mut h = 1;
+        while h < n {
+            for pair in c.chunks_exact_mut(2 * h) {
+                let (a, b) = pair.split_at_mut(h);
+                for (a, b) in a.iter_mut().zip(b) {
+                    (*a, *b) = (*a + *b, *a - *b);
+                }
+            }
+            h *= 2;
+        }
+        c.iter_mut().for_each(|v| *v *= scale);
+    }
+}
+
+/// Values per `q8_0` block, and the 16-bit units one block takes (the scale, then 32 bytes).
+pub const Q8_0_BLOCK: usize = 32;
+pub const Q8_0_UNITS: usize = 17;
+
+impl KvType {
+    /// The names llama.cpp's `--cache-type-k` uses, and the cache recipe's `kv_dtype`.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F16 => "f16",
+            KvType::Q8_0 => "q8_0",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Result<KvType, String> {
+        match name {
+            "f16" => Ok(KvType::F16),
+            "q8_0" => Ok(KvType::Q8_0),
+            other => Err(format!("unknown KV type {other:?} (f16 or q8_0)")),
+        }
+    }
+
+    /// Whether rows of heads `head_dim` wide can be stored so.
+    pub fn supports(self, head_dim: usize) -> bool {
+        match self {
+            KvType::F16 => true,
+            KvType::Q8_0 => head_dim > 0 && head_dim.is_multiple_of(Q8_0_BLOCK),
+        }
+    }
+
+    /// The widths of the rotations a model whose heads are `head_dim` wide applies around a
+    /// cache of this type (see [`hadamard`]): to Q and K, and to V and the attention's output.
+    /// A quantized cache rotates each head's Q and K, in pieces of the largest power of two
+    /// (at least 64) that divides the head, and V in pieces of 64, when the head is a multiple
+    /// of 64 wide, as llama.cpp does for its quantized caches: a few huge values (Qwen2.5's
+    /// keys reach 150 where most are under 10) would otherwise set every scale of their
+    /// block, and the rest would lose most of their bits. The rotations are orthonormal, so
+    /// in exact arithmetic `q . k` and the output are unchanged.
+    pub fn rotations(self, head_dim: usize) -> Option<(usize, usize)> {
+        match self {
+            KvType::F16 => None,
+            KvType::Q8_0 if !head_dim.is_multiple_of(64) => None,
+            KvType::Q8_0 => Some((1 << head_dim.trailing_zeros(), 64)),
+        }
+    }
+
+    /// 16-bit units a row of `values` values takes (`values` a multiple of [`Q8_0_BLOCK`] for
+    /// `q8_0`).
+    pub fn row_units(self, values: usize) -> usize {
+        match self {
+            KvType::F16 => values,
+            KvType::Q8_0 => values / Q8_0_BLOCK * Q8_0_UNITS,
+        }
+    }
+
+    /// Writes `src` into `dst` (a row of [`KvType::row_units`] units): f16 rounded to nearest
+    /// even; `q8_0` with `d = amax / 127` (stored as f16) and each `q = x * 127 / amax`
+    /// rounded to nearest even, as llama.cpp's x86 quantizer computes them.
+    pub fn store(self, src: &[f32], dst: &mut [f16]) {
+        match self {
+            KvType::F16 => dst.convert_from_f32_slice(src),
+            KvType::Q8_0 => {
+                for (x, b) in src
+                    .chunks_exact(Q8_0_BLOCK)
+                    .zip(dst.chunks_exact_mut(Q8_0_UNITS))
+                {
+                    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+                    b[0] = f16::from_f32(amax / 127.0);
+                    for (pair, x) in b[1..].iter_mut().zip(x.chunks_exact(2)) {
+                        // `as` saturates, and maps NaN to 0: no input panics here.
+                        let q = |v: f32| (v * id).round_ties_even() as i8 as u8;
+                        *pair = f16::from_bits(u16::from_le_bytes([q(x[0]), q(x[1])]));
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// The pool could not supply the bytes asked for.
@@ -209,7 +326,9 @@ impl PoolState {
 pub struct KvPool {
     state: Arc<Mutex<PoolState>>,
     range: LayerRange,
-    kv_dim: usize,
+    ty: KvType,
+    /// 16-bit units of one K or V row: `ty.row_units(kv_dim)` for the range's `kv_dim`.
+    row_units: usize,
     layout: Arc<Layout>,
 }
 
@@ -217,21 +336,31 @@ impl KvPool {
     /// A pool holding at most `budget_bytes` of blocks (whole blocks only); `usize::MAX` for
     /// a pool without a practical budget.
     pub fn new(range: LayerRange, kv_dim: usize, budget_bytes: usize) -> KvPool {
-        KvPool::with_windows(range, kv_dim, &vec![None; range.len()], budget_bytes)
+        KvPool::with_windows(
+            range,
+            kv_dim,
+            KvType::F16,
+            &vec![None; range.len()],
+            budget_bytes,
+        )
     }
 
     /// A pool for a range whose layer `i` (counted from the range's start) attends to the last
-    /// `windows[i]` positions only, or to all of them (`None`).
+    /// `windows[i]` positions only, or to all of them (`None`), storing rows as `ty` (which must
+    /// [support](KvType::supports) the heads: `kv_dim` a multiple of their width).
     pub fn with_windows(
         range: LayerRange,
         kv_dim: usize,
+        ty: KvType,
         windows: &[Option<usize>],
         budget_bytes: usize,
     ) -> KvPool {
         assert_eq!(windows.len(), range.len(), "one window per layer");
+        assert!(ty.supports(kv_dim), "{} rows of {kv_dim} values", ty.name());
         let layout = Layout::new(windows);
-        let global_bytes = BLOCK_POSITIONS * position_bytes(layout.n_global, kv_dim);
-        let local_bytes = BLOCK_POSITIONS * position_bytes(layout.n_local, kv_dim);
+        let row_units = ty.row_units(kv_dim);
+        let global_bytes = BLOCK_POSITIONS * position_bytes(layout.n_global, row_units);
+        let local_bytes = BLOCK_POSITIONS * position_bytes(layout.n_local, row_units);
         let block = (global_bytes + local_bytes).max(1);
         KvPool {
             state: Arc::new(Mutex::new(PoolState {
@@ -253,7 +382,8 @@ impl KvPool {
                 attached_total: 0,
             })),
             range,
-            kv_dim,
+            ty,
+            row_units,
             layout: Arc::new(layout),
         }
     }
@@ -268,9 +398,14 @@ impl KvPool {
         self.range
     }
 
-    /// f16 values in one block's global part and in its windowed part.
+    /// How rows are stored.
+    pub fn kv_type(&self) -> KvType {
+        self.ty
+    }
+
+    /// 16-bit units in one block's global part and in its windowed part.
     fn part_lens(&self) -> (usize, usize) {
-        let per_layer = BLOCK_POSITIONS * 2 * self.kv_dim;
+        let per_layer = BLOCK_POSITIONS * 2 * self.row_units;
         (
             per_layer * self.layout.n_global,
             per_layer * self.layout.n_local,
@@ -279,12 +414,12 @@ impl KvPool {
 
     /// Bytes of a whole block (both parts).
     pub fn block_bytes(&self) -> usize {
-        BLOCK_POSITIONS * position_bytes(self.range.len(), self.kv_dim)
+        BLOCK_POSITIONS * position_bytes(self.range.len(), self.row_units)
     }
 
     /// Bytes of a block's windowed part (0 when no layer of the range is windowed).
     pub fn window_block_bytes(&self) -> usize {
-        BLOCK_POSITIONS * position_bytes(self.layout.n_local, self.kv_dim)
+        BLOCK_POSITIONS * position_bytes(self.layout.n_local, self.row_units)
     }
 
     /// Whether some layer of the range is windowed.
@@ -564,7 +699,7 @@ impl KvCache {
     /// The part holding `layer`'s K (`which` = 0) or V (1) at `pos`, and the offset there.
     #[inline]
     fn offset(&self, layer: usize, which: usize, pos: usize) -> (bool, usize, usize) {
-        let kv = self.pool.kv_dim;
+        let kv = self.pool.row_units;
         let (windowed, index) = self.pool.layout.slots[layer];
         let (b, p) = (pos / BLOCK_POSITIONS, pos % BLOCK_POSITIONS);
         (
@@ -578,17 +713,24 @@ impl KvCache {
     /// pass reads them a block at a time, [`KvCache::block_rows`]).
     #[cfg(test)]
     pub(crate) fn row(&self, layer: usize, which: usize, pos: usize) -> &[f16] {
-        let kv = self.pool.kv_dim;
+        let kv = self.pool.row_units;
         &self.block_rows(layer, which, pos / BLOCK_POSITIONS)[(pos % BLOCK_POSITIONS) * kv..][..kv]
     }
 
-    /// Values in one position's K (or V) row: every KV head's.
-    pub(crate) fn kv_dim(&self) -> usize {
-        self.pool.kv_dim
+    /// How rows are stored.
+    pub fn kv_type(&self) -> KvType {
+        self.pool.ty
+    }
+
+    /// 16-bit units of one position's K (or V) row: every KV head's values
+    /// ([`KvType::row_units`]).
+    pub(crate) fn row_units(&self) -> usize {
+        self.pool.row_units
     }
 
     /// Keys (`which` = 0) or values (1) of local layer `layer` in block `b`: its
-    /// [`BLOCK_POSITIONS`] positions' rows in order, each `kv_dim` values (every KV head's).
+    /// [`BLOCK_POSITIONS`] positions' rows in order, each [`KvCache::row_units`] units (every
+    /// KV head's values).
     #[inline]
     pub(crate) fn block_rows(&self, layer: usize, which: usize, b: usize) -> &[f16] {
         let (windowed, b, at) = self.offset(layer, which, b * BLOCK_POSITIONS);
@@ -601,13 +743,13 @@ impl KvCache {
         } else {
             &block.data
         };
-        &data[at..at + BLOCK_POSITIONS * self.pool.kv_dim]
+        &data[at..at + BLOCK_POSITIONS * self.pool.row_units]
     }
 
     #[inline]
     pub(crate) fn row_mut(&mut self, layer: usize, which: usize, pos: usize) -> &mut [f16] {
         let (windowed, b, at) = self.offset(layer, which, pos);
-        let kv = self.pool.kv_dim;
+        let kv = self.pool.row_units;
         let block = &mut self.blocks[b];
         let data: &mut [f16] = if windowed {
             block
@@ -715,7 +857,8 @@ mod tests {
             let (kv_dim, range) = (4, LayerRange { start: 0, end: 3 });
             let windows = [Some(window), None, Some(window)];
             let block_bytes = BLOCK_POSITIONS * position_bytes(3, kv_dim);
-            let pool = KvPool::with_windows(range, kv_dim, &windows, blocks * block_bytes);
+            let pool =
+                KvPool::with_windows(range, kv_dim, KvType::F16, &windows, blocks * block_bytes);
             let keep = pool.window_keep_positions();
             prop_assert_eq!(keep, window - 1 + BLOCK_POSITIONS);
             prop_assert_eq!(pool.window_block_bytes() * 3, block_bytes * 2);

@@ -23,5 +23,5 @@ pub use config::{BlockSpec, FfnAct, LayerSpec, ModelConfig, RopeStyle};
 pub use error::Error;
 pub use forward::{Batch, Model, ModelOptions, Output, Row};
 pub use kernels::{Isa, Kernels, NUMERIC_CONTRACT};
-pub use kv::{KvCache, KvExhausted, KvPool, BLOCK_POSITIONS};
+pub use kv::{KvCache, KvExhausted, KvPool, KvType, BLOCK_POSITIONS};
 pub use weights::{LayerRange, WeightSizes};

@@ -58,6 +58,7 @@ fn a_warm_batched_decode_step_allocates_nothing() {
             ModelOptions {
                 n_threads: threads,
                 isa: None,
+                kv_type: model::KvType::F16,
             },
         )
         .unwrap();

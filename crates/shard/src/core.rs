@@ -147,6 +147,7 @@ impl ShardCore {
             ModelOptions {
                 n_threads: config.n_threads,
                 isa: config.isa,
+                kv_type: config.kv_type,
             },
         )?;
         let c = model.config().clone();
@@ -190,7 +191,7 @@ impl ShardCore {
                 model_digest: digest,
                 layer_start: range.start as u32,
                 layer_end: range.end as u32,
-                kv_dtype: "f16".into(),
+                kv_dtype: model.kv_type().name().into(),
                 rope_base: c.rope_base,
                 rope_dim: c.rope_dim as u32,
                 rope_freq_scale: c.rope_freq_scale,

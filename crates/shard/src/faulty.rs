@@ -150,6 +150,7 @@ impl crate::ShardConfig {
             layers: None,
             n_threads: 1,
             isa: None,
+            kv_type: model::KvType::F16,
             n_ctx: 256,
             kv_budget_bytes: 16 << 20,
             kv_ttl: Duration::from_secs(600),

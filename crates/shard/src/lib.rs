@@ -39,6 +39,9 @@ pub struct ShardConfig {
     /// The instruction set the kernels use (`None`: the best this CPU has); every one gives
     /// bitwise the same results ([`model::NUMERIC_CONTRACT`]).
     pub isa: Option<model::Isa>,
+    /// How sessions' K and V are stored (the cache recipe's `kv_dtype`: a route's shards, and a
+    /// model's routes, all store them alike).
+    pub kv_type: model::KvType,
     /// Most positions one session may hold; `0` chooses: the model's trained context, cut to
     /// what the KV budget holds for one session ([`ShardCore::context`] says which and why).
     pub n_ctx: usize,

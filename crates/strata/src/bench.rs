@@ -29,6 +29,9 @@ pub struct BenchArgs {
     /// best available), to measure a smaller machine's kernels on a larger one.
     #[arg(long, conflicts_with = "url")]
     isa: Option<String>,
+    /// How the KV cache stores K and V (one-process bench): f16 or q8_0.
+    #[arg(long, conflicts_with = "url", value_parser = model::KvType::from_name)]
+    kv_type: Option<model::KvType>,
     /// Concurrent clients (cluster bench), comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     concurrency: Vec<usize>,
@@ -147,6 +150,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             .expect("clap requires --model without --url"),
         threads: a.threads,
         isa: a.isa.clone(),
+        kv_type: a.kv_type.unwrap_or_default(),
     };
     let local = run.load()?;
     let n_vocab = local.model.config().n_vocab;
@@ -215,6 +219,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "threads": threads,
                 "isa": isa,
                 "prefill_chunk": a.prefill_chunk,
+                "kv_type": local.model.kv_type().name(),
                 "peak_rss_bytes": peak_rss,
                 "rss_bytes": rss,
                 "tests": tests,
@@ -237,7 +242,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
             n => format!("steps of {n} positions"),
         };
         println!(
-            "\nprefill in {chunk}; peak RSS {:.1} MiB",
+            "\nprefill in {chunk}; {} K and V; peak RSS {:.1} MiB",
+            local.model.kv_type().name(),
             peak_rss as f64 / (1 << 20) as f64
         );
     }

@@ -89,6 +89,12 @@ pub struct ShardLimits {
     /// carried in the cache recipe), so shards on different CPUs chain and replicate.
     #[arg(long, value_parser = model::Isa::from_name)]
     isa: Option<model::Isa>,
+    /// How sessions' K and V are stored: f16, or q8_0 (as llama.cpp's `--cache-type-k/-v
+    /// q8_0`: 53% of f16's memory, so about 1.9 times the positions in the same KV budget;
+    /// attention reads it through a slower generic path). Part of the cache recipe: a route's
+    /// shards must agree, and a model's routes must too.
+    #[arg(long, default_value = "f16", value_parser = model::KvType::from_name)]
+    kv_type: model::KvType,
     /// Most positions one session may hold (default: the model's trained context, cut to
     /// what the KV budget holds for one session; the shard says at start what it chose).
     #[arg(long)]
@@ -166,6 +172,7 @@ impl ShardLimits {
         if let Some(i) = self.isa {
             v.extend(["--isa".to_string(), i.name().to_string()]);
         }
+        v.extend(["--kv-type".to_string(), self.kv_type.name().to_string()]);
         if let Some(c) = self.ctx {
             v.extend(["--ctx".to_string(), c.to_string()]);
         }
@@ -719,6 +726,7 @@ pub fn shard_config(
         layers,
         n_threads: limits.threads(),
         isa: limits.isa,
+        kv_type: limits.kv_type,
         n_ctx: limits.ctx.unwrap_or(0),
         kv_budget_bytes: limits.kv_budget_mib() << 20,
         kv_ttl: Duration::from_millis(limits.kv_ttl_ms),

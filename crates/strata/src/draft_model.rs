@@ -129,7 +129,7 @@ impl DraftModel {
             None,
             ModelOptions {
                 n_threads: n_threads.max(1),
-                isa: None,
+                ..ModelOptions::default()
             },
         )
         .with_context(|| format!("loading the draft model {}", path.display()))?;

@@ -99,6 +99,9 @@ pub(crate) struct RunArgs {
     /// Force an instruction set: scalar, avx2 or avx512-vnni (default: the best available).
     #[arg(long)]
     pub(crate) isa: Option<String>,
+    /// How the KV cache stores K and V: f16 or q8_0 (as llama.cpp's `--cache-type-k/-v`).
+    #[arg(long, default_value = "f16", value_parser = model::KvType::from_name)]
+    pub(crate) kv_type: model::KvType,
 }
 
 impl RunArgs {
@@ -109,6 +112,7 @@ impl RunArgs {
         };
         let mut opts = ModelOptions {
             isa,
+            kv_type: self.kv_type,
             ..ModelOptions::default()
         };
         if let Some(t) = self.threads {

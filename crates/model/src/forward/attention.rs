@@ -7,7 +7,7 @@ use half::f16;
 
 use super::{Model, Row};
 use crate::kernels::exp;
-use crate::kv::{KvCache, BLOCK_POSITIONS};
+use crate::kv::{KvCache, KvType, BLOCK_POSITIONS};
 use crate::pool::{SharedMut, ThreadPool};
 
 impl Model {
@@ -29,6 +29,7 @@ impl Model {
         let (hd, qd) = (c.head_dim, c.q_dim());
         let group = c.n_head / c.n_head_kv;
         let scale = c.attn_scale;
+        let ty = self.kv_type;
         let out_ptr = SharedMut::new(out);
         // A task takes every query head sharing one KV head, so each K and V row is decoded once
         // for all of them; with few rows, one task per query head keeps every thread busy. The
@@ -75,6 +76,15 @@ impl Model {
                 s.resize(size(n_ctx.max(longest)), 0.0);
             }
         }
+        let quantized_len = block_rows * ty.row_units(per_task * hd);
+        scratch.quantized.resize_with(pool.n_threads(), Vec::new);
+        if ty == KvType::Q8_0 {
+            for s in scratch.quantized.iter_mut() {
+                if s.len() < quantized_len {
+                    s.resize(quantized_len, f16::ZERO);
+                }
+            }
+        }
         let (mut kb, mut vb) = (
             recycle(take(&mut scratch.kb)),
             recycle(take(&mut scratch.vb)),
@@ -92,6 +102,7 @@ impl Model {
         let spans: &[(usize, usize)] = &scratch.spans;
         let blocks = &scratch.blocks;
         let threads = SharedMut::new(&mut scratch.threads);
+        let quantized = SharedMut::new(&mut scratch.quantized);
         pool.run_on(blocks.len() * tasks_per_block, &|task, thread| {
             let (b, first) = (task / tasks_per_block, (task % tasks_per_block) * per_task);
             let block = &rows[blocks[b].clone()];
@@ -113,17 +124,37 @@ impl Model {
             let (outs, rest) = rest.split_at_mut(block.len() * width);
             let (scores, rest) = rest.split_at_mut(per_task * n_pos);
             let (inv, tile) = rest.split_at_mut(per_task);
-            // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity.
+            // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity (a
+            // `q8_0` cache quantizes Q below instead).
             for (qs, b) in qs.chunks_exact_mut(width).zip(blocks[b].clone()) {
                 for (d, &x) in qs.iter_mut().zip(&q[b * qd + first * hd..][..width]) {
                     *d = f16::from_f32(x).to_f32();
                 }
             }
             let (base, b0) = spans[block[0].seq];
-            let kv = cache.kv_dim();
-            let at = |t: usize| (t % BLOCK_POSITIONS) * kv + kvh * hd;
-            let k = |t: usize| &kbs[base + t / BLOCK_POSITIONS - b0][at(t)..][..hd];
-            let v = |t: usize| &vbs[base + t / BLOCK_POSITIONS - b0][at(t)..][..hd];
+            // A KV head's row: `head` 16-bit units of the position's row of `row` units.
+            let (row, head) = (cache.row_units(), ty.row_units(hd));
+            let at = |t: usize| (t % BLOCK_POSITIONS) * row + kvh * head;
+            let k = |t: usize| &kbs[base + t / BLOCK_POSITIONS - b0][at(t)..][..head];
+            let v = |t: usize| &vbs[base + t / BLOCK_POSITIONS - b0][at(t)..][..head];
+            if ty == KvType::Q8_0 {
+                // SAFETY: as `scratch` above.
+                let qq = unsafe { &mut quantized.slice(thread, 1)[0] };
+                // llama.cpp's `q8_0` dot product takes Q quantized as K is.
+                for (i, qq) in blocks[b].clone().zip(qq.chunks_exact_mut(per_task * head)) {
+                    ty.store(&q[i * qd + first * hd..][..width], qq);
+                }
+                for (i, (qq, &(from, n_pos))) in blocks[b]
+                    .clone()
+                    .zip(qq.chunks_exact(per_task * head).zip(ranges))
+                {
+                    // SAFETY: each task writes its own heads' head_dim slices of `out`.
+                    let o = unsafe { out_ptr.slice(i * qd + first * hd, width) };
+                    let scores = &mut scores[..per_task * n_pos];
+                    self.attend_q8(hd, qq, from, n_pos, k, v, scores, inv, o);
+                }
+                return;
+            }
             if block.len() > 1
                 && self
                     .kernels
@@ -158,8 +189,8 @@ impl Model {
     }
 
     /// One row's attention over positions `from..from + n_pos` (`q`: its heads that share one
-    /// KV head, rounded to f16 values): the fused kernel where one exists, else the generic
-    /// path (dot products, softmax, rounded weights, weighted sums).
+    /// KV head, rounded to f16 values) over f16 rows: the fused kernel where one exists, else
+    /// the generic path (dot products, softmax, rounded weights, weighted sums).
     #[allow(clippy::too_many_arguments)]
     fn attend_one<'a>(
         &self,
@@ -209,12 +240,54 @@ impl Model {
     }
 }
 
+impl Model {
+    /// One row's attention over `q8_0` rows: `q` holds its heads that share one KV head, each
+    /// quantized as K is. The dot products of the quantized rows, the softmax, then the
+    /// weighted sum of V's values with the weights unrounded (llama.cpp's attention over a
+    /// quantized V, its flash attention, keeps them in f32).
+    #[allow(clippy::too_many_arguments)]
+    fn attend_q8<'a>(
+        &self,
+        hd: usize,
+        q: &[f16],
+        from: usize,
+        n_pos: usize,
+        k: impl Fn(usize) -> &'a [f16],
+        v: impl Fn(usize) -> &'a [f16],
+        scores: &mut [f32],
+        inv: &mut [f32],
+        o: &mut [f32],
+    ) {
+        let scale = self.config.attn_scale;
+        let head = KvType::Q8_0.row_units(hd);
+        for t in 0..n_pos {
+            let k = k(from + t);
+            for (h, qh) in q.chunks_exact(head).enumerate() {
+                scores[h * n_pos + t] = self.kernels.dot_q8_0(qh, k) * scale;
+            }
+        }
+        for (h, s) in scores.chunks_exact_mut(n_pos).enumerate() {
+            inv[h] = exp::softmax_numerators(s);
+        }
+        o.fill(0.0);
+        for t in 0..n_pos {
+            let v = v(from + t);
+            for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
+                self.kernels
+                    .axpy_q8_0(scores[h * n_pos + t] * inv[h], v, oh);
+            }
+        }
+    }
+}
+
 /// Attention's scratch: per pool thread, the step's blocks of rows (each task takes one
 /// block's rows for its heads), and where each session's K and V rows of the layer lie, a
 /// block of positions at a time (`kb`, `vb`: empty between calls, kept for their capacity).
 #[derive(Default)]
 pub(super) struct AttnScratch {
     threads: Vec<Vec<f32>>,
+    /// Per pool thread, a task's rows of Q quantized as a `q8_0` cache's K is.
+    quantized: Vec<Vec<f16>>,
     blocks: Vec<std::ops::Range<usize>>,
     /// Per session: where its blocks start in `kb` / `vb`, and its first block ([`kv_blocks`]).
     spans: Vec<(usize, usize)>,

@@ -6,6 +6,7 @@
 
 pub mod act;
 pub mod attn;
+pub mod attn_q8;
 pub mod exp;
 pub mod gelu;
 pub mod packed;
@@ -280,6 +281,28 @@ impl Kernels {
             return unsafe { attn::f16c::axpy_f16(p, v, o) };
         }
         attn::axpy_f16(p, v, o)
+    }
+
+    /// `q . k` of two `q8_0` rows, with [`attn_q8::dot_q8_0`]'s arithmetic.
+    #[inline]
+    pub fn dot_q8_0(&self, q: &[half::f16], k: &[half::f16]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if self.isa != Isa::Scalar {
+            // SAFETY: both SIMD isas are detected only with AVX2 and FMA.
+            return unsafe { attn_q8::avx2::dot_q8_0(q, k) };
+        }
+        attn_q8::dot_q8_0(q, k)
+    }
+
+    /// `o += p * v` over a `q8_0` row, with [`attn_q8::axpy_q8_0`]'s arithmetic.
+    #[inline]
+    pub fn axpy_q8_0(&self, p: f32, v: &[half::f16], o: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.isa != Isa::Scalar {
+            // SAFETY: as in `dot_q8_0`.
+            return unsafe { attn_q8::avx2::axpy_q8_0(p, v, o) };
+        }
+        attn_q8::axpy_q8_0(p, v, o)
     }
 }
 

@@ -57,6 +57,7 @@ fn load(f: &GgufFile) -> Result<Model, Error> {
         ModelOptions {
             n_threads: 1,
             isa: None,
+            kv_type: model::KvType::F16,
         },
     )
 }

@@ -3,10 +3,10 @@
 //! All comparisons are bitwise.
 
 use gguf::{GgmlType, GgufFile};
-use model::{Batch, Isa, KvCache, LayerRange, Model, ModelOptions, Output, Row};
+use model::{Batch, Isa, KvCache, KvType, LayerRange, Model, ModelOptions, Output, Row};
 use testkit::TinySpec;
 
-fn specs() -> Vec<TinySpec> {
+pub(super) fn specs() -> Vec<TinySpec> {
     let mut v = Vec::new();
     for (weight_type, embd_type, tied_head) in [
         (GgmlType::Q4_1, GgmlType::Q8_0, true),
@@ -51,6 +51,16 @@ fn specs() -> Vec<TinySpec> {
 }
 
 fn load(spec: &TinySpec, range: Option<LayerRange>, n_threads: usize) -> Model {
+    load_as(spec, range, n_threads, KvType::F16)
+}
+
+/// The tiny model of `spec` (layers `range`), its caches storing K and V as `kv_type`.
+pub(super) fn load_as(
+    spec: &TinySpec,
+    range: Option<LayerRange>,
+    n_threads: usize,
+    kv_type: KvType,
+) -> Model {
     let f = GgufFile::from_bytes(testkit::tiny_model_bytes(spec)).unwrap();
     Model::load(
         &f,
@@ -58,18 +68,19 @@ fn load(spec: &TinySpec, range: Option<LayerRange>, n_threads: usize) -> Model {
         ModelOptions {
             n_threads,
             isa: None,
+            kv_type,
         },
     )
     .unwrap()
 }
 
-fn prompt(seed: u32, n: usize) -> Vec<u32> {
+pub(super) fn prompt(seed: u32, n: usize) -> Vec<u32> {
     (0..n as u32)
         .map(|i| 3 + (seed * 31 + i * 17) % 250)
         .collect()
 }
 
-fn logits(out: Output) -> Vec<f32> {
+pub(super) fn logits(out: Output) -> Vec<f32> {
     match out {
         Output::Logits(l) => l,
         Output::Hidden(_) => panic!("expected logits"),
@@ -77,7 +88,7 @@ fn logits(out: Output) -> Vec<f32> {
 }
 
 /// Logits at every position of `ids`, fed in chunks of `chunk`, for one session alone.
-fn run_alone(m: &Model, ids: &[u32], chunk: usize) -> Vec<f32> {
+pub(super) fn run_alone(m: &Model, ids: &[u32], chunk: usize) -> Vec<f32> {
     let mut cache = m.new_cache(256);
     let mut all = Vec::new();
     for (ci, part) in ids.chunks(chunk).enumerate() {
@@ -257,7 +268,7 @@ fn rows_in_session_order(prompts: &[Vec<u32>]) -> Vec<Row> {
 }
 
 /// Logits of `rows` run through range `a` then, from its hidden states, range `b`.
-fn split_logits(
+pub(super) fn split_logits(
     a: &Model,
     b: &Model,
     rows: &[Row],
@@ -533,7 +544,7 @@ fn memory_follows_the_range() {
 
 /// Feeds `ids` at positions `start..` to one cache and returns the logits of every row.
 /// One session's rows for `ids` from position `start`, each wanting logits.
-fn rows_from(start: usize, ids: &[u32]) -> Vec<Row> {
+pub(super) fn rows_from(start: usize, ids: &[u32]) -> Vec<Row> {
     ids.iter()
         .enumerate()
         .map(|(i, &token)| Row {
@@ -545,7 +556,7 @@ fn rows_from(start: usize, ids: &[u32]) -> Vec<Row> {
         .collect()
 }
 
-fn feed(m: &Model, cache: &mut KvCache, start: usize, ids: &[u32]) -> Vec<f32> {
+pub(super) fn feed(m: &Model, cache: &mut KvCache, start: usize, ids: &[u32]) -> Vec<f32> {
     feed_rows(m, &rows_from(start, ids), &mut [cache])
 }
 
@@ -652,7 +663,7 @@ fn a_session_takes_the_cached_positions_of_the_block_where_it_parts() {
     }
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
+pub(super) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
@@ -737,6 +748,7 @@ fn weight_sizes_from_the_header_equal_what_every_range_loads() {
             let options = ModelOptions {
                 n_threads: 1,
                 isa: None,
+                kv_type: KvType::F16,
             };
             let m = Model::load(&f, range, options).unwrap();
             assert_eq!(

@@ -6,7 +6,7 @@
 //! results never depend on the CPU it runs on.
 
 use gguf::{GgmlType, GgufFile};
-use model::{Batch, Isa, KvCache, Model, ModelOptions, Output, Row};
+use model::{Batch, Isa, KvCache, KvType, Model, ModelOptions, Output, Row};
 use testkit::TinySpec;
 
 /// Every instruction set this CPU can run, best last.
@@ -101,7 +101,7 @@ fn run(m: &Model, ids: &[u32], chunk: usize) -> Vec<u32> {
     bits
 }
 
-fn load(bytes: Vec<u8>, isa: Isa) -> Model {
+fn load(bytes: Vec<u8>, isa: Isa, kv_type: KvType) -> Model {
     let f = GgufFile::from_bytes(bytes).unwrap();
     Model::load(
         &f,
@@ -109,6 +109,7 @@ fn load(bytes: Vec<u8>, isa: Isa) -> Model {
         ModelOptions {
             n_threads: 2,
             isa: Some(isa),
+            kv_type,
         },
     )
     .unwrap()
@@ -116,13 +117,27 @@ fn load(bytes: Vec<u8>, isa: Isa) -> Model {
 
 #[test]
 fn tiny_models_of_every_family_and_type_give_bitwise_the_same_logits_on_every_isa() {
+    every_isa_alike(specs(), KvType::F16);
+}
+
+/// The same with K and V stored as `q8_0`, for every family.
+#[test]
+fn a_q8_0_cache_gives_bitwise_the_same_logits_on_every_isa() {
+    let families = specs()
+        .into_iter()
+        .filter(|s| s.arch != "llama" || s.weight_type == GgmlType::Q4K)
+        .collect();
+    every_isa_alike(families, KvType::Q8_0);
+}
+
+fn every_isa_alike(specs: Vec<TinySpec>, kv_type: KvType) {
     let isas = isas();
     let ids: Vec<u32> = (0..40u32).map(|i| 3 + (i * 37) % 250).collect();
-    for spec in specs() {
+    for spec in specs {
         let bytes = testkit::tiny_model_bytes(&spec);
         let mut first: Option<(Isa, Vec<u32>)> = None;
         for &isa in &isas {
-            let m = load(bytes.clone(), isa);
+            let m = load(bytes.clone(), isa, kv_type);
             // In one step, in chunks of 7, and one token a step: all the same bits.
             let whole = run(&m, &ids, ids.len());
             assert_eq!(
@@ -180,6 +195,7 @@ fn real_qwen_on_every_isa(name: &str) {
             ModelOptions {
                 n_threads: 2,
                 isa: Some(isa),
+                kv_type: KvType::F16,
             },
         )
         .unwrap();

@@ -3,6 +3,7 @@
 mod hostile_families;
 mod invariants;
 mod isa_contract;
+mod kv_q8_0;
 mod real_families;
 mod real_model;
 mod split_files;

@@ -11,6 +11,7 @@ fn opts() -> ModelOptions {
     ModelOptions {
         n_threads: 1,
         isa: None,
+        kv_type: model::KvType::F16,
     }
 }
 

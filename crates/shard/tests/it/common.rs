@@ -32,6 +32,7 @@ pub fn config(kv_budget_bytes: usize, kv_ttl: Duration) -> ShardConfig {
         layers: None,
         n_threads: 1,
         isa: None,
+        kv_type: model::KvType::F16,
         n_ctx: 64,
         kv_budget_bytes,
         kv_ttl,
