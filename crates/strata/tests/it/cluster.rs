@@ -37,6 +37,11 @@ fn reference_prompts() -> Vec<Vec<u32>> {
 
 /// Greedy ids from `strata generate` in one process.
 fn one_process(prompt: &[u32], n: usize) -> Vec<u64> {
+    one_process_with(prompt, n, &[])
+}
+
+/// The same, `strata generate` given `flags` too.
+fn one_process_with(prompt: &[u32], n: usize, flags: &[&str]) -> Vec<u64> {
     let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
     let out = Command::new(exe())
         .args([
@@ -49,6 +54,7 @@ fn one_process(prompt: &[u32], n: usize) -> Vec<u64> {
             &n.to_string(),
             "--json",
         ])
+        .args(flags)
         .output()
         .unwrap();
     assert!(
@@ -532,6 +538,47 @@ fn f16_and_q8_0_seams_carry_a_half_and_about_a_quarter_of_the_bytes_per_token() 
             + metric(&t.addr, "strata_shard_decode_tokens_total", &a.addr);
         assert_eq!(sent / tokens, bytes_per_token, "seam {seam}");
     }
+}
+
+/// Shards caching K and V as `q8_0` answer as one process caching them so does, token for
+/// token; a route whose shards cache them differently is refused at start, naming the shard
+/// (the cache recipe's `kv_dtype`).
+#[test]
+fn a_q8_0_kv_route_answers_as_one_process_and_a_mixed_route_is_refused() {
+    let _serial = serial();
+    let token = procs::token_file("test-cluster-token-0123456789");
+    let m = model();
+    let q8 = ["--threads", "1", "--kv-type", "q8_0"];
+    let a = procs::shard(exe(), &m, "0..15", &token, &q8);
+    let b = procs::shard(exe(), &m, "15..30", &token, &q8);
+    let t = procs::tracker(exe(), &[&a, &b], &token, &["--health-period-ms", "100"]);
+    for prompt in &reference_prompts()[..2] {
+        let want = one_process_with(prompt, 12, &["--kv-type", "q8_0"]);
+        assert_eq!(complete_ids(&t.addr, prompt, 12), want);
+    }
+    drop(t);
+    let f16 = procs::shard(exe(), &m, "15..30", &token, &["--threads", "1"]);
+    let out = Command::new(exe())
+        .args([
+            "tracker",
+            "--shards",
+            &format!("{},{}", a.addr, f16.addr),
+            "--listen",
+            "127.0.0.1:0",
+            "--cluster-token-file",
+            token.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "shard {} (layers 15..30) stores K and V as f16",
+            f16.addr
+        )),
+        "{err}"
+    );
 }
 
 /// Eight distinct prompts: the four reference prompts and each joined to the next.

@@ -142,8 +142,15 @@ pub fn validate_route(infos: &[(String, ShardInfo)]) -> Result<Vec<usize>, Strin
             i.recipe.clone().unwrap_or_default(),
             first.recipe.clone().unwrap_or_default(),
         );
-        if a.kv_dtype != b.kv_dtype
-            || a.rope_base != b.rope_base
+        if a.kv_dtype != b.kv_dtype {
+            return Err(format!(
+                "shard {addr} (layers {}) stores K and V as {} but shard {first_addr} as {}: start every shard of a route with the same --kv-type",
+                range(i),
+                a.kv_dtype,
+                b.kv_dtype
+            ));
+        }
+        if a.rope_base != b.rope_base
             || a.rope_dim != b.rope_dim
             || a.rope_freq_scale != b.rope_freq_scale
         {
@@ -188,6 +195,14 @@ pub fn validate_route(infos: &[(String, ShardInfo)]) -> Result<Vec<usize>, Strin
 }
 
 impl Cluster {
+    /// How the route's shards store K and V (one type for all, validated): `f16` or `q8_0`.
+    pub fn kv_dtype(&self) -> &str {
+        self.infos
+            .first()
+            .and_then(|i| i.recipe.as_ref())
+            .map_or("f16", |r| r.kv_dtype.as_str())
+    }
+
     /// The numeric contract the route's shards compute under (one for all, validated).
     pub fn numeric_contract(&self) -> u32 {
         self.infos

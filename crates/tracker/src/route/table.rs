@@ -108,7 +108,8 @@ impl RouteTable {
     /// Adds a route to its model, or the model with it (`entry`, whose routes are ignored)
     /// when the table has none of that digest. Sessions move between a model's routes and
     /// must go on bitwise as they would have: a route computing under another numeric contract
-    /// than the model's routes is refused (naming one of them), not added.
+    /// than the model's routes, or storing K and V as another type, is refused (naming one of
+    /// them), not added.
     pub fn add_route(&self, entry: &ModelEntry, route: Arc<RouteHandle>) -> Result<(), String> {
         let mut result = Ok(());
         self.update(|models| {
@@ -129,6 +130,15 @@ impl RouteTable {
                     "its shards compute under numeric contract {contract} but route {} of the same model under {}: sessions moving between them would change tokens",
                     other.name,
                     other.cluster.numeric_contract()
+                ));
+                return;
+            }
+            let kv = route.cluster.kv_dtype();
+            if let Some(other) = m.routes.iter().find(|r| r.cluster.kv_dtype() != kv) {
+                result = Err(format!(
+                    "its shards store K and V as {kv} but route {} of the same model as {}: sessions moving between them would change tokens",
+                    other.name,
+                    other.cluster.kv_dtype()
                 ));
                 return;
             }
