@@ -747,6 +747,15 @@ impl Model {
                     end: self.range.end,
                 });
             }
+            if cache.kv_type() != self.kv_type {
+                return Err(Error::BadInput {
+                    what: format!(
+                        "a cache of {} K and V for a model that stores them as {}",
+                        cache.kv_type().name(),
+                        self.kv_type.name()
+                    ),
+                });
+            }
         }
         match (batch.hidden, self.is_first()) {
             (None, false) => {

@@ -85,6 +85,24 @@ pub(crate) fn hadamard(x: &mut [f32], n: usize) {
     }
 }
 
+/// A `q8_0` block's scale `amax / 127` (as stored) and the factor its values are multiplied
+/// by before rounding, `127 / amax` (0 where that is not finite: zeros, or values so small
+/// that it overflows).
+fn q8_scale(x: &[f32]) -> (f16, f32) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let id = 127.0 / amax;
+    (
+        f16::from_f32(amax / 127.0),
+        if id.is_finite() { id } else { 0.0 },
+    )
+}
+
+/// A value's byte, rounded to nearest even: never -128 (the kernels negate bytes), and NaN is
+/// 0, so no input panics here.
+fn q8_byte(x: f32, id: f32) -> i8 {
+    (x * id).round_ties_even().clamp(-127.0, 127.0) as i8
+}
+
 /// Values per `q8_0` block, and the 16-bit units one block takes (the scale, then 32 bytes).
 pub const Q8_0_BLOCK: usize = 32;
 pub const Q8_0_UNITS: usize = 17;
@@ -141,7 +159,8 @@ impl KvType {
 
     /// Writes `src` into `dst` (a row of [`KvType::row_units`] units): f16 rounded to nearest
     /// even; `q8_0` with `d = amax / 127` (stored as f16) and each `q = x * 127 / amax`
-    /// rounded to nearest even, as llama.cpp's x86 quantizer computes them.
+    /// rounded to nearest even, as llama.cpp's x86 quantizer computes them (0 where
+    /// `127 / amax` is not finite; the bytes in memory order, as the kernels read them).
     pub fn store(self, src: &[f32], dst: &mut [f16]) {
         match self {
             KvType::F16 => dst.convert_from_f32_slice(src),
@@ -150,13 +169,35 @@ impl KvType {
                     .chunks_exact(Q8_0_BLOCK)
                     .zip(dst.chunks_exact_mut(Q8_0_UNITS))
                 {
-                    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-                    b[0] = f16::from_f32(amax / 127.0);
+                    let (d, id) = q8_scale(x);
+                    b[0] = d;
                     for (pair, x) in b[1..].iter_mut().zip(x.chunks_exact(2)) {
-                        // `as` saturates, and maps NaN to 0: no input panics here.
-                        let q = |v: f32| (v * id).round_ties_even() as i8 as u8;
-                        *pair = f16::from_bits(u16::from_le_bytes([q(x[0]), q(x[1])]));
+                        let bytes = [q8_byte(x[0], id) as u8, q8_byte(x[1], id) as u8];
+                        *pair = f16::from_bits(u16::from_ne_bytes(bytes));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The values [`KvType::store`] keeps of `src`, as f32: how the attention takes Q, as
+    /// llama.cpp multiplies K by Q converted to the cache's type (f16, or `q8_0` for its
+    /// `q8_0` dot product).
+    pub fn round(self, src: &[f32], dst: &mut [f32]) {
+        match self {
+            KvType::F16 => {
+                for (d, &x) in dst.iter_mut().zip(src) {
+                    *d = f16::from_f32(x).to_f32();
+                }
+            }
+            KvType::Q8_0 => {
+                for (x, y) in src
+                    .chunks_exact(Q8_0_BLOCK)
+                    .zip(dst.chunks_exact_mut(Q8_0_BLOCK))
+                {
+                    let (d, id) = q8_scale(x);
+                    for (y, &x) in y.iter_mut().zip(x) {
+                        *y = d.to_f32() * f32::from(q8_byte(x, id));
                     }
                 }
             }
@@ -769,6 +810,49 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::HashSet;
+
+    /// The rotation is its own inverse and keeps lengths; on a row with one huge value (as
+    /// Qwen2.5's keys have) it spreads that value, so `q8_0` keeps the others far better.
+    #[test]
+    fn the_rotation_undoes_itself_and_spares_the_small_values_from_an_outlier() {
+        for n in [64, 128, 256] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 23) as f32 - 11.0) / 3.0)
+                .collect();
+            let mut y = x.clone();
+            hadamard(&mut y, n);
+            let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>().sqrt();
+            assert!((norm(&y) - norm(&x)).abs() < 1e-4 * norm(&x), "n {n}");
+            hadamard(&mut y, n);
+            for (a, b) in x.iter().zip(&y) {
+                assert!((a - b).abs() < 1e-5, "n {n}: {a} {b}");
+            }
+        }
+        let mut x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) / 3.0)
+            .collect();
+        x[5] = 150.0;
+        let error = |rotate: bool| {
+            let mut v = x.clone();
+            if rotate {
+                hadamard(&mut v, 64);
+            }
+            let mut row = vec![f16::ZERO; KvType::Q8_0.row_units(64)];
+            KvType::Q8_0.store(&v, &mut row);
+            let mut back = vec![0f32; 64];
+            crate::kernels::attn_q8::axpy_q8_0(1.0, &row, &mut back);
+            if rotate {
+                hadamard(&mut back, 64);
+            }
+            // The largest error on the small values.
+            (0..64)
+                .filter(|&i| i != 5)
+                .map(|i| (back[i] - x[i]).abs())
+                .fold(0f32, f32::max)
+        };
+        let (plain, rotated) = (error(false), error(true));
+        assert!(rotated * 3.0 < plain, "rotated {rotated}, plain {plain}");
+    }
 
     pub(super) fn range() -> LayerRange {
         LayerRange { start: 0, end: 2 }

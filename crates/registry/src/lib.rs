@@ -59,8 +59,8 @@ pub struct ShardRecord {
     pub layer_start: u32,
     pub layer_end: u32,
     pub n_layers: u32,
-    /// The cache recipe, as `block_size/kv_dtype/...` (informational; trackers validate it
-    /// against the shard itself).
+    /// The cache recipe, as `block 16 kv f16 ctx 4096 contract 1` (trackers validate it
+    /// against the shard itself; [`ShardRecord::arithmetic`] groups shards by it).
     pub recipe: String,
     pub kv_budget_bytes: u64,
     pub kv_free_bytes: u64,
@@ -124,6 +124,19 @@ impl ShardRecord {
 }
 
 impl ShardRecord {
+    /// The words of its recipe that decide what a route computes: how K and V are stored and
+    /// the numeric contract (`kv q8_0 contract 1`). Shards that differ in them never chain, so
+    /// routes are built among shards that agree (a tracker still checks the shards themselves).
+    pub fn arithmetic(&self) -> String {
+        let words: Vec<&str> = self.recipe.split_whitespace().collect();
+        words
+            .windows(2)
+            .filter(|w| w[0] == "kv" || w[0] == "contract")
+            .map(|w| w.join(" "))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
     /// Whether `next` says something new enough to write to etcd: anything but the load
     /// figures, the number of sessions, free KV moved by a sixteenth of the budget, or the
     /// time per token moved by an eighth (or measured for the first time). (Every write is a
@@ -893,6 +906,32 @@ mod tests {
         assert_eq!(prefix_end(b"/strata/shards/"), b"/strata/shards0".to_vec());
         assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
         assert_eq!(prefix_end(b"\xff\xff"), vec![0]);
+    }
+
+    /// Shards are grouped into routes by how they store K and V and their numeric contract,
+    /// not by their context or block size; a record without them groups with its like.
+    #[test]
+    fn a_records_arithmetic_is_its_kv_type_and_contract() {
+        let with = |recipe: &str| ShardRecord {
+            recipe: recipe.into(),
+            ..ShardRecord::placing("127.0.0.1:1", "x", "m", "d", 0..2, 2)
+        };
+        let a = with("block 16 kv q8_0 ctx 4096 contract 1");
+        assert_eq!(a.arithmetic(), "kv q8_0 contract 1");
+        assert_eq!(
+            a.arithmetic(),
+            with("block 16 kv q8_0 ctx 99 contract 1").arithmetic()
+        );
+        assert_ne!(
+            a.arithmetic(),
+            with("block 16 kv f16 ctx 4096 contract 1").arithmetic()
+        );
+        assert_ne!(
+            a.arithmetic(),
+            with("block 16 kv q8_0 ctx 4096 contract 2").arithmetic()
+        );
+        assert_eq!(with("").arithmetic(), "");
+        assert_eq!(with("kv").arithmetic(), "");
     }
 
     #[test]

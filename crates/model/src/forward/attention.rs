@@ -30,6 +30,7 @@ impl Model {
         let group = c.n_head / c.n_head_kv;
         let scale = c.attn_scale;
         let ty = self.kv_type;
+        let q8 = ty == KvType::Q8_0;
         let out_ptr = SharedMut::new(out);
         // A task takes every query head sharing one KV head, so each K and V row is decoded once
         // for all of them; with few rows, one task per query head keeps every thread busy. The
@@ -76,15 +77,6 @@ impl Model {
                 s.resize(size(n_ctx.max(longest)), 0.0);
             }
         }
-        let quantized_len = block_rows * ty.row_units(per_task * hd);
-        scratch.quantized.resize_with(pool.n_threads(), Vec::new);
-        if ty == KvType::Q8_0 {
-            for s in scratch.quantized.iter_mut() {
-                if s.len() < quantized_len {
-                    s.resize(quantized_len, f16::ZERO);
-                }
-            }
-        }
         let (mut kb, mut vb) = (
             recycle(take(&mut scratch.kb)),
             recycle(take(&mut scratch.vb)),
@@ -102,7 +94,6 @@ impl Model {
         let spans: &[(usize, usize)] = &scratch.spans;
         let blocks = &scratch.blocks;
         let threads = SharedMut::new(&mut scratch.threads);
-        let quantized = SharedMut::new(&mut scratch.quantized);
         pool.run_on(blocks.len() * tasks_per_block, &|task, thread| {
             let (b, first) = (task / tasks_per_block, (task % tasks_per_block) * per_task);
             let block = &rows[blocks[b].clone()];
@@ -124,12 +115,10 @@ impl Model {
             let (outs, rest) = rest.split_at_mut(block.len() * width);
             let (scores, rest) = rest.split_at_mut(per_task * n_pos);
             let (inv, tile) = rest.split_at_mut(per_task);
-            // llama.cpp multiplies an f16 K by Q rounded to f16; do the same for parity (a
-            // `q8_0` cache quantizes Q below instead).
+            // llama.cpp multiplies K by Q converted to the cache's type (f16, or `q8_0` for its
+            // `q8_0` dot product); do the same for parity.
             for (qs, b) in qs.chunks_exact_mut(width).zip(blocks[b].clone()) {
-                for (d, &x) in qs.iter_mut().zip(&q[b * qd + first * hd..][..width]) {
-                    *d = f16::from_f32(x).to_f32();
-                }
+                ty.round(&q[b * qd + first * hd..][..width], qs);
             }
             let (base, b0) = spans[block[0].seq];
             // A KV head's row: `head` 16-bit units of the position's row of `row` units.
@@ -137,28 +126,10 @@ impl Model {
             let at = |t: usize| (t % BLOCK_POSITIONS) * row + kvh * head;
             let k = |t: usize| &kbs[base + t / BLOCK_POSITIONS - b0][at(t)..][..head];
             let v = |t: usize| &vbs[base + t / BLOCK_POSITIONS - b0][at(t)..][..head];
-            if ty == KvType::Q8_0 {
-                // SAFETY: as `scratch` above.
-                let qq = unsafe { &mut quantized.slice(thread, 1)[0] };
-                // llama.cpp's `q8_0` dot product takes Q quantized as K is.
-                for (i, qq) in blocks[b].clone().zip(qq.chunks_exact_mut(per_task * head)) {
-                    ty.store(&q[i * qd + first * hd..][..width], qq);
-                }
-                for (i, (qq, &(from, n_pos))) in blocks[b]
-                    .clone()
-                    .zip(qq.chunks_exact(per_task * head).zip(ranges))
-                {
-                    // SAFETY: each task writes its own heads' head_dim slices of `out`.
-                    let o = unsafe { out_ptr.slice(i * qd + first * hd, width) };
-                    let scores = &mut scores[..per_task * n_pos];
-                    self.attend_q8(hd, qq, from, n_pos, k, v, scores, inv, o);
-                }
-                return;
-            }
             if block.len() > 1
                 && self
                     .kernels
-                    .attention_block(hd, qs, ranges, scale, k, v, scores, tile, outs)
+                    .attention_block(hd, qs, ranges, scale, q8, k, v, scores, tile, outs)
             {
                 for (o, i) in outs.chunks_exact(width).zip(blocks[b].clone()) {
                     // SAFETY: each task writes its own heads' head_dim slices of `out`.
@@ -189,8 +160,9 @@ impl Model {
     }
 
     /// One row's attention over positions `from..from + n_pos` (`q`: its heads that share one
-    /// KV head, rounded to f16 values) over f16 rows: the fused kernel where one exists, else
-    /// the generic path (dot products, softmax, rounded weights, weighted sums).
+    /// KV head, rounded to the cache's type): the fused kernel where one exists, else the
+    /// generic path (dot products, softmax, rounded weights, weighted sums) over the rows'
+    /// values (f16, or `q8_0`'s scale times byte).
     #[allow(clippy::too_many_arguments)]
     fn attend_one<'a>(
         &self,
@@ -206,11 +178,13 @@ impl Model {
         o: &mut [f32],
     ) {
         let scale = self.config.attn_scale;
+        let q8 = self.kv_type == KvType::Q8_0;
         if self.kernels.fused_attention(
             hd,
             q,
             n_pos,
             scale,
+            q8,
             |t| k(from + t),
             |t| v(from + t),
             scores,
@@ -223,7 +197,12 @@ impl Model {
         for t in 0..n_pos {
             let k = k(from + t);
             for (h, qh) in q.chunks_exact(hd).enumerate() {
-                scores[h * n_pos + t] = self.kernels.dot_f16(qh, k) * scale;
+                let dot = if q8 {
+                    self.kernels.dot_q8_0(qh, k)
+                } else {
+                    self.kernels.dot_f16(qh, k)
+                };
+                scores[h * n_pos + t] = dot * scale;
             }
         }
         for (h, s) in scores.chunks_exact_mut(n_pos).enumerate() {
@@ -234,47 +213,11 @@ impl Model {
             let v = v(from + t);
             for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
                 let p = f16::from_f32(scores[h * n_pos + t] * inv[h]).to_f32();
-                self.kernels.axpy_f16(p, v, oh);
-            }
-        }
-    }
-}
-
-impl Model {
-    /// One row's attention over `q8_0` rows: `q` holds its heads that share one KV head, each
-    /// quantized as K is. The dot products of the quantized rows, the softmax, then the
-    /// weighted sum of V's values with the weights unrounded (llama.cpp's attention over a
-    /// quantized V, its flash attention, keeps them in f32).
-    #[allow(clippy::too_many_arguments)]
-    fn attend_q8<'a>(
-        &self,
-        hd: usize,
-        q: &[f16],
-        from: usize,
-        n_pos: usize,
-        k: impl Fn(usize) -> &'a [f16],
-        v: impl Fn(usize) -> &'a [f16],
-        scores: &mut [f32],
-        inv: &mut [f32],
-        o: &mut [f32],
-    ) {
-        let scale = self.config.attn_scale;
-        let head = KvType::Q8_0.row_units(hd);
-        for t in 0..n_pos {
-            let k = k(from + t);
-            for (h, qh) in q.chunks_exact(head).enumerate() {
-                scores[h * n_pos + t] = self.kernels.dot_q8_0(qh, k) * scale;
-            }
-        }
-        for (h, s) in scores.chunks_exact_mut(n_pos).enumerate() {
-            inv[h] = exp::softmax_numerators(s);
-        }
-        o.fill(0.0);
-        for t in 0..n_pos {
-            let v = v(from + t);
-            for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
-                self.kernels
-                    .axpy_q8_0(scores[h * n_pos + t] * inv[h], v, oh);
+                if q8 {
+                    self.kernels.axpy_q8_0(p, v, oh);
+                } else {
+                    self.kernels.axpy_f16(p, v, oh);
+                }
             }
         }
     }
@@ -286,8 +229,6 @@ impl Model {
 #[derive(Default)]
 pub(super) struct AttnScratch {
     threads: Vec<Vec<f32>>,
-    /// Per pool thread, a task's rows of Q quantized as a `q8_0` cache's K is.
-    quantized: Vec<Vec<f16>>,
     blocks: Vec<std::ops::Range<usize>>,
     /// Per session: where its blocks start in `kb` / `vb`, and its first block ([`kv_blocks`]).
     spans: Vec<(usize, usize)>,

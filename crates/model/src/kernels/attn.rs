@@ -112,10 +112,17 @@ pub mod fused {
 
     use super::tiled::reduce8;
 
-    /// Converts `8 * CH` f16 values to `CH` registers of f32.
+    /// Converts a row of `8 * CH` values (f16, or `q8_0` where `Q8`) to `CH` registers of f32.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-    unsafe fn load_row<const CH: usize>(r: &[f16]) -> [__m256; CH] {
+    unsafe fn load_row<const CH: usize, const Q8: bool>(r: &[f16]) -> [__m256; CH] {
+        if Q8 {
+            assert!(r.len() >= crate::KvType::Q8_0.row_units(8 * CH));
+            // SAFETY: the row holds `8 * CH` values (asserted above).
+            return std::array::from_fn(|ch| unsafe {
+                crate::kernels::attn_q8::avx2::eight(r, ch)
+            });
+        }
         assert!(r.len() >= 8 * CH);
         let mut out = [_mm256_setzero_ps(); CH];
         for (ch, o) in out.iter_mut().enumerate() {
@@ -127,24 +134,26 @@ pub mod fused {
         out
     }
 
-    /// Hints the cache lines of a row of `8 * CH` f16 values.
+    /// Hints the cache lines of a row of `8 * CH` values (f16, or `q8_0` where `Q8`).
     #[inline]
-    fn prefetch_row<const CH: usize>(r: &[f16]) {
+    fn prefetch_row<const CH: usize, const Q8: bool>(r: &[f16]) {
         let p = r.as_ptr() as *const i8;
-        for line in 0..CH.div_ceil(4) {
+        let bytes = if Q8 { 17 * CH / 2 } else { 16 * CH };
+        for line in 0..bytes.div_ceil(64) {
             // SAFETY: prefetching is a hint; every address is within or at the end of the row.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * line)) };
         }
     }
 
-    /// `q` holds the `G` query rows (rounded to f16 values here); `k(t)` and `v(t)` are this
-    /// KV head's rows at position `t`; `scores` is scratch of `G * n_pos`; `out` receives the
-    /// `G` attention outputs.
+    /// `q` holds the `G` query rows (rounded to f16 values here; where `Q8`, already rounded as
+    /// `q8_0` values); `k(t)` and `v(t)` are this KV head's rows at position `t` (f16, or
+    /// `q8_0` where `Q8`); `scores` is scratch of `G * n_pos`; `out` receives the `G` attention
+    /// outputs.
     ///
     /// # Safety
     /// The CPU must have AVX2, FMA, F16C and AVX-512 F/VL.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-    pub unsafe fn heads<'a, const G: usize, const CH: usize>(
+    pub unsafe fn heads<'a, const G: usize, const CH: usize, const Q8: bool>(
         q: &[f32],
         n_pos: usize,
         scale: f32,
@@ -162,7 +171,11 @@ pub mod fused {
             for (ch, x) in qh.iter_mut().enumerate() {
                 // SAFETY: lengths asserted above.
                 let v = unsafe { _mm256_loadu_ps(q.as_ptr().add(h * hd + 8 * ch)) };
-                *x = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
+                *x = if Q8 {
+                    v
+                } else {
+                    _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v))
+                };
             }
         }
         // K and V rows of one session are scattered over its blocks (and a step's sessions do
@@ -179,9 +192,9 @@ pub mod fused {
             }
             for (p, kp) in kf.iter_mut().enumerate().take(n) {
                 if t0 + p + 2 * AHEAD < n_pos {
-                    prefetch_row::<CH>(k(t0 + p + 2 * AHEAD));
+                    prefetch_row::<CH, Q8>(k(t0 + p + 2 * AHEAD));
                 }
-                *kp = unsafe { load_row::<CH>(k(t0 + p)) };
+                *kp = unsafe { load_row::<CH, Q8>(k(t0 + p)) };
             }
             for h in 0..G {
                 let mut acc = [_mm256_setzero_ps(); 8];
@@ -225,9 +238,9 @@ pub mod fused {
         let mut o = [[_mm256_setzero_ps(); CH]; G];
         for t in 0..n_pos {
             if t + AHEAD < n_pos {
-                prefetch_row::<CH>(v(t + AHEAD));
+                prefetch_row::<CH, Q8>(v(t + AHEAD));
             }
-            let vr = unsafe { load_row::<CH>(v(t)) };
+            let vr = unsafe { load_row::<CH, Q8>(v(t)) };
             for h in 0..G {
                 let p = _mm256_set1_ps(scores[h * n_pos + t]);
                 for ch in 0..CH {
@@ -281,13 +294,32 @@ pub mod tiled {
 
     use super::{tile_positions, MAX_BLOCK_ROWS};
 
-    /// Decodes `n` rows of `hd` f16 values (`row(p)`) into `tile` (row `p` at `p * hd`).
+    /// Decodes `n` rows of `hd` values (`row(p)`: f16, or `q8_0` where `q8`) into `tile` (row
+    /// `p` at `p * hd`).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn decode<'a>(hd: usize, n: usize, row: impl Fn(usize) -> &'a [f16], tile: &mut [f32]) {
+    fn decode<'a>(
+        hd: usize,
+        n: usize,
+        q8: bool,
+        row: impl Fn(usize) -> &'a [f16],
+        tile: &mut [f32],
+    ) {
         for p in 0..n {
-            let r = &row(p)[..hd];
+            let r = row(p);
             let dst = &mut tile[p * hd..(p + 1) * hd];
+            if q8 {
+                assert_eq!(r.len(), crate::KvType::Q8_0.row_units(hd));
+                for ch in 0..hd / 8 {
+                    // SAFETY: the row holds `hd` values (asserted), `8 * ch + 8 <= hd`.
+                    unsafe {
+                        let x = crate::kernels::attn_q8::avx2::eight(r, ch);
+                        _mm256_storeu_ps(dst.as_mut_ptr().add(8 * ch), x);
+                    }
+                }
+                continue;
+            }
+            let r = &r[..hd];
             for ch in 0..hd / 8 {
                 // SAFETY: `8 * ch + 8 <= hd` for both rows.
                 unsafe {
@@ -364,6 +396,7 @@ pub mod tiled {
         q: &[f32],
         ranges: &[(usize, usize)],
         scale: f32,
+        q8: bool,
         k: impl Fn(usize) -> &'a [f16],
         v: impl Fn(usize) -> &'a [f16],
         scores: &mut [f32],
@@ -373,10 +406,10 @@ pub mod tiled {
         // The models' widths compiled with the width a constant (row offsets in the
         // instructions); the same arithmetic for every width.
         match hd {
-            64 => block_of::<64>(hd, q, ranges, scale, k, v, scores, tile, out),
-            128 => block_of::<128>(hd, q, ranges, scale, k, v, scores, tile, out),
-            256 => block_of::<256>(hd, q, ranges, scale, k, v, scores, tile, out),
-            _ => block_of::<0>(hd, q, ranges, scale, k, v, scores, tile, out),
+            64 => block_of::<64>(hd, q, ranges, scale, q8, k, v, scores, tile, out),
+            128 => block_of::<128>(hd, q, ranges, scale, q8, k, v, scores, tile, out),
+            256 => block_of::<256>(hd, q, ranges, scale, q8, k, v, scores, tile, out),
+            _ => block_of::<0>(hd, q, ranges, scale, q8, k, v, scores, tile, out),
         }
     }
 
@@ -389,6 +422,7 @@ pub mod tiled {
         q: &[f32],
         ranges: &[(usize, usize)],
         scale: f32,
+        q8: bool,
         k: impl Fn(usize) -> &'a [f16],
         v: impl Fn(usize) -> &'a [f16],
         scores: &mut [f32],
@@ -432,7 +466,7 @@ pub mod tiled {
         // and head eight of the row's positions at a time, only the real ones stored.
         for t0 in (lo..hi).step_by(tp) {
             let n = (hi - t0).min(tp);
-            decode(hd, n, |p| k(t0 + p), tile);
+            decode(hd, n, q8, |p| k(t0 + p), tile);
             tile[n * hd..(tp + 8) * hd].fill(0.0);
             for r in 0..n_rows {
                 let (a, b) = part(r, t0, n);
@@ -466,7 +500,7 @@ pub mod tiled {
         out[..n_rows * g * hd].fill(0.0);
         for t0 in (lo..hi).step_by(tp) {
             let n = (hi - t0).min(tp);
-            decode(hd, n, |p| v(t0 + p), tile);
+            decode(hd, n, q8, |p| v(t0 + p), tile);
             for r in 0..n_rows {
                 let (a, b) = part(r, t0, n);
                 if a >= b {
@@ -551,16 +585,34 @@ pub mod tiled {
 mod tests {
     use super::*;
 
-    /// The generic path's attention of `g` heads: Q rounded to f16, dot, softmax, rounded
-    /// weights, axpy.
-    fn generic(q: &[f32], ks: &[Vec<f16>], vs: &[Vec<f16>], scale: f32, g: usize) -> Vec<f32> {
+    use crate::kernels::attn_q8::{axpy_q8_0, dot_q8_0};
+    use crate::KvType;
+
+    /// The generic path's attention of `g` heads over rows stored as `ty`: Q rounded to `ty`,
+    /// dot, softmax, rounded weights, axpy.
+    fn generic(
+        ty: KvType,
+        q: &[f32],
+        ks: &[Vec<f16>],
+        vs: &[Vec<f16>],
+        scale: f32,
+        g: usize,
+    ) -> Vec<f32> {
         let n_pos = ks.len();
         let hd = q.len() / g;
-        let q: Vec<f32> = q.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
+        let mut rounded = vec![0f32; q.len()];
+        ty.round(q, &mut rounded);
+        let q = rounded;
+        type Dot = fn(&[f32], &[f16]) -> f32;
+        type Axpy = fn(f32, &[f16], &mut [f32]);
+        let (dot, axpy): (Dot, Axpy) = match ty {
+            KvType::F16 => (dot_f16, axpy_f16),
+            KvType::Q8_0 => (dot_q8_0, axpy_q8_0),
+        };
         let mut scores = vec![0f32; g * n_pos];
         for t in 0..n_pos {
             for h in 0..g {
-                scores[h * n_pos + t] = dot_f16(&q[h * hd..(h + 1) * hd], &ks[t]) * scale;
+                scores[h * n_pos + t] = dot(&q[h * hd..(h + 1) * hd], &ks[t]) * scale;
             }
         }
         let mut out = vec![0f32; g * hd];
@@ -571,10 +623,18 @@ mod tests {
         for t in 0..n_pos {
             for h in 0..g {
                 let p = f16::from_f32(scores[h * n_pos + t] * inv[h]).to_f32();
-                axpy_f16(p, &vs[t], &mut out[h * hd..(h + 1) * hd]);
+                axpy(p, &vs[t], &mut out[h * hd..(h + 1) * hd]);
             }
         }
         out
+    }
+
+    /// A row of `hd` values drawn from `next`, stored as `ty`.
+    fn stored(ty: KvType, hd: usize, next: &mut dyn FnMut() -> f32) -> Vec<f16> {
+        let x: Vec<f32> = (0..hd).map(|_| next()).collect();
+        let mut row = vec![f16::ZERO; ty.row_units(hd)];
+        ty.store(&x, &mut row);
+        row
     }
 
     /// The AVX-512 kernel (its head widths and groups) and the AVX2 one (any width that is a
@@ -593,18 +653,23 @@ mod tests {
             };
             let mut uniform = crate::kernels::tests::uniform(0x1234_5679);
             let mut next = || uniform(6.0);
-            for &hd in widths {
+            for (ty, &hd) in [KvType::F16, KvType::Q8_0]
+                .into_iter()
+                .flat_map(|ty| widths.iter().map(move |hd| (ty, hd)))
+                .filter(|&(ty, &hd)| ty.supports(hd))
+            {
                 for g in 1..=FUSED_MAX_GROUP {
                     for n_pos in [1, 7, 8, 17, 100, 131] {
                         let q: Vec<f32> = (0..g * hd)
                             .map(|_| f16::from_f32(next()).to_f32())
                             .collect();
-                        let row = |next: &mut dyn FnMut() -> f32| -> Vec<f16> {
-                            (0..hd).map(|_| f16::from_f32(next())).collect()
-                        };
-                        let ks: Vec<Vec<f16>> = (0..n_pos).map(|_| row(&mut next)).collect();
-                        let vs: Vec<Vec<f16>> = (0..n_pos).map(|_| row(&mut next)).collect();
-                        let want = generic(&q, &ks, &vs, 0.125, g);
+                        let ks: Vec<Vec<f16>> =
+                            (0..n_pos).map(|_| stored(ty, hd, &mut next)).collect();
+                        let vs: Vec<Vec<f16>> =
+                            (0..n_pos).map(|_| stored(ty, hd, &mut next)).collect();
+                        let want = generic(ty, &q, &ks, &vs, 0.125, g);
+                        let mut q = q;
+                        ty.round(&q.clone(), &mut q);
                         let mut scores = vec![0f32; g * n_pos];
                         let mut tile = vec![0f32; tile_floats(hd)];
                         let mut got = vec![0f32; g * hd];
@@ -613,6 +678,7 @@ mod tests {
                             &q,
                             n_pos,
                             0.125,
+                            ty == KvType::Q8_0,
                             |t| &ks[t][..],
                             |t| &vs[t][..],
                             &mut scores,
@@ -622,8 +688,9 @@ mod tests {
                         assert_eq!(
                             want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                             got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                            "{}: hd = {hd}, g = {g}, n_pos = {n_pos}",
-                            isa.name()
+                            "{} {}: hd = {hd}, g = {g}, n_pos = {n_pos}",
+                            isa.name(),
+                            ty.name()
                         );
                     }
                 }
@@ -644,7 +711,13 @@ mod tests {
         let kernels = Kernels::new(Isa::Avx2).unwrap();
         let mut uniform = crate::kernels::tests::uniform(0x2545_f491);
         let mut next = || uniform(6.0);
-        for &hd in &[8, 64, 128] {
+        for (ty, hd) in [
+            (KvType::F16, 8),
+            (KvType::F16, 64),
+            (KvType::F16, 128),
+            (KvType::Q8_0, 64),
+            (KvType::Q8_0, 128),
+        ] {
             for g in [1, 3, 6] {
                 for (n_ctx, window) in [
                     (1, None),
@@ -656,11 +729,10 @@ mod tests {
                 ] {
                     for n_rows in 1..=MAX_BLOCK_ROWS {
                         let n_ctx = n_ctx.max(n_rows);
-                        let row = |next: &mut dyn FnMut() -> f32| -> Vec<f16> {
-                            (0..hd).map(|_| f16::from_f32(next())).collect()
-                        };
-                        let ks: Vec<Vec<f16>> = (0..n_ctx).map(|_| row(&mut next)).collect();
-                        let vs: Vec<Vec<f16>> = (0..n_ctx).map(|_| row(&mut next)).collect();
+                        let ks: Vec<Vec<f16>> =
+                            (0..n_ctx).map(|_| stored(ty, hd, &mut next)).collect();
+                        let vs: Vec<Vec<f16>> =
+                            (0..n_ctx).map(|_| stored(ty, hd, &mut next)).collect();
                         // The last `n_rows` positions of the context, each over its own range.
                         let ranges: Vec<(usize, usize)> = (n_ctx - n_rows..n_ctx)
                             .map(|pos| {
@@ -668,9 +740,9 @@ mod tests {
                                 (from, pos + 1 - from)
                             })
                             .collect();
-                        let q: Vec<f32> = (0..n_rows * g * hd)
-                            .map(|_| f16::from_f32(next()).to_f32())
-                            .collect();
+                        let raw: Vec<f32> = (0..n_rows * g * hd).map(|_| next()).collect();
+                        let mut q = vec![0f32; raw.len()];
+                        ty.round(&raw, &mut q);
                         let total: usize = ranges.iter().map(|r| r.1).sum();
                         let mut scores = vec![0f32; g * total];
                         let mut tile = vec![0f32; tile_floats(hd)];
@@ -680,6 +752,7 @@ mod tests {
                             &q,
                             &ranges,
                             0.125,
+                            ty == KvType::Q8_0,
                             |t| &ks[t][..],
                             |t| &vs[t][..],
                             &mut scores,
@@ -689,7 +762,8 @@ mod tests {
                         for (r, &(from, n)) in ranges.iter().enumerate() {
                             let width = g * hd;
                             let want = generic(
-                                &q[r * width..(r + 1) * width],
+                                ty,
+                                &raw[r * width..(r + 1) * width],
                                 &ks[from..from + n],
                                 &vs[from..from + n],
                                 0.125,
@@ -698,7 +772,8 @@ mod tests {
                             assert_eq!(
                                 want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                                 got[r * width..(r + 1) * width].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                                "hd = {hd}, g = {g}, n_ctx = {n_ctx}, window = {window:?}, row {r} of {n_rows}"
+                                "{}: hd = {hd}, g = {g}, n_ctx = {n_ctx}, window = {window:?}, row {r} of {n_rows}",
+                                ty.name()
                             );
                         }
                     }

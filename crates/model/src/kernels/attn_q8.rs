@@ -1,8 +1,8 @@
 //! Attention's inner products over `q8_0` K and V rows ([`crate::KvType::Q8_0`]), read in
-//! place. `q . k` takes Q quantized as K is and sums exact integer products per block, as
-//! llama.cpp's `q8_0` dot product does; `o += p * v` takes each value as its block's f16 scale
-//! times its signed byte, exact in f32 (11 significant bits times 7), in the order
-//! [`super::attn::axpy_f16`] takes f16 values. The AVX2 versions are bitwise equal to the
+//! place: a value is its block's f16 scale times its signed byte, exact in f32 (11 significant
+//! bits times 7), so these are [`super::attn::dot_f16`] and [`super::attn::axpy_f16`] on the
+//! row's values, in the same order, and the fused attention kernels take such rows through
+//! [`avx2::eight`] with the same arithmetic. The AVX2 versions are bitwise equal to the
 //! scalar ones on every CPU that has them.
 
 use half::f16;
@@ -28,23 +28,20 @@ fn value(row: &[f16], bytes: &[u8], i: usize) -> f32 {
     row[b * Q8_0_UNITS].to_f32() * f32::from(q)
 }
 
-/// `q . k` of two `q8_0` rows (Q quantized as K is, as llama.cpp's `q8_0` dot product takes
-/// it): per block the exact integer sum of the byte products, times the product of the two
-/// scales, added block after block.
-pub fn dot_q8_0(q: &[f16], k: &[f16]) -> f32 {
-    assert_eq!(q.len(), k.len());
-    assert!(q.len().is_multiple_of(Q8_0_UNITS));
-    let (qb, kb) = (bytes(q), bytes(k));
-    let mut sum = 0f32;
-    for b in 0..q.len() / Q8_0_UNITS {
-        let at = 2 * (b * Q8_0_UNITS + 1);
-        let sumi: i32 = (at..at + Q8_0_BLOCK)
-            .map(|i| i32::from(qb[i] as i8) * i32::from(kb[i] as i8))
-            .sum();
-        let d = q[b * Q8_0_UNITS].to_f32() * k[b * Q8_0_UNITS].to_f32();
-        sum += sumi as f32 * d;
+/// `q . k` over a `q8_0` row with eight interleaved partial sums (lane `l` takes values `l`,
+/// `l + 8`, ..., one fused multiply-add each), summed as `((s0 + s4) + (s1 + s5)) + ((s2 + s6)
+/// + (s3 + s7))`: [`super::attn::dot_f16`]'s arithmetic on the row's values.
+pub fn dot_q8_0(q: &[f32], k: &[f16]) -> f32 {
+    check(q.len(), k);
+    let kb = bytes(k);
+    let mut acc = [0f32; 8];
+    for ch in 0..q.len() / 8 {
+        for (l, acc) in acc.iter_mut().enumerate() {
+            let i = 8 * ch + l;
+            *acc = q[i].mul_add(value(k, kb, i), *acc);
+        }
     }
-    sum
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
 
 /// `o += p * v` over a `q8_0` row, one fused multiply-add per value.
@@ -62,55 +59,47 @@ pub mod avx2 {
 
     use half::f16;
 
-    use super::{bytes, check};
+    use super::check;
     use crate::kv::{Q8_0_BLOCK, Q8_0_UNITS};
 
-    /// Values `8 * c..8 * c + 8` of block `b`, each its scale times its byte.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn eight(row: &[f16], bytes: &[u8], b: usize, c: usize) -> __m256 {
-        let at = 2 * (b * Q8_0_UNITS + 1) + 8 * c;
-        assert!(at + 8 <= bytes.len());
-        // SAFETY: the eight bytes lie inside the row (checked above).
-        let q = unsafe { _mm_loadl_epi64(bytes.as_ptr().add(at) as *const __m128i) };
-        _mm256_mul_ps(
-            _mm256_set1_ps(row[b * Q8_0_UNITS].to_f32()),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
-        )
-    }
-
-    /// [`super::dot_q8_0`], bitwise (the integer sums are exact either way).
+    /// Values `8 * ch..8 * ch + 8` of a row, each its block's scale times its byte (exact).
     ///
     /// # Safety
-    /// The CPU must have AVX2.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn dot_q8_0(q: &[f16], k: &[f16]) -> f32 {
-        assert_eq!(q.len(), k.len());
-        assert!(q.len().is_multiple_of(Q8_0_UNITS));
-        let (qb, kb) = (bytes(q), bytes(k));
-        let ones = _mm256_set1_epi16(1);
-        let mut sum = 0f32;
-        for b in 0..q.len() / Q8_0_UNITS {
-            let at = 2 * (b * Q8_0_UNITS + 1);
-            // SAFETY: the block's 32 bytes lie inside both rows (lengths checked above).
-            let (x, y) = unsafe {
-                (
-                    _mm256_loadu_si256(qb.as_ptr().add(at) as *const __m256i),
-                    _mm256_loadu_si256(kb.as_ptr().add(at) as *const __m256i),
-                )
-            };
-            // |x| times y with x's sign: byte pairs summed into 16 bits (at most 2 * 127 * 128,
-            // no overflow: the quantizer writes no -128), then pairs of those into 32 bits.
-            let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
-            let s = _mm256_madd_epi16(pairs, ones);
-            let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
-            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-            let sumi = _mm_cvtsi128_si32(s);
-            let d = q[b * Q8_0_UNITS].to_f32() * k[b * Q8_0_UNITS].to_f32();
-            sum += sumi as f32 * d;
+    /// The CPU must have AVX2; the row must hold `8 * ch + 8` values.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn eight(row: &[f16], ch: usize) -> __m256 {
+        let b = ch / (Q8_0_BLOCK / 8);
+        debug_assert!((b + 1) * Q8_0_UNITS <= row.len());
+        // SAFETY: the caller promises the row holds these values.
+        unsafe {
+            let at = (row.as_ptr().add(b * Q8_0_UNITS + 1) as *const u8).add(8 * (ch % 4));
+            let q = _mm_loadl_epi64(at as *const __m128i);
+            let d = (*row.as_ptr().add(b * Q8_0_UNITS)).to_f32();
+            _mm256_mul_ps(
+                _mm256_set1_ps(d),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+            )
         }
-        sum
+    }
+
+    /// [`super::dot_q8_0`], bitwise.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q8_0(q: &[f32], k: &[f16]) -> f32 {
+        check(q.len(), k);
+        let mut acc = _mm256_setzero_ps();
+        for ch in 0..q.len() / 8 {
+            // SAFETY: `8 * ch + 8 <= q.len()`, and the row holds `q.len()` values (checked).
+            let (qv, kv) = unsafe { (_mm256_loadu_ps(q.as_ptr().add(8 * ch)), eight(k, ch)) };
+            acc = _mm256_fmadd_ps(qv, kv, acc);
+        }
+        let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+        // [s0 + s4, s1 + s5, ..] then ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)).
+        let h = _mm_hadd_ps(s, s);
+        _mm_cvtss_f32(_mm_hadd_ps(h, h))
     }
 
     /// [`super::axpy_q8_0`], bitwise.
@@ -120,16 +109,12 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn axpy_q8_0(p: f32, v: &[f16], o: &mut [f32]) {
         check(o.len(), v);
-        let vb = bytes(v);
         let pv = _mm256_set1_ps(p);
-        for b in 0..o.len() / Q8_0_BLOCK {
-            for c in 0..Q8_0_BLOCK / 8 {
-                // SAFETY: `Q8_0_BLOCK * b + 8 * c + 8 <= o.len()`.
-                unsafe {
-                    let at = o.as_mut_ptr().add(Q8_0_BLOCK * b + 8 * c);
-                    let x = eight(v, vb, b, c);
-                    _mm256_storeu_ps(at, _mm256_fmadd_ps(pv, x, _mm256_loadu_ps(at)));
-                }
+        for ch in 0..o.len() / 8 {
+            // SAFETY: `8 * ch + 8 <= o.len()`, and the row holds `o.len()` values (checked).
+            unsafe {
+                let at = o.as_mut_ptr().add(8 * ch);
+                _mm256_storeu_ps(at, _mm256_fmadd_ps(pv, eight(v, ch), _mm256_loadu_ps(at)));
             }
         }
     }
@@ -141,8 +126,8 @@ mod tests {
     use crate::KvType;
 
     /// A row stored as `q8_0` reads back as its scale times its bytes, within half a step of
-    /// what was stored (plus the scale's rounding to f16); the dot product of two such rows is
-    /// that of their values; the AVX2 products equal the scalar ones bitwise.
+    /// what was stored (plus the scale's rounding to f16); the products take those values; the
+    /// AVX2 products equal the scalar ones bitwise.
     #[test]
     fn q8_0_rows_round_trip_and_avx2_equals_scalar_bitwise() {
         let mut uniform = crate::kernels::tests::uniform(0x51ed_2701);
@@ -160,11 +145,8 @@ mod tests {
                     assert!((got - x).abs() <= bound, "n {n}: {got} for {x}");
                 }
             }
-            let qf: Vec<f32> = (0..n).map(|_| next()).collect();
-            let mut q = vec![f16::ZERO; row.len()];
-            KvType::Q8_0.store(&qf, &mut q);
-            let qb = bytes(&q);
-            let want: f32 = (0..n).map(|i| value(&q, qb, i) * value(&row, rb, i)).sum();
+            let q: Vec<f32> = (0..n).map(|_| next()).collect();
+            let want: f32 = (0..n).map(|i| q[i] * value(&row, rb, i)).sum();
             let dot = dot_q8_0(&q, &row);
             assert!(
                 (dot - want).abs() <= 1e-3 * want.abs().max(1.0),
@@ -196,27 +178,30 @@ mod tests {
         }
     }
 
-    /// Nothing a forward pass can produce makes storing panic: zeros, infinities and NaN.
+    /// Nothing a forward pass can produce makes storing panic or writes a -128 (zeros,
+    /// infinities, NaN, values so small that `127 / amax` overflows), and the AVX2 dot product
+    /// still equals the scalar one on them.
     #[test]
     fn storing_odd_values_does_not_panic() {
-        for v in [
-            0.0,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::NAN,
-            f32::MAX,
-            1e-30,
-        ] {
-            let x = vec![v; 32];
+        let odd = [0.0, f32::INFINITY, f32::NAN, f32::MAX, 1e-30, 1e-38];
+        for v in odd {
+            let x: Vec<f32> = (0..32).map(|i| if i % 3 == 0 { -v } else { v }).collect();
             let mut row = vec![f16::ZERO; Q8_0_UNITS];
             KvType::Q8_0.store(&x, &mut row);
-            let _ = dot_q8_0(&row, &row);
+            assert!(!bytes(&row)[2..].contains(&0x80), "{v}: a -128 byte");
+            let q = [0.5; 32];
+            let dot = dot_q8_0(&q, &row);
+            if crate::kernels::Isa::Avx2.testable("storing_odd_values_does_not_panic") {
+                // SAFETY: AVX2 checked above.
+                let fast = unsafe { avx2::dot_q8_0(&q, &row) };
+                assert_eq!(fast.to_bits(), dot.to_bits(), "{v}");
+            }
         }
         let (mut zero, mut ones) = (vec![f16::ZERO; Q8_0_UNITS], vec![f16::ZERO; Q8_0_UNITS]);
         KvType::Q8_0.store(&[0.0; 32], &mut zero);
         KvType::Q8_0.store(&[1.0; 32], &mut ones);
-        assert_eq!(dot_q8_0(&ones, &zero), 0.0);
+        assert_eq!(dot_q8_0(&[1.0; 32], &zero), 0.0);
         let d = f16::from_f32(1.0 / 127.0).to_f32();
-        assert_eq!(dot_q8_0(&ones, &ones), (32 * 127 * 127) as f32 * (d * d));
+        assert_eq!(dot_q8_0(&[1.0; 32], &ones), 32.0 * (127.0 * d));
     }
 }

@@ -283,9 +283,9 @@ impl Kernels {
         attn::axpy_f16(p, v, o)
     }
 
-    /// `q . k` of two `q8_0` rows, with [`attn_q8::dot_q8_0`]'s arithmetic.
+    /// `q . k` over a `q8_0` row, with [`attn_q8::dot_q8_0`]'s arithmetic.
     #[inline]
-    pub fn dot_q8_0(&self, q: &[half::f16], k: &[half::f16]) -> f32 {
+    pub fn dot_q8_0(&self, q: &[f32], k: &[half::f16]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if self.isa != Isa::Scalar {
             // SAFETY: both SIMD isas are detected only with AVX2 and FMA.
@@ -310,11 +310,11 @@ impl Kernels {
     /// One attention task in one call where a fused kernel exists for this isa and shape:
     /// AVX-512 (head widths [`attn::FUSED_HEAD_DIMS`], up to [`attn::FUSED_MAX_GROUP`] query
     /// heads per KV head) and AVX2 ([`attn::tiled`]: widths that are multiples of eight, up to
-    /// [`attn::tiled::MAX_GROUP`] heads). `q` holds the query heads' rows rounded to f16 values
-    /// (as the generic path rounds them), `k(t)` / `v(t)` the KV head's rows at position `t`,
-    /// `scores` is scratch of `heads * n_pos` and `tile` of [`attn::tile_floats`].
-    /// Bitwise the generic path's result; returns false (nothing done) where there is no such
-    /// kernel.
+    /// [`attn::tiled::MAX_GROUP`] heads). `q` holds the query heads' rows rounded to the
+    /// cache's type (as the generic path rounds them, [`crate::KvType::round`]), `k(t)` /
+    /// `v(t)` the KV head's rows at position `t` (f16, or `q8_0` where `q8`), `scores` is
+    /// scratch of `heads * n_pos` and `tile` of [`attn::tile_floats`]. Bitwise the generic
+    /// path's result; returns false (nothing done) where there is no such kernel.
     #[allow(clippy::too_many_arguments)]
     pub fn fused_attention<'a>(
         &self,
@@ -322,6 +322,7 @@ impl Kernels {
         q: &[f32],
         n_pos: usize,
         scale: f32,
+        q8: bool,
         k: impl Fn(usize) -> &'a [half::f16],
         v: impl Fn(usize) -> &'a [half::f16],
         scores: &mut [f32],
@@ -333,23 +334,34 @@ impl Kernels {
             // SAFETY: the isa (AVX2, FMA, F16C) was checked when these kernels were made;
             // lengths are asserted inside.
             return unsafe {
-                attn::tiled::block(head_dim, q, &[(0, n_pos)], scale, k, v, scores, tile, out)
+                attn::tiled::block(
+                    head_dim,
+                    q,
+                    &[(0, n_pos)],
+                    scale,
+                    q8,
+                    k,
+                    v,
+                    scores,
+                    tile,
+                    out,
+                )
             };
         }
         #[cfg(target_arch = "x86_64")]
         if self.isa == Isa::Avx512Vnni {
             use attn::fused::heads;
             macro_rules! by_group {
-                ($ch:literal) => {
+                ($ch:literal, $q8:literal) => {
                     match q.len() / head_dim {
-                        1 => heads::<1, $ch>(q, n_pos, scale, k, v, scores, out),
-                        2 => heads::<2, $ch>(q, n_pos, scale, k, v, scores, out),
-                        3 => heads::<3, $ch>(q, n_pos, scale, k, v, scores, out),
-                        4 => heads::<4, $ch>(q, n_pos, scale, k, v, scores, out),
-                        5 => heads::<5, $ch>(q, n_pos, scale, k, v, scores, out),
-                        6 => heads::<6, $ch>(q, n_pos, scale, k, v, scores, out),
-                        7 => heads::<7, $ch>(q, n_pos, scale, k, v, scores, out),
-                        8 => heads::<8, $ch>(q, n_pos, scale, k, v, scores, out),
+                        1 => heads::<1, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
+                        2 => heads::<2, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
+                        3 => heads::<3, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
+                        4 => heads::<4, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
+                        5 => heads::<5, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
+                        6 => heads::<6, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
+                        7 => heads::<7, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
+                        8 => heads::<8, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
                         _ => return false,
                     }
                 };
@@ -357,16 +369,19 @@ impl Kernels {
             // SAFETY: the isa (AVX-512 F/VL with AVX2, FMA, F16C) was checked when these
             // kernels were made; lengths are asserted inside.
             unsafe {
-                match head_dim {
-                    64 => by_group!(8),
-                    128 => by_group!(16),
-                    256 => by_group!(32),
+                match (head_dim, q8) {
+                    (64, false) => by_group!(8, false),
+                    (128, false) => by_group!(16, false),
+                    (256, false) => by_group!(32, false),
+                    (64, true) => by_group!(8, true),
+                    (128, true) => by_group!(16, true),
+                    (256, true) => by_group!(32, true),
                     _ => return false,
                 }
             }
             return true;
         }
-        let _ = (head_dim, q, n_pos, scale, k, v, scores, tile, out);
+        let _ = (head_dim, q, n_pos, scale, q8, k, v, scores, tile, out);
         false
     }
 
@@ -383,8 +398,9 @@ impl Kernels {
     /// a kernel (AVX2: [`attn::tiled::block`], widths that are multiples of eight, up to
     /// [`attn::tiled::MAX_GROUP`] heads per KV head and [`attn::MAX_BLOCK_ROWS`] rows): row `r`
     /// attends to the absolute positions `ranges[r].0..ranges[r].0 + ranges[r].1`, `q` holds
-    /// its heads' rows (rounded to f16 values) at `r * heads * head_dim`, `k(t)` / `v(t)` are
-    /// the KV head's rows at position `t`, `scores` is scratch of `heads * Σ n_pos` and `tile`
+    /// its heads' rows (rounded to the cache's type) at `r * heads * head_dim`, `k(t)` / `v(t)`
+    /// are the KV head's rows at position `t` (f16, or `q8_0` where `q8`), `scores` is scratch
+    /// of `heads * Σ n_pos` and `tile`
     /// of [`attn::tile_floats`]. Each row's result is bitwise the generic path's for that row
     /// alone; returns false (nothing done) where there is no such kernel.
     #[allow(clippy::too_many_arguments)]
@@ -394,6 +410,7 @@ impl Kernels {
         q: &[f32],
         ranges: &[(usize, usize)],
         scale: f32,
+        q8: bool,
         k: impl Fn(usize) -> &'a [half::f16],
         v: impl Fn(usize) -> &'a [half::f16],
         scores: &mut [f32],
@@ -405,10 +422,10 @@ impl Kernels {
             // SAFETY: the isa (AVX2, FMA, F16C) was checked when these kernels were made;
             // lengths are asserted inside.
             return unsafe {
-                attn::tiled::block(head_dim, q, ranges, scale, k, v, scores, tile, out)
+                attn::tiled::block(head_dim, q, ranges, scale, q8, k, v, scores, tile, out)
             };
         }
-        let _ = (head_dim, q, ranges, scale, k, v, scores, tile, out);
+        let _ = (head_dim, q, ranges, scale, q8, k, v, scores, tile, out);
         false
     }
 }

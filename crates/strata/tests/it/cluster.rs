@@ -552,6 +552,10 @@ fn a_q8_0_kv_route_answers_as_one_process_and_a_mixed_route_is_refused() {
     let a = procs::shard(exe(), &m, "0..15", &token, &q8);
     let b = procs::shard(exe(), &m, "15..30", &token, &q8);
     let t = procs::tracker(exe(), &[&a, &b], &token, &["--health-period-ms", "100"]);
+    let health = get(&t.addr, "/health").json();
+    for s in health["shards"].as_array().unwrap() {
+        assert_eq!(s["kv_dtype"], "q8_0", "{health}");
+    }
     for prompt in &reference_prompts()[..2] {
         let want = one_process_with(prompt, 12, &["--kv-type", "q8_0"]);
         assert_eq!(complete_ids(&t.addr, prompt, 12), want);

@@ -379,6 +379,7 @@ pub async fn health(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respo
                     "version": info.map(|i| i.version.as_str()),
                     "protocol": info.map(|i| i.protocol_version),
                     "numeric_contract": r.cluster.numeric_contract(),
+                    "kv_dtype": r.cluster.kv_dtype(),
                     "model": m.id,
                     "route": r.name,
                     "layers": format!("{}..{}", sh.layers.0, sh.layers.1),

@@ -136,13 +136,14 @@ impl State {
                 .get(&(r.address.clone(), r.instance.clone()))
                 .is_some_and(|(_, until)| *until > now)
         };
-        let mut by_model: BTreeMap<(&str, u32), Vec<&ShardRecord>> = BTreeMap::new();
+        // Only shards that store K and V alike and share a numeric contract chain.
+        let mut by_model: BTreeMap<(&str, u32, String), Vec<&ShardRecord>> = BTreeMap::new();
         for r in alive
             .values()
             .filter(|r| !used.contains(&r.address) && !waiting(r))
         {
             by_model
-                .entry((r.digest.as_str(), r.n_layers))
+                .entry((r.digest.as_str(), r.n_layers, r.arithmetic()))
                 .or_default()
                 .push(r);
         }
