@@ -17,7 +17,7 @@ and each server's peak RSS at the end (its sessions' KV still held: with --ctx 3
 The servers take their requests in turn, so a slow phase of the machine hits both.
 
 Usage: bench/agent-prompt.py [--model NAME|PATH] [--threads 2] [--prompt-tokens 15000]
-       [--rounds 3] [--strata PATH] [--llama-server PATH] [--ctx 16384]
+       [--rounds 3] [--strata PATH] [--llama-server PATH] [--ctx 16384] [--kv-type f16|q8_0]
 """
 import argparse
 import json
@@ -152,6 +152,8 @@ def main():
     ap.add_argument("--ctx", type=int, default=16384)
     ap.add_argument("--strata", default=os.path.join(ROOT, "target", "release", "strata"))
     ap.add_argument("--llama-server", default=None, help="a llama-server binary to compare with")
+    ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"],
+                    help="how both servers cache K and V (llama-server: -ctk/-ctv, with -fa on for q8_0)")
     args = ap.parse_args()
     model = model_path(args.model)
     # About 228 tokens per generated tool definition with Qwen2.5's tokenizer.
@@ -161,13 +163,14 @@ def main():
     port = free_port()
     servers.append(("strata", port, subprocess.Popen(
         [args.strata, "serve", "--model", model, "--shards", "1", "--threads", str(args.threads),
-         "--ctx", str(args.ctx), "--listen", f"127.0.0.1:{port}"],
+         "--ctx", str(args.ctx), "--kv-type", args.kv_type, "--listen", f"127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
     if args.llama_server:
         port = free_port()
         servers.append(("llama-server", port, subprocess.Popen(
             [args.llama_server, "-m", model, "-t", str(args.threads), "-c", str(args.ctx), "-np", "1",
-             "--port", str(port)],
+             "--port", str(port)]
+            + (["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"] if args.kv_type == "q8_0" else []),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
     try:
         for _, port, proc in servers:

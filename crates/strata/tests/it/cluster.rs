@@ -490,24 +490,30 @@ fn a_route_with_a_gap_or_overlap_is_refused_naming_the_shard() {
     let token = procs::token_file("test-cluster-token-0123456789");
     let a = procs::shard(exe(), &model(), "0..10", &token, &["--threads", "1"]);
     let b = procs::shard(exe(), &model(), "12..30", &token, &["--threads", "1"]);
-    let out = Command::new(exe())
-        .args([
-            "tracker",
-            "--shards",
-            &format!("{},{}", a.addr, b.addr),
-            "--listen",
-            "127.0.0.1:0",
-            "--cluster-token-file",
-            token.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused_route(&[&a, &b], &token);
     assert!(
         err.contains("layers 10..12 are not covered") && err.contains(&b.addr),
         "{err}"
     );
+}
+
+/// What a tracker given the route of `shards` prints as it exits 1, refusing it.
+fn refused_route(shards: &[&Proc], token: &Path) -> String {
+    let addrs: Vec<&str> = shards.iter().map(|s| s.addr.as_str()).collect();
+    let out = Command::new(exe())
+        .args([
+            "tracker",
+            "--shards",
+            &addrs.join(","),
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--cluster-token-file")
+        .arg(token)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 /// Seam bytes per token: 576 activations as f32, f16, or q8_0 (18 blocks of 32 values, 34
@@ -562,20 +568,7 @@ fn a_q8_0_kv_route_answers_as_one_process_and_a_mixed_route_is_refused() {
     }
     drop(t);
     let f16 = procs::shard(exe(), &m, "15..30", &token, &["--threads", "1"]);
-    let out = Command::new(exe())
-        .args([
-            "tracker",
-            "--shards",
-            &format!("{},{}", a.addr, f16.addr),
-            "--listen",
-            "127.0.0.1:0",
-            "--cluster-token-file",
-            token.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused_route(&[&a, &f16], &token);
     assert!(
         err.contains(&format!(
             "shard {} (layers 15..30) stores K and V as f16",
