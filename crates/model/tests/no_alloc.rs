@@ -5,7 +5,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use model::{Batch, LayerRange, Model, ModelOptions, Row};
+use model::{Batch, KvType, LayerRange, Model, ModelOptions, Row};
 use testkit::TinySpec;
 
 struct Counting;
@@ -44,13 +44,17 @@ static GLOBAL: Counting = Counting;
 fn a_warm_batched_decode_step_allocates_nothing() {
     let path = testkit::write_tiny_model(&TinySpec::default(), "no-alloc");
     let file = gguf::GgufFile::open(&path).unwrap();
-    // Four sessions run on the shared path; sixteen data-parallel (one lane per thread).
-    for (range, threads, n_seq) in [
-        (None, 2, 4),
-        (Some(LayerRange { start: 0, end: 2 }), 2, 4),
-        (None, 1, 4),
-        (None, 2, 16),
-        (Some(LayerRange { start: 2, end: 4 }), 2, 16),
+    // Four sessions run on the shared path; sixteen data-parallel (one lane per thread); K and
+    // V as f16 and as q8_0 (rotated, through the same scratch).
+    let (f16, q8) = (KvType::F16, KvType::Q8_0);
+    for (range, threads, n_seq, kv_type) in [
+        (None, 2, 4, f16),
+        (Some(LayerRange { start: 0, end: 2 }), 2, 4, f16),
+        (None, 1, 4, f16),
+        (None, 2, 16, f16),
+        (Some(LayerRange { start: 2, end: 4 }), 2, 16, f16),
+        (None, 2, 4, q8),
+        (None, 2, 16, q8),
     ] {
         let m = Model::load(
             &file,
@@ -58,7 +62,7 @@ fn a_warm_batched_decode_step_allocates_nothing() {
             ModelOptions {
                 n_threads: threads,
                 isa: None,
-                kv_type: model::KvType::F16,
+                kv_type,
             },
         )
         .unwrap();
@@ -95,7 +99,8 @@ fn a_warm_batched_decode_step_allocates_nothing() {
         assert_eq!(
             ALLOCATIONS.load(Ordering::SeqCst),
             0,
-            "range {range:?}, {threads} threads, {n_seq} sessions: allocations during warm decode steps"
+            "range {range:?}, {threads} threads, {n_seq} sessions, {} K and V: allocations during warm decode steps",
+            kv_type.name()
         );
     }
 }
