@@ -540,7 +540,6 @@ impl Model {
             );
             {
                 let table = &rope[self.layer_rope[li]];
-                let rotations = self.kv_type.rotations(c.head_dim);
                 let (qs, ks, vs) = (SharedMut::new(q), SharedMut::new(k), SharedMut::new(v));
                 pool.run_rows(n, &|i| {
                     // SAFETY: each row's slices belong to this task alone.
@@ -552,11 +551,6 @@ impl Model {
                         )
                     };
                     self.shape_qkv(lw, table, i, qi, ki, vi);
-                    if let Some((qk, v)) = rotations {
-                        hadamard(qi, qk);
-                        hadamard(ki, qk);
-                        hadamard(vi, v);
-                    }
                 });
             }
             for (i, row) in rows.iter().enumerate() {
@@ -569,15 +563,7 @@ impl Model {
                 }
             }
             self.attention(pool, li, layer.window, rows, caches, q, attn, attn_scratch);
-            if let Some((_, v)) = self.kv_type.rotations(c.head_dim) {
-                // The output is a sum of rotated V rows: rotated back, as the matrix is its
-                // own inverse.
-                let outs = SharedMut::new(attn);
-                pool.run_rows(n, &|i| {
-                    // SAFETY: each row's slice belongs to this task alone.
-                    hadamard(unsafe { outs.slice(i * qd, qd) }, v);
-                });
-            }
+            self.rotate_back(pool, attn);
             matmul(
                 &self.kernels,
                 pool,
@@ -647,7 +633,8 @@ impl Model {
     }
 
     /// One row's Q, K and V as attention takes them: biases added, each head RMS-normed, and
-    /// RoPE applied to Q and K, as the family's block says.
+    /// RoPE applied to Q and K, as the family's block says; then rotated where the cache's type
+    /// asks it ([`KvType::rotations`]).
     fn shape_qkv(
         &self,
         lw: &crate::weights::LayerWeights,
@@ -672,6 +659,26 @@ impl Model {
         }
         table.apply_row(i, q, c.head_dim, c.block.rope);
         table.apply_row(i, k, c.head_dim, c.block.rope);
+        if let Some((qk, vr)) = self.kv_type.rotations(c.head_dim) {
+            hadamard(q, qk);
+            hadamard(k, qk);
+            hadamard(v, vr);
+        }
+    }
+
+    /// Rotates each row of the attention's output back where the cache's type rotated V
+    /// ([`KvType::rotations`]): the output is a sum of rotated V rows, and the matrix is its
+    /// own inverse.
+    fn rotate_back(&self, pool: &ThreadPool, attn: &mut [f32]) {
+        let Some((_, v)) = self.kv_type.rotations(self.config.head_dim) else {
+            return;
+        };
+        let qd = self.config.q_dim();
+        let outs = SharedMut::new(attn);
+        pool.run_rows(attn.len() / qd, &|i| {
+            // SAFETY: each row's slice belongs to this task alone.
+            hadamard(unsafe { outs.slice(i * qd, qd) }, v);
+        });
     }
 
     /// `out = rms_norm(x) * weight`, row by row, in parallel.

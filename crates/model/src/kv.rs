@@ -35,6 +35,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
+use crate::kernels::attn_q8 as q8;
 use crate::weights::LayerRange;
 
 mod prefix;
@@ -85,28 +86,6 @@ pub(crate) fn hadamard(x: &mut [f32], n: usize) {
     }
 }
 
-/// A `q8_0` block's scale `amax / 127` (as stored) and the factor its values are multiplied
-/// by before rounding, `127 / amax` (0 where that is not finite: zeros, or values so small
-/// that it overflows).
-fn q8_scale(x: &[f32]) -> (f16, f32) {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let id = 127.0 / amax;
-    (
-        f16::from_f32(amax / 127.0),
-        if id.is_finite() { id } else { 0.0 },
-    )
-}
-
-/// A value's byte, rounded to nearest even: never -128 (the kernels negate bytes), and NaN is
-/// 0, so no input panics here.
-fn q8_byte(x: f32, id: f32) -> i8 {
-    (x * id).round_ties_even().clamp(-127.0, 127.0) as i8
-}
-
-/// Values per `q8_0` block, and the 16-bit units one block takes (the scale, then 32 bytes).
-pub const Q8_0_BLOCK: usize = 32;
-pub const Q8_0_UNITS: usize = 17;
-
 impl KvType {
     /// The names llama.cpp's `--cache-type-k` uses, and the cache recipe's `kv_dtype`.
     pub fn name(self) -> &'static str {
@@ -128,7 +107,7 @@ impl KvType {
     pub fn supports(self, head_dim: usize) -> bool {
         match self {
             KvType::F16 => true,
-            KvType::Q8_0 => head_dim > 0 && head_dim.is_multiple_of(Q8_0_BLOCK),
+            KvType::Q8_0 => head_dim > 0 && head_dim.is_multiple_of(q8::BLOCK),
         }
     }
 
@@ -148,12 +127,12 @@ impl KvType {
         }
     }
 
-    /// 16-bit units a row of `values` values takes (`values` a multiple of [`Q8_0_BLOCK`] for
+    /// 16-bit units a row of `values` values takes (`values` a multiple of [`q8::BLOCK`] for
     /// `q8_0`).
     pub fn row_units(self, values: usize) -> usize {
         match self {
             KvType::F16 => values,
-            KvType::Q8_0 => values / Q8_0_BLOCK * Q8_0_UNITS,
+            KvType::Q8_0 => q8::row_units(values),
         }
     }
 
@@ -166,13 +145,13 @@ impl KvType {
             KvType::F16 => dst.convert_from_f32_slice(src),
             KvType::Q8_0 => {
                 for (x, b) in src
-                    .chunks_exact(Q8_0_BLOCK)
-                    .zip(dst.chunks_exact_mut(Q8_0_UNITS))
+                    .chunks_exact(q8::BLOCK)
+                    .zip(dst.chunks_exact_mut(q8::UNITS))
                 {
-                    let (d, id) = q8_scale(x);
+                    let (d, id) = q8::scale(x);
                     b[0] = d;
                     for (pair, x) in b[1..].iter_mut().zip(x.chunks_exact(2)) {
-                        let bytes = [q8_byte(x[0], id) as u8, q8_byte(x[1], id) as u8];
+                        let bytes = [q8::byte(x[0], id) as u8, q8::byte(x[1], id) as u8];
                         *pair = f16::from_bits(u16::from_ne_bytes(bytes));
                     }
                 }
@@ -192,12 +171,12 @@ impl KvType {
             }
             KvType::Q8_0 => {
                 for (x, y) in src
-                    .chunks_exact(Q8_0_BLOCK)
-                    .zip(dst.chunks_exact_mut(Q8_0_BLOCK))
+                    .chunks_exact(q8::BLOCK)
+                    .zip(dst.chunks_exact_mut(q8::BLOCK))
                 {
-                    let (d, id) = q8_scale(x);
+                    let (d, id) = q8::scale(x);
                     for (y, &x) in y.iter_mut().zip(x) {
-                        *y = d.to_f32() * f32::from(q8_byte(x, id));
+                        *y = d.to_f32() * f32::from(q8::byte(x, id));
                     }
                 }
             }

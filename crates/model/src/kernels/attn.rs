@@ -117,7 +117,7 @@ pub mod fused {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
     unsafe fn load_row<const CH: usize, const Q8: bool>(r: &[f16]) -> [__m256; CH] {
         if Q8 {
-            assert!(r.len() >= crate::KvType::Q8_0.row_units(8 * CH));
+            assert!(r.len() >= crate::kernels::attn_q8::row_units(8 * CH));
             // SAFETY: the row holds `8 * CH` values (asserted above).
             return std::array::from_fn(|ch| unsafe {
                 crate::kernels::attn_q8::avx2::eight(r, ch)
@@ -145,10 +145,10 @@ pub mod fused {
         }
     }
 
-    /// `q` holds the `G` query rows (rounded to f16 values here; where `Q8`, already rounded as
-    /// `q8_0` values); `k(t)` and `v(t)` are this KV head's rows at position `t` (f16, or
-    /// `q8_0` where `Q8`); `scores` is scratch of `G * n_pos`; `out` receives the `G` attention
-    /// outputs.
+    /// `q` holds the `G` query rows, already rounded to the cache's type (as the generic path
+    /// rounds them, [`crate::KvType::round`]); `k(t)` and `v(t)` are this KV head's rows at
+    /// position `t` (f16, or `q8_0` where `Q8`); `scores` is scratch of `G * n_pos`; `out`
+    /// receives the `G` attention outputs.
     ///
     /// # Safety
     /// The CPU must have AVX2, FMA, F16C and AVX-512 F/VL.
@@ -164,18 +164,11 @@ pub mod fused {
     ) {
         let hd = 8 * CH;
         assert!(q.len() >= G * hd && out.len() >= G * hd && scores.len() >= G * n_pos);
-        // Q rounded to f16 values, as llama.cpp multiplies it by an f16 K (round to nearest
-        // even, as `f16::from_f32`). SAFETY: lengths asserted above.
         let mut qv = [[_mm256_setzero_ps(); CH]; G];
         for (h, qh) in qv.iter_mut().enumerate() {
             for (ch, x) in qh.iter_mut().enumerate() {
                 // SAFETY: lengths asserted above.
-                let v = unsafe { _mm256_loadu_ps(q.as_ptr().add(h * hd + 8 * ch)) };
-                *x = if Q8 {
-                    v
-                } else {
-                    _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v))
-                };
+                *x = unsafe { _mm256_loadu_ps(q.as_ptr().add(h * hd + 8 * ch)) };
             }
         }
         // K and V rows of one session are scattered over its blocks (and a step's sessions do
@@ -309,7 +302,7 @@ pub mod tiled {
             let r = row(p);
             let dst = &mut tile[p * hd..(p + 1) * hd];
             if q8 {
-                assert_eq!(r.len(), crate::KvType::Q8_0.row_units(hd));
+                assert_eq!(r.len(), crate::kernels::attn_q8::row_units(hd));
                 for ch in 0..hd / 8 {
                     // SAFETY: the row holds `hd` values (asserted), `8 * ch + 8 <= hd`.
                     unsafe {
@@ -381,7 +374,7 @@ pub mod tiled {
     /// once for all of them (a prefill step's consecutive rows share all but their last
     /// positions), and a row takes from each tile the positions of its own range.
     ///
-    /// `q` holds row `r`'s `g` heads at `r * g * hd` (already rounded to f16 values, as the
+    /// `q` holds row `r`'s `g` heads at `r * g * hd` (already rounded to the cache's type, as the
     /// generic path rounds them); `k(t)` and `v(t)` are this KV head's rows at absolute
     /// position `t`; `scores` is scratch of `g * Σ n_pos`, `tile` of [`super::tile_floats`];
     /// `out` receives row `r`'s `g` outputs at `r * g * hd`. Returns false, doing nothing, for a

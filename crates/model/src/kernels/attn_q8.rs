@@ -7,25 +7,52 @@
 
 use half::f16;
 
-use crate::kv::{Q8_0_BLOCK, Q8_0_UNITS};
+/// The `q8_0` row format (defined here, beside the kernels that read it; the KV cache stores
+/// it through [`crate::KvType`]): values per block, and the 16-bit units one block takes (the
+/// scale, then 32 bytes).
+pub const BLOCK: usize = 32;
+pub const UNITS: usize = 17;
 
-/// A row's little-endian bytes: block `b`'s scale is unit `b * Q8_0_UNITS`, its bytes follow.
+/// 16-bit units a row of `values` values takes (`values` a multiple of [`BLOCK`]).
+pub fn row_units(values: usize) -> usize {
+    values / BLOCK * UNITS
+}
+
+/// A block's scale `amax / 127` (as stored) and the factor its values are multiplied by before
+/// rounding, `127 / amax` (0 where that is not finite: zeros, or values so small that it
+/// overflows).
+pub(crate) fn scale(x: &[f32]) -> (f16, f32) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let id = 127.0 / amax;
+    (
+        f16::from_f32(amax / 127.0),
+        if id.is_finite() { id } else { 0.0 },
+    )
+}
+
+/// A value's byte, rounded to nearest even: never -128 (the kernels negate bytes), and NaN is
+/// 0, so no input panics here.
+pub(crate) fn byte(x: f32, id: f32) -> i8 {
+    (x * id).round_ties_even().clamp(-127.0, 127.0) as i8
+}
+
+/// A row's bytes in memory order: block `b`'s scale is unit `b * UNITS`, its bytes follow.
 fn bytes(row: &[f16]) -> &[u8] {
     // SAFETY: `f16` is two bytes of plain data, and `u8` needs no alignment.
     unsafe { std::slice::from_raw_parts(row.as_ptr().cast::<u8>(), std::mem::size_of_val(row)) }
 }
 
 fn check(values: usize, row: &[f16]) {
-    assert!(values.is_multiple_of(Q8_0_BLOCK), "{values} values");
-    assert_eq!(row.len(), values / Q8_0_BLOCK * Q8_0_UNITS);
+    assert!(values.is_multiple_of(BLOCK), "{values} values");
+    assert_eq!(row.len(), values / BLOCK * UNITS);
 }
 
 /// Value `i` of a row.
 #[inline]
 fn value(row: &[f16], bytes: &[u8], i: usize) -> f32 {
-    let b = i / Q8_0_BLOCK;
-    let q = bytes[2 * (b * Q8_0_UNITS + 1) + i % Q8_0_BLOCK] as i8;
-    row[b * Q8_0_UNITS].to_f32() * f32::from(q)
+    let b = i / BLOCK;
+    let q = bytes[2 * (b * UNITS + 1) + i % BLOCK] as i8;
+    row[b * UNITS].to_f32() * f32::from(q)
 }
 
 /// `q . k` over a `q8_0` row with eight interleaved partial sums (lane `l` takes values `l`,
@@ -60,7 +87,7 @@ pub mod avx2 {
     use half::f16;
 
     use super::check;
-    use crate::kv::{Q8_0_BLOCK, Q8_0_UNITS};
+    use super::{BLOCK, UNITS};
 
     /// Values `8 * ch..8 * ch + 8` of a row, each its block's scale times its byte (exact).
     ///
@@ -69,13 +96,13 @@ pub mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn eight(row: &[f16], ch: usize) -> __m256 {
-        let b = ch / (Q8_0_BLOCK / 8);
-        debug_assert!((b + 1) * Q8_0_UNITS <= row.len());
+        let b = ch / (BLOCK / 8);
+        debug_assert!((b + 1) * UNITS <= row.len());
         // SAFETY: the caller promises the row holds these values.
         unsafe {
-            let at = (row.as_ptr().add(b * Q8_0_UNITS + 1) as *const u8).add(8 * (ch % 4));
+            let at = (row.as_ptr().add(b * UNITS + 1) as *const u8).add(8 * (ch % 4));
             let q = _mm_loadl_epi64(at as *const __m128i);
-            let d = (*row.as_ptr().add(b * Q8_0_UNITS)).to_f32();
+            let d = (*row.as_ptr().add(b * UNITS)).to_f32();
             _mm256_mul_ps(
                 _mm256_set1_ps(d),
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
@@ -137,10 +164,10 @@ mod tests {
             let mut row = vec![f16::ZERO; KvType::Q8_0.row_units(n)];
             KvType::Q8_0.store(&x, &mut row);
             let rb = bytes(&row);
-            for (b, x) in x.chunks_exact(Q8_0_BLOCK).enumerate() {
+            for (b, x) in x.chunks_exact(BLOCK).enumerate() {
                 let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
                 for (j, &x) in x.iter().enumerate() {
-                    let got = value(&row, rb, b * Q8_0_BLOCK + j);
+                    let got = value(&row, rb, b * BLOCK + j);
                     let bound = amax / 127.0 * 0.5 + amax / 2048.0;
                     assert!((got - x).abs() <= bound, "n {n}: {got} for {x}");
                 }
@@ -186,7 +213,7 @@ mod tests {
         let odd = [0.0, f32::INFINITY, f32::NAN, f32::MAX, 1e-30, 1e-38];
         for v in odd {
             let x: Vec<f32> = (0..32).map(|i| if i % 3 == 0 { -v } else { v }).collect();
-            let mut row = vec![f16::ZERO; Q8_0_UNITS];
+            let mut row = vec![f16::ZERO; UNITS];
             KvType::Q8_0.store(&x, &mut row);
             assert!(!bytes(&row)[2..].contains(&0x80), "{v}: a -128 byte");
             let q = [0.5; 32];
@@ -197,7 +224,7 @@ mod tests {
                 assert_eq!(fast.to_bits(), dot.to_bits(), "{v}");
             }
         }
-        let (mut zero, mut ones) = (vec![f16::ZERO; Q8_0_UNITS], vec![f16::ZERO; Q8_0_UNITS]);
+        let (mut zero, mut ones) = (vec![f16::ZERO; UNITS], vec![f16::ZERO; UNITS]);
         KvType::Q8_0.store(&[0.0; 32], &mut zero);
         KvType::Q8_0.store(&[1.0; 32], &mut ones);
         assert_eq!(dot_q8_0(&[1.0; 32], &zero), 0.0);
