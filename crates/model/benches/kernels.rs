@@ -8,7 +8,7 @@ use half::f16;
 use model::kernels::{act, attn, packed, Kernels, PANEL_ACTS};
 use model::matmul::{matmul, ActScratch, Product, QMatrix};
 use model::pool::ThreadPool;
-use model::Isa;
+use model::{Isa, KvType};
 
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -257,25 +257,33 @@ fn fused_attention(c: &mut Criterion) {
 fn prefill_attention(c: &mut Criterion) {
     for isa in [Isa::Avx2, Isa::Avx512Vnni] {
         if let Some(k) = Kernels::new(isa) {
-            prefill_attention_on(c, &k, isa);
+            for ty in [KvType::F16, KvType::Q8_0] {
+                prefill_attention_on(c, &k, isa, ty);
+            }
         }
     }
 }
 
-fn prefill_attention_on(c: &mut Criterion, k: &Kernels, isa: Isa) {
+/// Eight query rows at the end of a 4096-position context, Qwen2.5-1.5B's shape, K and V rows
+/// of type `ty`.
+fn prefill_attention_on(c: &mut Criterion, k: &Kernels, isa: Isa, ty: KvType) {
     let (g, n_ctx, hd, n_rows) = (6, 4096, 128, 8);
-    let q: Vec<f32> = values(n_rows * g * hd, 9)
-        .into_iter()
-        .map(|x| f16::from_f32(x * 4.0).to_f32())
-        .collect();
-    let row = |seed| -> Vec<f16> { values(hd, seed).into_iter().map(f16::from_f32).collect() };
+    let raw = values(n_rows * g * hd, 9);
+    let mut q = vec![0f32; raw.len()];
+    ty.round(&raw.iter().map(|x| x * 4.0).collect::<Vec<_>>(), &mut q);
+    let row = |seed| -> Vec<f16> {
+        let mut r = vec![f16::ZERO; ty.row_units(hd)];
+        ty.store(&values(hd, seed), &mut r);
+        r
+    };
     let ks: Vec<Vec<f16>> = (0..n_ctx).map(|t| row(100 + t as u32)).collect();
     let vs: Vec<Vec<f16>> = (0..n_ctx).map(|t| row(10000 + t as u32)).collect();
     let ranges: Vec<(usize, usize)> = (n_ctx - n_rows..n_ctx).map(|p| (0, p + 1)).collect();
     let mut scores = vec![0f32; g * n_rows * n_ctx];
     let mut out = vec![0f32; n_rows * g * hd];
     let mut tile = vec![0f32; attn::tile_floats(hd)];
-    let mut grp = c.benchmark_group(format!("prefill_attention/{}", isa.name()));
+    let q8 = ty == KvType::Q8_0;
+    let mut grp = c.benchmark_group(format!("prefill_attention/{}/{}", isa.name(), ty.name()));
     let flops: usize = ranges.iter().map(|r| g * r.1 * hd * 4).sum();
     grp.throughput(Throughput::Elements(flops as u64));
     for block in [1, 2, 4, 8] {
@@ -294,7 +302,7 @@ fn prefill_attention_on(c: &mut Criterion, k: &Kernels, isa: Isa) {
                             qb,
                             rs[0].1,
                             0.125,
-                            false,
+                            q8,
                             |t| &ks[t][..],
                             |t| &vs[t][..],
                             &mut scores,
@@ -307,7 +315,7 @@ fn prefill_attention_on(c: &mut Criterion, k: &Kernels, isa: Isa) {
                             qb,
                             rs,
                             0.125,
-                            false,
+                            q8,
                             |t| &ks[t][..],
                             |t| &vs[t][..],
                             &mut scores,

@@ -112,17 +112,10 @@ pub mod fused {
 
     use super::tiled::reduce8;
 
-    /// Converts a row of `8 * CH` values (f16, or `q8_0` where `Q8`) to `CH` registers of f32.
+    /// Converts a row of `8 * CH` f16 values to `CH` registers of f32.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-    unsafe fn load_row<const CH: usize, const Q8: bool>(r: &[f16]) -> [__m256; CH] {
-        if Q8 {
-            assert!(r.len() >= crate::kernels::attn_q8::row_units(8 * CH));
-            // SAFETY: the row holds `8 * CH` values (asserted above).
-            return std::array::from_fn(|ch| unsafe {
-                crate::kernels::attn_q8::avx2::eight(r, ch)
-            });
-        }
+    unsafe fn load_row<const CH: usize>(r: &[f16]) -> [__m256; CH] {
         assert!(r.len() >= 8 * CH);
         let mut out = [_mm256_setzero_ps(); CH];
         for (ch, o) in out.iter_mut().enumerate() {
@@ -134,26 +127,26 @@ pub mod fused {
         out
     }
 
-    /// Hints the cache lines of a row of `8 * CH` values (f16, or `q8_0` where `Q8`).
+    /// Hints the cache lines of a row of `8 * CH` f16 values.
     #[inline]
-    fn prefetch_row<const CH: usize, const Q8: bool>(r: &[f16]) {
+    fn prefetch_row<const CH: usize>(r: &[f16]) {
         let p = r.as_ptr() as *const i8;
-        let bytes = if Q8 { 17 * CH / 2 } else { 16 * CH };
-        for line in 0..bytes.div_ceil(64) {
+        for line in 0..(16 * CH).div_ceil(64) {
             // SAFETY: prefetching is a hint; every address is within or at the end of the row.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * line)) };
         }
     }
 
-    /// `q` holds the `G` query rows, already rounded to the cache's type (as the generic path
-    /// rounds them, [`crate::KvType::round`]); `k(t)` and `v(t)` are this KV head's rows at
-    /// position `t` (f16, or `q8_0` where `Q8`); `scores` is scratch of `G * n_pos`; `out`
-    /// receives the `G` attention outputs.
+    /// `q` holds the `G` query rows, already rounded to f16 (as the generic path rounds them,
+    /// [`crate::KvType::round`]); `k(t)` and `v(t)` are this KV head's f16 rows at position
+    /// `t`; `scores` is scratch of `G * n_pos`; `out` receives the `G` attention outputs.
+    /// (`q8_0` rows go through [`super::tiled`], which decodes each once into a tile: decoding
+    /// them per position here made this kernel 2.4 times slower than that one.)
     ///
     /// # Safety
     /// The CPU must have AVX2, FMA, F16C and AVX-512 F/VL.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-    pub unsafe fn heads<'a, const G: usize, const CH: usize, const Q8: bool>(
+    pub unsafe fn heads<'a, const G: usize, const CH: usize>(
         q: &[f32],
         n_pos: usize,
         scale: f32,
@@ -185,9 +178,9 @@ pub mod fused {
             }
             for (p, kp) in kf.iter_mut().enumerate().take(n) {
                 if t0 + p + 2 * AHEAD < n_pos {
-                    prefetch_row::<CH, Q8>(k(t0 + p + 2 * AHEAD));
+                    prefetch_row::<CH>(k(t0 + p + 2 * AHEAD));
                 }
-                *kp = unsafe { load_row::<CH, Q8>(k(t0 + p)) };
+                *kp = unsafe { load_row::<CH>(k(t0 + p)) };
             }
             for h in 0..G {
                 let mut acc = [_mm256_setzero_ps(); 8];
@@ -231,9 +224,9 @@ pub mod fused {
         let mut o = [[_mm256_setzero_ps(); CH]; G];
         for t in 0..n_pos {
             if t + AHEAD < n_pos {
-                prefetch_row::<CH, Q8>(v(t + AHEAD));
+                prefetch_row::<CH>(v(t + AHEAD));
             }
-            let vr = unsafe { load_row::<CH, Q8>(v(t)) };
+            let vr = unsafe { load_row::<CH>(v(t)) };
             for h in 0..G {
                 let p = _mm256_set1_ps(scores[h * n_pos + t]);
                 for ch in 0..CH {
@@ -303,13 +296,9 @@ pub mod tiled {
             let dst = &mut tile[p * hd..(p + 1) * hd];
             if q8 {
                 assert_eq!(r.len(), crate::kernels::attn_q8::row_units(hd));
-                for ch in 0..hd / 8 {
-                    // SAFETY: the row holds `hd` values (asserted), `8 * ch + 8 <= hd`.
-                    unsafe {
-                        let x = crate::kernels::attn_q8::avx2::eight(r, ch);
-                        _mm256_storeu_ps(dst.as_mut_ptr().add(8 * ch), x);
-                    }
-                }
+                // SAFETY: the row holds `hd` values (asserted), a multiple of 32 (the rows'
+                // format), and `dst` takes them.
+                unsafe { crate::kernels::attn_q8::avx2::decode(r, hd / 8, dst) };
                 continue;
             }
             let r = &r[..hd];

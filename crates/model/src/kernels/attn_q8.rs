@@ -1,8 +1,8 @@
 //! Attention's inner products over `q8_0` K and V rows ([`crate::KvType::Q8_0`]), read in
 //! place: a value is its block's f16 scale times its signed byte, exact in f32 (11 significant
 //! bits times 7), so these are [`super::attn::dot_f16`] and [`super::attn::axpy_f16`] on the
-//! row's values, in the same order, and the fused attention kernels take such rows through
-//! [`avx2::eight`] with the same arithmetic. The AVX2 versions are bitwise equal to the
+//! row's values, in the same order, and the tiled attention kernel decodes such rows through
+//! [`avx2::decode`] with the same arithmetic. The AVX2 versions are bitwise equal to the
 //! scalar ones on every CPU that has them.
 
 use half::f16;
@@ -89,32 +89,74 @@ pub mod avx2 {
     use super::check;
     use super::{BLOCK, UNITS};
 
+    /// Block `b`'s scale in every lane (converted by F16C, not per value).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C; the row must hold block `b`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scale(row: &[f16], b: usize) -> __m256 {
+        debug_assert!((b + 1) * UNITS <= row.len());
+        // SAFETY: the caller promises the row holds this block.
+        let bits = unsafe { *row.as_ptr().add(b * UNITS) }.to_bits();
+        _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
+    }
+
+    /// Values `8 * j..8 * j + 8` of block `b` (`j < 4`), each the scale `d` times its byte
+    /// (exact).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; the row must hold block `b`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn times(row: &[f16], b: usize, j: usize, d: __m256) -> __m256 {
+        debug_assert!((b + 1) * UNITS <= row.len() && j < 4);
+        // SAFETY: the caller promises the row holds this block.
+        unsafe {
+            let at = (row.as_ptr().add(b * UNITS + 1) as *const u8).add(8 * j);
+            let q = _mm_loadl_epi64(at as *const __m128i);
+            _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)))
+        }
+    }
+
     /// Values `8 * ch..8 * ch + 8` of a row, each its block's scale times its byte (exact).
     ///
     /// # Safety
-    /// The CPU must have AVX2; the row must hold `8 * ch + 8` values.
+    /// The CPU must have AVX2 and F16C; the row must hold `8 * ch + 8` values.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn eight(row: &[f16], ch: usize) -> __m256 {
         let b = ch / (BLOCK / 8);
-        debug_assert!((b + 1) * UNITS <= row.len());
         // SAFETY: the caller promises the row holds these values.
-        unsafe {
-            let at = (row.as_ptr().add(b * UNITS + 1) as *const u8).add(8 * (ch % 4));
-            let q = _mm_loadl_epi64(at as *const __m128i);
-            let d = (*row.as_ptr().add(b * UNITS)).to_f32();
-            _mm256_mul_ps(
-                _mm256_set1_ps(d),
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
-            )
+        unsafe { times(row, b, ch % 4, scale(row, b)) }
+    }
+
+    /// A row's `8 * n` values into `dst` (32 at a time, one scale conversion for each 32).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C; the row must hold `8 * n` values, `n` a multiple of 4,
+    /// and `dst` take them.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn decode(row: &[f16], n: usize, dst: &mut [f32]) {
+        assert!(n.is_multiple_of(4) && dst.len() >= 8 * n && row.len() >= n / 4 * UNITS);
+        for b in 0..n / 4 {
+            // SAFETY: block `b` is in the row and its 32 values in `dst` (asserted above).
+            unsafe {
+                let d = scale(row, b);
+                for j in 0..4 {
+                    let at = dst.as_mut_ptr().add(32 * b + 8 * j);
+                    _mm256_storeu_ps(at, times(row, b, j, d));
+                }
+            }
         }
     }
 
     /// [`super::dot_q8_0`], bitwise.
     ///
     /// # Safety
-    /// The CPU must have AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
+    /// The CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q8_0(q: &[f32], k: &[f16]) -> f32 {
         check(q.len(), k);
         let mut acc = _mm256_setzero_ps();
@@ -132,8 +174,8 @@ pub mod avx2 {
     /// [`super::axpy_q8_0`], bitwise.
     ///
     /// # Safety
-    /// The CPU must have AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
+    /// The CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn axpy_q8_0(p: f32, v: &[f16], o: &mut [f32]) {
         check(o.len(), v);
         let pv = _mm256_set1_ps(p);
@@ -191,6 +233,17 @@ mod tests {
                 .testable("q8_0_rows_round_trip_and_avx2_equals_scalar_bitwise")
             {
                 continue;
+            }
+            let mut decoded = vec![0f32; n];
+            // SAFETY: AVX2 and F16C checked above; the row holds `n` values, `n / 8` a
+            // multiple of 4.
+            unsafe { avx2::decode(&row, n / 8, &mut decoded) };
+            for (i, d) in decoded.iter().enumerate() {
+                assert_eq!(
+                    d.to_bits(),
+                    value(&row, rb, i).to_bits(),
+                    "decode, n {n}, {i}"
+                );
             }
             // SAFETY: AVX2 and FMA checked above.
             let fast = unsafe { avx2::dot_q8_0(&q, &row) };

@@ -308,9 +308,10 @@ impl Kernels {
 
 impl Kernels {
     /// One attention task in one call where a fused kernel exists for this isa and shape:
-    /// AVX-512 (head widths [`attn::FUSED_HEAD_DIMS`], up to [`attn::FUSED_MAX_GROUP`] query
-    /// heads per KV head) and AVX2 ([`attn::tiled`]: widths that are multiples of eight, up to
-    /// [`attn::tiled::MAX_GROUP`] heads). `q` holds the query heads' rows rounded to the
+    /// AVX-512 with f16 rows ([`attn::fused`]: head widths [`attn::FUSED_HEAD_DIMS`], up to
+    /// [`attn::FUSED_MAX_GROUP`] query heads per KV head), else AVX2 and AVX-512
+    /// ([`attn::tiled`]: widths that are multiples of eight, up to [`attn::tiled::MAX_GROUP`]
+    /// heads). `q` holds the query heads' rows rounded to the
     /// cache's type (as the generic path rounds them, [`crate::KvType::round`]), `k(t)` /
     /// `v(t)` the KV head's rows at position `t` (f16, or `q8_0` where `q8`), `scores` is
     /// scratch of `heads * n_pos` and `tile` of [`attn::tile_floats`]. Bitwise the generic
@@ -330,9 +331,9 @@ impl Kernels {
         out: &mut [f32],
     ) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if self.isa == Isa::Avx2 {
-            // SAFETY: the isa (AVX2, FMA, F16C) was checked when these kernels were made;
-            // lengths are asserted inside.
+        if self.isa == Isa::Avx2 || (self.isa == Isa::Avx512Vnni && q8) {
+            // SAFETY: the isa (AVX2, FMA, F16C; AVX-512 machines have them too) was checked
+            // when these kernels were made; lengths are asserted inside.
             return unsafe {
                 attn::tiled::block(
                     head_dim,
@@ -352,16 +353,16 @@ impl Kernels {
         if self.isa == Isa::Avx512Vnni {
             use attn::fused::heads;
             macro_rules! by_group {
-                ($ch:literal, $q8:literal) => {
+                ($ch:literal) => {
                     match q.len() / head_dim {
-                        1 => heads::<1, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
-                        2 => heads::<2, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
-                        3 => heads::<3, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
-                        4 => heads::<4, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
-                        5 => heads::<5, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
-                        6 => heads::<6, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
-                        7 => heads::<7, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
-                        8 => heads::<8, $ch, $q8>(q, n_pos, scale, k, v, scores, out),
+                        1 => heads::<1, $ch>(q, n_pos, scale, k, v, scores, out),
+                        2 => heads::<2, $ch>(q, n_pos, scale, k, v, scores, out),
+                        3 => heads::<3, $ch>(q, n_pos, scale, k, v, scores, out),
+                        4 => heads::<4, $ch>(q, n_pos, scale, k, v, scores, out),
+                        5 => heads::<5, $ch>(q, n_pos, scale, k, v, scores, out),
+                        6 => heads::<6, $ch>(q, n_pos, scale, k, v, scores, out),
+                        7 => heads::<7, $ch>(q, n_pos, scale, k, v, scores, out),
+                        8 => heads::<8, $ch>(q, n_pos, scale, k, v, scores, out),
                         _ => return false,
                     }
                 };
@@ -369,13 +370,10 @@ impl Kernels {
             // SAFETY: the isa (AVX-512 F/VL with AVX2, FMA, F16C) was checked when these
             // kernels were made; lengths are asserted inside.
             unsafe {
-                match (head_dim, q8) {
-                    (64, false) => by_group!(8, false),
-                    (128, false) => by_group!(16, false),
-                    (256, false) => by_group!(32, false),
-                    (64, true) => by_group!(8, true),
-                    (128, true) => by_group!(16, true),
-                    (256, true) => by_group!(32, true),
+                match head_dim {
+                    64 => by_group!(8),
+                    128 => by_group!(16),
+                    256 => by_group!(32),
                     _ => return false,
                 }
             }
@@ -388,14 +386,14 @@ impl Kernels {
     /// Most rows [`Kernels::attention_block`] takes in one call on this isa (1: none).
     pub fn attention_block_rows(&self) -> usize {
         #[cfg(target_arch = "x86_64")]
-        if self.isa == Isa::Avx2 {
+        if matches!(self.isa, Isa::Avx2 | Isa::Avx512Vnni) {
             return attn::MAX_BLOCK_ROWS;
         }
         1
     }
 
     /// Attention of a block of query rows of one session in one call, where this isa has such
-    /// a kernel (AVX2: [`attn::tiled::block`], widths that are multiples of eight, up to
+    /// a kernel (AVX2 and AVX-512: [`attn::tiled::block`], widths that are multiples of eight, up to
     /// [`attn::tiled::MAX_GROUP`] heads per KV head and [`attn::MAX_BLOCK_ROWS`] rows): row `r`
     /// attends to the absolute positions `ranges[r].0..ranges[r].0 + ranges[r].1`, `q` holds
     /// its heads' rows (rounded to the cache's type) at `r * heads * head_dim`, `k(t)` / `v(t)`
@@ -418,9 +416,9 @@ impl Kernels {
         out: &mut [f32],
     ) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if self.isa == Isa::Avx2 {
-            // SAFETY: the isa (AVX2, FMA, F16C) was checked when these kernels were made;
-            // lengths are asserted inside.
+        if matches!(self.isa, Isa::Avx2 | Isa::Avx512Vnni) {
+            // SAFETY: the isa (AVX2, FMA, F16C; AVX-512 machines have them too) was checked
+            // when these kernels were made; lengths are asserted inside.
             return unsafe {
                 attn::tiled::block(head_dim, q, ranges, scale, q8, k, v, scores, tile, out)
             };
