@@ -80,12 +80,19 @@ pub struct ShardRecord {
     pub token_step_micros: u64,
 }
 
+/// The words of a recipe that decide what a route computes ([`ShardRecord::arithmetic`]): how K
+/// and V are stored (`f16`, `q8_0`) and the numeric contract.
+pub fn arithmetic(kv_dtype: &str, contract: u32) -> String {
+    format!("kv {kv_dtype} contract {contract}")
+}
+
 /// The most layers a record may claim (no model has nearly this many).
 pub const MAX_LAYERS: u32 = 4096;
 
 impl ShardRecord {
     /// A record of a shard not serving yet (no budget, no sessions) of the model file `digest`
-    /// names, covering `layers`: what a shard placing itself claims, or a planned shard.
+    /// names, covering `layers`, that will compute as `arithmetic` says ([`arithmetic`]; its
+    /// recipe): what a shard placing itself claims, or a planned shard.
     pub fn placing(
         address: &str,
         instance: &str,
@@ -93,6 +100,7 @@ impl ShardRecord {
         digest: &str,
         layers: std::ops::Range<u32>,
         n_layers: u32,
+        arithmetic: &str,
     ) -> ShardRecord {
         ShardRecord {
             address: address.to_string(),
@@ -102,7 +110,7 @@ impl ShardRecord {
             layer_start: layers.start,
             layer_end: layers.end,
             n_layers,
-            recipe: String::new(),
+            recipe: arithmetic.to_string(),
             kv_budget_bytes: 0,
             kv_free_bytes: 0,
             max_sessions: 0,
@@ -124,9 +132,19 @@ impl ShardRecord {
 }
 
 impl ShardRecord {
+    /// Whether `other` is a shard of the same swarm: the same model file and layer count, and
+    /// the same [`ShardRecord::arithmetic`], so that the two may serve one route. Placement
+    /// (`--layers auto`, moves, `strata plan`) counts only such shards.
+    pub fn same_swarm(&self, other: &ShardRecord) -> bool {
+        self.digest == other.digest
+            && self.n_layers == other.n_layers
+            && self.arithmetic() == other.arithmetic()
+    }
+
     /// The words of its recipe that decide what a route computes: how K and V are stored and
-    /// the numeric contract (`kv q8_0 contract 1`). Shards that differ in them never chain, so
-    /// routes are built among shards that agree (a tracker still checks the shards themselves).
+    /// the numeric contract (`kv q8_0 contract 1`, as [`arithmetic`] writes them). Shards that
+    /// differ in them never chain, so routes are built among shards that agree (a tracker
+    /// still checks the shards themselves).
     pub fn arithmetic(&self) -> String {
         let words: Vec<&str> = self.recipe.split_whitespace().collect();
         words
@@ -914,7 +932,7 @@ mod tests {
     fn a_records_arithmetic_is_its_kv_type_and_contract() {
         let with = |recipe: &str| ShardRecord {
             recipe: recipe.into(),
-            ..ShardRecord::placing("127.0.0.1:1", "x", "m", "d", 0..2, 2)
+            ..ShardRecord::placing("127.0.0.1:1", "x", "m", "d", 0..2, 2, "")
         };
         let a = with("block 16 kv q8_0 ctx 4096 contract 1");
         assert_eq!(a.arithmetic(), "kv q8_0 contract 1");
@@ -932,6 +950,14 @@ mod tests {
         );
         assert_eq!(with("").arithmetic(), "");
         assert_eq!(with("kv").arithmetic(), "");
+        // What a claim carries, as `arithmetic` writes it, groups with the full recipe.
+        assert_eq!(with(&arithmetic("q8_0", 1)).arithmetic(), a.arithmetic());
+        assert!(a.same_swarm(&with(&arithmetic("q8_0", 1))));
+        assert!(!a.same_swarm(&with(&arithmetic("f16", 1))));
+        assert!(!a.same_swarm(&ShardRecord {
+            digest: "e".into(),
+            ..a.clone()
+        }));
     }
 
     #[test]

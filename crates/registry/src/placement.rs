@@ -13,17 +13,18 @@ use crate::{
     MAX_RECORD_BYTES,
 };
 
-/// Per layer of a model of `n_layers` layers (the file `digest` names), how many live shards of
-/// it that take new sessions (not draining) serve it. Records of other models, or whose range
-/// does not fit `n_layers`, count for nothing.
+/// Per layer of the model `of` is a shard of, how many live shards of its swarm
+/// ([`ShardRecord::same_swarm`]: the same file, layer count and arithmetic) that take new
+/// sessions (not draining) serve it. Records of other models or arithmetic (a shard storing K
+/// and V otherwise never chains with it), or whose range does not fit the model, count for
+/// nothing.
 pub fn coverage<'a>(
     records: impl IntoIterator<Item = &'a ShardRecord>,
-    digest: &str,
-    n_layers: u32,
+    of: &ShardRecord,
 ) -> Vec<u32> {
-    let mut cover = vec![0u32; n_layers as usize];
+    let mut cover = vec![0u32; of.n_layers as usize];
     for r in records {
-        if r.digest != digest || r.n_layers != n_layers || r.draining || !r.plausible() {
+        if !r.same_swarm(of) || r.draining || !r.plausible() {
             continue;
         }
         for c in &mut cover[r.layer_start as usize..r.layer_end as usize] {
@@ -156,7 +157,7 @@ pub fn should_move(
     size: impl Fn(usize, usize) -> u64,
 ) -> Option<Range<usize>> {
     let mine = records.iter().find(|r| r.address == me)?;
-    let same = |r: &&ShardRecord| r.digest == mine.digest && r.n_layers == mine.n_layers;
+    let same = |r: &&ShardRecord| r.same_swarm(mine);
     let live: Vec<&ShardRecord> = records
         .iter()
         .filter(|r| same(r) && r.plausible())
@@ -194,7 +195,7 @@ fn gain(
     if now > 0 && chains(others.clone(), 1).is_empty() {
         return None;
     }
-    let cover = coverage(others.iter().copied(), &s.digest, s.n_layers);
+    let cover = coverage(others.iter().copied(), s);
     let to = place(&cover, |a, b| size(a, b) <= s.weights_budget_bytes)?;
     if to == (s.layer_start as usize..s.layer_end as usize) {
         return None;
@@ -301,11 +302,7 @@ pub async fn place_and_claim(
     // round; a bound on rounds only guards against a swarm that keeps changing.
     for _ in 0..16 {
         let (shards, claims) = read_swarm(&channel, prefix, &me.address).await?;
-        let cover = coverage(
-            shards.iter().chain(claims.iter().map(|(r, _)| r)),
-            &me.digest,
-            me.n_layers,
-        );
+        let cover = coverage(shards.iter().chain(claims.iter().map(|(r, _)| r)), me);
         let Some(range) = place(&cover, &fits) else {
             claim.release().await;
             return Ok(None);
@@ -325,7 +322,7 @@ pub async fn place_and_claim(
         tokio::time::sleep(settle).await;
         let (_, claims) = read_swarm(&channel, prefix, &me.address).await?;
         let overlaps = |r: &ShardRecord| {
-            r.digest == me.digest
+            r.same_swarm(me)
                 && (r.layer_start as usize) < range.end
                 && range.start < r.layer_end as usize
         };
@@ -352,7 +349,12 @@ mod tests {
     use super::*;
 
     fn record(address: &str, layers: Range<u32>, n_layers: u32, digest: &str) -> ShardRecord {
-        ShardRecord::placing(address, "1", "m", digest, layers, n_layers)
+        ShardRecord::placing(address, "1", "m", digest, layers, n_layers, "")
+    }
+
+    /// A shard of the model `digest` names about to place itself.
+    fn new_of(digest: &str, n_layers: u32) -> ShardRecord {
+        record("new:1", 0..n_layers, n_layers, digest)
     }
 
     /// Three shards that each hold 45% of a 24-layer model (10 layers) arrive one after
@@ -364,7 +366,7 @@ mod tests {
         let mut records = Vec::new();
         let mut got = Vec::new();
         for i in 0..5 {
-            let cover = coverage(&records, "d", 24);
+            let cover = coverage(&records, &new_of("d", 24));
             let r = place(&cover, fits).expect("a range");
             records.push(record(
                 &format!("h{i}:1"),
@@ -390,9 +392,44 @@ mod tests {
             reversed,
             record("f:1", 2..6, 8, "d"),
         ];
-        assert_eq!(coverage(&records, "d", 8), [0, 0, 1, 1, 1, 1, 0, 0]);
+        assert_eq!(
+            coverage(&records, &new_of("d", 8)),
+            [0, 0, 1, 1, 1, 1, 0, 0]
+        );
         // The first uncovered layer, as far as the layers stay uncovered.
-        assert_eq!(place(&coverage(&records, "d", 8), |_, _| true), Some(0..2));
+        assert_eq!(
+            place(&coverage(&records, &new_of("d", 8)), |_, _| true),
+            Some(0..2)
+        );
+    }
+
+    /// A shard that stores K and V otherwise (or computes under another numeric contract)
+    /// never chains with the others, so it places itself as if they were not there, and
+    /// theirs do not count it.
+    #[test]
+    fn shards_of_another_arithmetic_are_another_swarm() {
+        let as_ = |r: ShardRecord, kv: &str| ShardRecord {
+            recipe: format!("block 16 {} ctx 4096", crate::arithmetic(kv, 1)),
+            ..r
+        };
+        let records = [
+            as_(record("a:1", 0..4, 8, "d"), "f16"),
+            as_(record("b:1", 4..8, 8, "d"), "f16"),
+            as_(record("c:1", 0..2, 8, "d"), "q8_0"),
+        ];
+        let q8 = as_(new_of("d", 8), "q8_0");
+        assert_eq!(coverage(&records, &q8), [1, 1, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(place(&coverage(&records, &q8), |_, _| true), Some(2..8));
+        let f16 = as_(new_of("d", 8), "f16");
+        assert_eq!(coverage(&records, &f16), [1; 8]);
+        // A claim carries the arithmetic alone, and counts as the full recipe does.
+        let claim = record("e:1", 2..8, 8, "d");
+        let claim = ShardRecord {
+            recipe: crate::arithmetic("q8_0", 1),
+            ..claim
+        };
+        assert_eq!(coverage([&records[2], &claim], &q8), [1; 8]);
+        assert_eq!(coverage([&claim], &f16), [0; 8]);
     }
 
     #[test]
@@ -467,6 +504,15 @@ mod tests {
         assert_eq!(should_move(&s, &[], "a", layers), Some(20..24));
         assert_eq!(should_move(&s, &[], "b", layers), None);
         assert_eq!(should_move(&s, &[], "c", layers), None);
+        // A shard storing K and V otherwise on the lost layers completes no route of these
+        // (nor does its claim hold them back).
+        let q8 = ShardRecord {
+            recipe: crate::arithmetic("q8_0", 1),
+            ..placed("d", 20, 24)
+        };
+        let with_q8 = [s[0].clone(), s[1].clone(), s[2].clone(), q8.clone()];
+        assert_eq!(should_move(&with_q8, &[], "a", layers), Some(20..24));
+        assert_eq!(should_move(&s, &[q8], "a", layers), Some(20..24));
     }
 
     /// Nothing moves where moving gains no route, where the gain is a quarter or less, while a

@@ -145,6 +145,12 @@ impl ShardLimits {
             .unwrap_or_else(|| (machine_memory_mib() / 8).clamp(16, 1024))
     }
 
+    /// What a shard under these limits computes as, for the registry
+    /// ([`registry::arithmetic`]): its KV type and this build's numeric contract.
+    pub(crate) fn arithmetic(&self) -> String {
+        registry::arithmetic(self.kv_type.name(), model::NUMERIC_CONTRACT)
+    }
+
     pub(crate) fn weights_budget_mib(&self) -> usize {
         self.weights_budget_mib
             .unwrap_or_else(|| machine_memory_mib() / 2)

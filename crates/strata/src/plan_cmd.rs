@@ -48,6 +48,11 @@ pub struct PlanArgs {
     /// prediction (default: measured on this host, all cores).
     #[arg(long)]
     read_gbps: Option<f64>,
+    /// The swarm to plan is that of shards storing K and V as this (f16 or q8_0) under this
+    /// build's numeric contract: shards that store them otherwise never chain with those, so
+    /// they are counted apart and form no route here; a new shard would store them so.
+    #[arg(long, default_value = "f16", value_parser = model::KvType::from_name)]
+    kv_type: model::KvType,
 }
 
 /// Bytes of weights one decoded token reads on a shard of `start..end`: every tensor of its
@@ -275,12 +280,14 @@ impl std::fmt::Display for Prediction {
     }
 }
 
-/// The model file as `plan` sees it: its digest and what each range of it weighs.
+/// The model file as `plan` sees it: its digest and what each range of it weighs, and a new
+/// shard of its swarm (all its layers; the range is filled in where one is placed).
 struct Planned<'a> {
     path: &'a Path,
     digest: String,
     sizes: model::WeightSizes,
     n_layers: usize,
+    new: ShardRecord,
 }
 
 pub fn plan(a: PlanArgs) -> Result<()> {
@@ -292,26 +299,49 @@ pub fn plan(a: PlanArgs) -> Result<()> {
         .connect(Some(&a.registry))?
         .ok_or_else(|| anyhow!("--registry is required"))?;
     let sizes = model::WeightSizes::of(&gguf::GgufFile::open(&a.model)?)?;
+    let digest = shard::file_digest(&a.model)?;
+    let n_layers = sizes.layers.len();
+    if n_layers == 0 {
+        bail!("{} has no layers", a.model.display());
+    }
+    // A shard of the swarm planned: the model, and what its shards compute as.
+    let new = ShardRecord::placing(
+        "(new shard)",
+        "",
+        &a.model.display().to_string(),
+        &digest,
+        0..n_layers as u32,
+        n_layers as u32,
+        &registry::arithmetic(a.kv_type.name(), model::NUMERIC_CONTRACT),
+    );
     let m = Planned {
         path: &a.model,
-        digest: shard::file_digest(&a.model)?,
-        n_layers: sizes.layers.len(),
+        digest,
+        n_layers,
         sizes,
+        new,
     };
-    if m.n_layers == 0 {
-        bail!("{} has no layers", m.path.display());
-    }
     let (records, claims) = runtime(1)?
         .block_on(read_live(&connect, &a.registry_prefix))
         .map_err(|e| anyhow!("reading the registry: {e}"))?;
-    let ours = |r: &&ShardRecord| r.digest == m.digest && r.n_layers as usize == m.n_layers;
+    let ours = |r: &&ShardRecord| r.same_swarm(&m.new);
     let mine: Vec<&ShardRecord> = records
         .iter()
         .filter(ours)
         .filter(|r| r.plausible())
         .collect();
+    let apart = records
+        .iter()
+        .filter(|r| r.digest == m.digest && !r.same_swarm(&m.new))
+        .count();
     let claiming: Vec<&ShardRecord> = claims.iter().filter(ours).collect();
-    print_swarm(&a, &m, &mine, records.len() - mine.len(), &claiming);
+    print_swarm(
+        &a,
+        &m,
+        &mine,
+        (apart, records.len() - mine.len() - apart),
+        &claiming,
+    );
 
     let gbps = a.read_gbps.unwrap_or_else(|| {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -341,23 +371,20 @@ pub fn plan(a: PlanArgs) -> Result<()> {
         );
     }
     if let Some(budget_mib) = a.weights_budget_mib {
-        let counted = coverage(
-            mine.iter().chain(&claiming).copied(),
-            &m.digest,
-            m.n_layers as u32,
-        );
+        let counted = coverage(mine.iter().chain(&claiming).copied(), &m.new);
         print_new_shard(&m, budget_mib, &counted, &live, gbps, &rtt);
     }
     Ok(())
 }
 
-/// The model, the registry's shards of it (and how many of other models), the claims of
-/// shards placing themselves, and the coverage per layer.
+/// The model, the registry's shards of its swarm (and how many of it storing K and V
+/// otherwise, and of other models: `(apart, others)`), the claims of shards placing
+/// themselves, and the coverage per layer.
 fn print_swarm(
     a: &PlanArgs,
     m: &Planned,
     mine: &[&ShardRecord],
-    others: usize,
+    (apart, others): (usize, usize),
     claiming: &[&ShardRecord],
 ) {
     println!(
@@ -368,11 +395,13 @@ fn print_swarm(
         mib(m.sizes.range(0, m.n_layers))
     );
     println!(
-        "registry {} prefix {}: {} shards of this model ({} draining), {others} of other models, {} placing themselves now",
+        "registry {} prefix {}: {} shards of this model ({} draining) storing K and V as {} ({}), {apart} of it storing them otherwise (never in these routes), {others} of other models, {} placing themselves now",
         a.registry,
         a.registry_prefix,
         mine.len(),
         mine.iter().filter(|r| r.draining).count(),
+        a.kv_type.name(),
+        m.new.arithmetic(),
         claiming.len()
     );
     let mut sorted = mine.to_vec();
@@ -396,7 +425,7 @@ fn print_swarm(
             r.address, r.layer_start, r.layer_end
         );
     }
-    let cover = coverage(mine.iter().copied(), &m.digest, m.n_layers as u32);
+    let cover = coverage(mine.iter().copied(), &m.new);
     println!(
         "layers served (shards taking sessions per layer): {}",
         coverage_runs(&cover)
@@ -424,14 +453,11 @@ fn print_new_shard(
         );
         return;
     };
-    let new = ShardRecord::placing(
-        "(new shard)",
-        "",
-        &m.path.display().to_string(),
-        &m.digest,
-        range.start as u32..range.end as u32,
-        m.n_layers as u32,
-    );
+    let new = ShardRecord {
+        layer_start: range.start as u32,
+        layer_end: range.end as u32,
+        ..m.new.clone()
+    };
     let mut with_new = live.to_vec();
     with_new.push(&new);
     let after = chains(with_new, usize::MAX);

@@ -346,6 +346,7 @@ async fn place_itself(
         &digest,
         0..n_layers as u32,
         n_layers as u32,
+        &limits.arithmetic(),
     );
     let budget = (limits.weights_budget_mib() as u64) << 20;
     let placed = registry::placement::place_and_claim(
@@ -372,7 +373,7 @@ async fn place_itself(
     };
     let served = cover.iter().filter(|&&c| c > 0).count();
     eprintln!(
-        "strata shard: --layers auto: layers {}..{} of {n_layers} ({:.1} MiB of a {} MiB weights budget; {served} of {n_layers} layers were served or claimed by other shards of this model)",
+        "strata shard: --layers auto: layers {}..{} of {n_layers} ({:.1} MiB of a {} MiB weights budget; {served} of {n_layers} layers were served or claimed by other shards of this model storing K and V alike)",
         range.start,
         range.end,
         sizes.range(range.start, range.end) as f64 / (1u64 << 20) as f64,

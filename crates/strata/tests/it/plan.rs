@@ -16,7 +16,7 @@ fn exe() -> &'static Path {
 
 const TOKEN: &str = "test-plan-token-0123456789";
 
-fn announced(etcd: &Etcd, range: &str) -> Proc {
+fn announced(etcd: &Etcd, range: &str, extra: &[&str]) -> Proc {
     let token = procs::token_file(TOKEN);
     let m = testkit::real_model();
     procs::announced(
@@ -26,7 +26,7 @@ fn announced(etcd: &Etcd, range: &str) -> Proc {
         &token,
         "127.0.0.1:0",
         &etcd.endpoint(),
-        &[],
+        extra,
     )
 }
 
@@ -76,14 +76,20 @@ fn plan_prints_the_swarm_its_routes_and_where_a_new_shard_would_go() {
     );
     assert!(line_with(&text, "new route:").contains("(new shard) (0..30)"));
 
-    // One route (0..15, 15..30) and a replica of the first ten layers that completes nothing.
-    let _shards: Vec<Proc> = ["0..15", "15..30", "0..10"]
-        .iter()
-        .map(|r| announced(&etcd, r))
-        .collect();
+    // One route (0..15, 15..30), a replica of the first ten layers that completes nothing, and
+    // a shard storing K and V as q8_0, which never chains with the others.
+    let _shards: Vec<Proc> = [
+        ("0..15", &[][..]),
+        ("15..30", &[]),
+        ("0..10", &[]),
+        ("15..30", &["--kv-type", "q8_0"]),
+    ]
+    .iter()
+    .map(|(r, extra)| announced(&etcd, r, extra))
+    .collect();
     let t = Instant::now();
-    while etcd.keys("/strata/shards/").len() < 3 {
-        assert!(t.elapsed() < Duration::from_secs(20), "three records");
+    while etcd.keys("/strata/shards/").len() < 4 {
+        assert!(t.elapsed() < Duration::from_secs(20), "four records");
         std::thread::sleep(Duration::from_millis(50));
     }
     let (ok, text) = plan(&ep, &["--weights-budget-mib", "4096"]);
@@ -91,6 +97,10 @@ fn plan_prints_the_swarm_its_routes_and_where_a_new_shard_would_go() {
     eprintln!("{text}");
     assert!(
         line_with(&text, "registry").contains(": 3 shards of this model (0 draining)"),
+        "{text}"
+    );
+    assert!(
+        line_with(&text, "registry").contains(", 1 of it storing them otherwise"),
         "{text}"
     );
     assert_eq!(
@@ -120,6 +130,22 @@ fn plan_prints_the_swarm_its_routes_and_where_a_new_shard_would_go() {
         line_with(&text, "new route:").contains("(0..10) -> (new shard) (10..30)"),
         "{text}"
     );
+    // The q8_0 swarm: that one shard, no route, and a new q8_0 shard would complete one.
+    let (ok, text) = plan(&ep, &["--weights-budget-mib", "4096", "--kv-type", "q8_0"]);
+    assert!(ok, "{text}");
+    assert!(
+        line_with(&text, "registry")
+            .contains(": 1 shards of this model (0 draining) storing K and V as q8_0"),
+        "{text}"
+    );
+    assert_eq!(
+        line_with(&text, "layers served"),
+        "layers served (shards taking sessions per layer): 0..15 x0, 15..30 x1"
+    );
+    assert!(line_with(&text, "routes").ends_with(": 0"), "{text}");
+    let new = line_with(&text, "a new shard");
+    assert!(new.contains("would take layers 0..15"), "{new}");
+    assert!(new.ends_with("routes then: 1"), "{new}");
     // A budget that holds no layer says so.
     let (ok, text) = plan(&ep, &["--weights-budget-mib", "0"]);
     assert!(ok, "{text}");
