@@ -134,11 +134,15 @@ impl ShardRecord {
 impl ShardRecord {
     /// Whether `other` is a shard of the same swarm: the same model file and layer count, and
     /// the same [`ShardRecord::arithmetic`], so that the two may serve one route. Placement
-    /// (`--layers auto`, moves, `strata plan`) counts only such shards.
+    /// (`--layers auto`, moves, `strata plan`) counts only such shards. A record that names no
+    /// arithmetic (the claim of a shard from before claims carried one) counts with every
+    /// swarm of its model, so shards of two versions started together still take different
+    /// layers.
     pub fn same_swarm(&self, other: &ShardRecord) -> bool {
+        let (a, b) = (self.arithmetic(), other.arithmetic());
         self.digest == other.digest
             && self.n_layers == other.n_layers
-            && self.arithmetic() == other.arithmetic()
+            && (a == b || a.is_empty() || b.is_empty())
     }
 
     /// The words of its recipe that decide what a route computes: how K and V are stored and
@@ -958,6 +962,8 @@ mod tests {
             digest: "e".into(),
             ..a.clone()
         }));
+        // An older shard's claim names none: it counts with every swarm of its model.
+        assert!(a.same_swarm(&with("")) && with("").same_swarm(&a));
     }
 
     #[test]

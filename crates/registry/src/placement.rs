@@ -267,7 +267,8 @@ pub async fn read_live(
     Ok((shards, claims.into_iter().map(|(r, _)| r).collect()))
 }
 
-/// Places a shard (`me`: its address, model digest and layer count; the range is filled in)
+/// Places a shard (`me`: its address, model digest and layer count, and its arithmetic as its
+/// recipe, [`crate::arithmetic`]; the range is filled in)
 /// among the live shards and the claims of shards placing themselves at the same time, and
 /// claims the range under a lease of `ttl`. Two shards that claim overlapping ranges before
 /// seeing each other's claim both see them after `settle`: the later claim (the higher etcd
@@ -506,13 +507,18 @@ mod tests {
         assert_eq!(should_move(&s, &[], "c", layers), None);
         // A shard storing K and V otherwise on the lost layers completes no route of these
         // (nor does its claim hold them back).
-        let q8 = ShardRecord {
-            recipe: crate::arithmetic("q8_0", 1),
-            ..placed("d", 20, 24)
+        let as_ = |r: &ShardRecord, kv: &str| ShardRecord {
+            recipe: crate::arithmetic(kv, 1),
+            ..r.clone()
         };
-        let with_q8 = [s[0].clone(), s[1].clone(), s[2].clone(), q8.clone()];
+        let f16 = s.each_ref().map(|r| as_(r, "f16"));
+        let q8 = as_(&placed("d", 20, 24), "q8_0");
+        let with_q8 = [f16[0].clone(), f16[1].clone(), f16[2].clone(), q8.clone()];
         assert_eq!(should_move(&with_q8, &[], "a", layers), Some(20..24));
-        assert_eq!(should_move(&s, &[q8], "a", layers), Some(20..24));
+        assert_eq!(should_move(&f16, &[q8], "a", layers), Some(20..24));
+        // An older shard's claim, naming no arithmetic, holds the move back.
+        let old_claim = placed("e", 20, 24);
+        assert_eq!(should_move(&f16, &[old_claim], "a", layers), None);
     }
 
     /// Nothing moves where moving gains no route, where the gain is a quarter or less, while a

@@ -91,8 +91,9 @@ pub struct ShardLimits {
     isa: Option<model::Isa>,
     /// How sessions' K and V are stored: f16, or q8_0 (as llama.cpp's `--cache-type-k/-v
     /// q8_0`: 53% of f16's memory, so about 1.9 times the positions in the same KV budget;
-    /// attention reads it through a slower generic path). Part of the cache recipe: a route's
-    /// shards must agree, and a model's routes must too.
+    /// prefill about 0.9 times as fast at 4096 tokens). Part of the cache recipe: a route's
+    /// shards must agree, and a model's routes must too (`--layers auto` places a shard among
+    /// those of its type).
     #[arg(long, default_value = "f16", value_parser = model::KvType::from_name)]
     kv_type: model::KvType,
     /// Most positions one session may hold (default: the model's trained context, cut to

@@ -41,7 +41,8 @@ pub struct PlanArgs {
     #[arg(long, value_parser = crate::models::model_path)]
     model: PathBuf,
     /// Also say what a new shard with this weights budget would take (as `strata shard
-    /// --layers auto --weights-budget-mib N` would place itself now) and the routes then.
+    /// --layers auto --weights-budget-mib N --kv-type T` would place itself now) and the
+    /// routes then.
     #[arg(long)]
     weights_budget_mib: Option<u64>,
     /// Memory read bandwidth of the shard hosts in GB/s, for the compute part of the
@@ -395,7 +396,7 @@ fn print_swarm(
         mib(m.sizes.range(0, m.n_layers))
     );
     println!(
-        "registry {} prefix {}: {} shards of this model ({} draining) storing K and V as {} ({}), {apart} of it storing them otherwise (never in these routes), {others} of other models, {} placing themselves now",
+        "registry {} prefix {}: {} shards of this model ({} draining) storing K and V as {} ({}), {apart} of it of another KV type or numeric contract (never in these routes), {others} of other models, {} placing themselves now",
         a.registry,
         a.registry_prefix,
         mine.len(),
@@ -404,6 +405,11 @@ fn print_swarm(
         m.new.arithmetic(),
         claiming.len()
     );
+    if apart > 0 {
+        println!(
+            "  (a tracker serves a model under one KV type and contract: while routes of one kind serve, it refuses the other's)"
+        );
+    }
     let mut sorted = mine.to_vec();
     sorted.sort_by_key(|r| (r.layer_start, r.layer_end, r.address.clone()));
     for r in &sorted {

@@ -21,8 +21,9 @@ pub struct ShardArgs {
     #[arg(long, value_parser = crate::models::model_path)]
     model: PathBuf,
     /// Layer range `A..B` this shard serves, or `auto`: chosen at start from the registry's
-    /// live shards of the same model file (the layers no shard serves first, then the layers
-    /// the fewest serve), as many as `--weights-budget-mib` holds; needs `--registry`.
+    /// live shards of the same model file storing K and V alike (`--kv-type`; the layers no
+    /// shard serves first, then the layers the fewest serve), as many as
+    /// `--weights-budget-mib` holds; needs `--registry`.
     #[arg(long)]
     layers: String,
     /// Address to listen on (port 0 picks a free port; the chosen address is printed).
@@ -371,6 +372,19 @@ async fn place_itself(
             smallest as f64 / (1u64 << 20) as f64
         );
     };
+    // Shards of this model computing otherwise never chain with this one, and a tracker
+    // serves a model under one KV type and contract (a swarm changing its type passes here).
+    if let Ok((records, _)) = registry::placement::read_live(connect, prefix).await {
+        let apart = records
+            .iter()
+            .filter(|r| r.digest == me.digest && !r.same_swarm(&me))
+            .count();
+        if apart > 0 {
+            eprintln!(
+                "strata shard: warning: {apart} live shards of this model store K and V as another type or compute under another numeric contract: this shard never chains with them, and a tracker serving their routes refuses routes of this one's kind until theirs are gone"
+            );
+        }
+    }
     let served = cover.iter().filter(|&&c| c > 0).count();
     eprintln!(
         "strata shard: --layers auto: layers {}..{} of {n_layers} ({:.1} MiB of a {} MiB weights budget; {served} of {n_layers} layers were served or claimed by other shards of this model storing K and V alike)",

@@ -417,7 +417,9 @@ pub mod tiled {
             return false;
         }
         let g = q.len() / hd / n_rows;
-        if g == 0 || g > MAX_GROUP {
+        // (`q8_0` rows hold whole blocks of 32 values.)
+        let q8_width = !q8 || hd.is_multiple_of(crate::kernels::attn_q8::BLOCK);
+        if g == 0 || g > MAX_GROUP || !q8_width {
             return false;
         }
         let tp = tile_positions(hd);
@@ -630,8 +632,9 @@ mod tests {
             }
             let kernels = Kernels::new(isa).unwrap();
             let widths: &[usize] = match isa {
-                Isa::Avx2 => &[8, 64, 80, 128, 256],
-                _ => &FUSED_HEAD_DIMS,
+                // AVX-512: its fused kernel's widths, and others through the tiled kernel.
+                Isa::Avx2 => &[8, 32, 64, 80, 96, 128, 256],
+                _ => &[32, 64, 80, 96, 128, 256],
             };
             let mut uniform = crate::kernels::tests::uniform(0x1234_5679);
             let mut next = || uniform(6.0);
@@ -680,24 +683,30 @@ mod tests {
         }
     }
 
-    /// The AVX2 block kernel: every row of a block (consecutive positions of one session, the
-    /// whole context or a sliding window, tiles crossed, groups of eight starting anywhere in a
-    /// tile) equals the generic path for that row alone, bitwise.
+    /// The block kernel, as each isa dispatches it: every row of a block (consecutive
+    /// positions of one session, the whole context or a sliding window, tiles crossed, groups
+    /// of eight starting anywhere in a tile) equals the generic path for that row alone,
+    /// bitwise.
     #[test]
     fn an_attention_block_gives_each_row_the_generic_paths_result_bitwise() {
         use crate::kernels::{Isa, Kernels};
-        if !Isa::Avx2.testable("an_attention_block_gives_each_row_the_generic_paths_result_bitwise")
-        {
-            return;
+        for isa in [Isa::Avx2, Isa::Avx512Vnni] {
+            if isa.testable("an_attention_block_gives_each_row_the_generic_paths_result_bitwise") {
+                block_rows_equal_the_generic_path(&Kernels::new(isa).unwrap());
+            }
         }
-        let kernels = Kernels::new(Isa::Avx2).unwrap();
+    }
+
+    fn block_rows_equal_the_generic_path(kernels: &crate::kernels::Kernels) {
         let mut uniform = crate::kernels::tests::uniform(0x2545_f491);
         let mut next = || uniform(6.0);
         for (ty, hd) in [
             (KvType::F16, 8),
             (KvType::F16, 64),
             (KvType::F16, 128),
+            (KvType::Q8_0, 32),
             (KvType::Q8_0, 64),
+            (KvType::Q8_0, 96),
             (KvType::Q8_0, 128),
         ] {
             for g in [1, 3, 6] {

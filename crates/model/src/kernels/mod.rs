@@ -288,7 +288,7 @@ impl Kernels {
     pub fn dot_q8_0(&self, q: &[f32], k: &[half::f16]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if self.isa != Isa::Scalar {
-            // SAFETY: both SIMD isas are detected only with AVX2 and FMA.
+            // SAFETY: both SIMD isas are detected only with AVX2, FMA and F16C.
             return unsafe { attn_q8::avx2::dot_q8_0(q, k) };
         }
         attn_q8::dot_q8_0(q, k)
@@ -330,8 +330,14 @@ impl Kernels {
         tile: &mut [f32],
         out: &mut [f32],
     ) -> bool {
+        // The AVX-512 kernel takes f16 rows of its widths and groups; the tiled one the rest.
         #[cfg(target_arch = "x86_64")]
-        if self.isa == Isa::Avx2 || (self.isa == Isa::Avx512Vnni && q8) {
+        let fused = self.isa == Isa::Avx512Vnni
+            && !q8
+            && attn::FUSED_HEAD_DIMS.contains(&head_dim)
+            && (1..=attn::FUSED_MAX_GROUP).contains(&(q.len() / head_dim));
+        #[cfg(target_arch = "x86_64")]
+        if self.isa != Isa::Scalar && !fused {
             // SAFETY: the isa (AVX2, FMA, F16C; AVX-512 machines have them too) was checked
             // when these kernels were made; lengths are asserted inside.
             return unsafe {
@@ -350,7 +356,7 @@ impl Kernels {
             };
         }
         #[cfg(target_arch = "x86_64")]
-        if self.isa == Isa::Avx512Vnni {
+        if fused {
             use attn::fused::heads;
             macro_rules! by_group {
                 ($ch:literal) => {

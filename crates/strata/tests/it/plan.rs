@@ -100,7 +100,7 @@ fn plan_prints_the_swarm_its_routes_and_where_a_new_shard_would_go() {
         "{text}"
     );
     assert!(
-        line_with(&text, "registry").contains(", 1 of it storing them otherwise"),
+        line_with(&text, "registry").contains(", 1 of it of another KV type or numeric contract"),
         "{text}"
     );
     assert_eq!(
