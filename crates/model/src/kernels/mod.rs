@@ -338,10 +338,11 @@ impl Kernels {
             && (1..=attn::FUSED_MAX_GROUP).contains(&(q.len() / head_dim));
         #[cfg(target_arch = "x86_64")]
         if self.isa != Isa::Scalar && !fused {
-            // SAFETY: the isa (AVX2, FMA, F16C; AVX-512 machines have them too) was checked
+            // SAFETY: the isa (AVX2, FMA, F16C, and AVX-512 F/VL where it is Avx512Vnni) was checked
             // when these kernels were made; lengths are asserted inside.
             return unsafe {
                 attn::tiled::block(
+                    self.isa == Isa::Avx512Vnni,
                     head_dim,
                     q,
                     &[(0, n_pos)],
@@ -423,10 +424,22 @@ impl Kernels {
     ) -> bool {
         #[cfg(target_arch = "x86_64")]
         if matches!(self.isa, Isa::Avx2 | Isa::Avx512Vnni) {
-            // SAFETY: the isa (AVX2, FMA, F16C; AVX-512 machines have them too) was checked
+            // SAFETY: the isa (AVX2, FMA, F16C, and AVX-512 F/VL where it is Avx512Vnni) was checked
             // when these kernels were made; lengths are asserted inside.
             return unsafe {
-                attn::tiled::block(head_dim, q, ranges, scale, q8, k, v, scores, tile, out)
+                attn::tiled::block(
+                    self.isa == Isa::Avx512Vnni,
+                    head_dim,
+                    q,
+                    ranges,
+                    scale,
+                    q8,
+                    k,
+                    v,
+                    scores,
+                    tile,
+                    out,
+                )
             };
         }
         let _ = (head_dim, q, ranges, scale, q8, k, v, scores, tile, out);
