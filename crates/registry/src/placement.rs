@@ -273,7 +273,9 @@ pub async fn read_live(
 /// claims the range under a lease of `ttl`. Two shards that claim overlapping ranges before
 /// seeing each other's claim both see them after `settle`: the later claim (the higher etcd
 /// revision) places itself again, counting the earlier one, so shards started together take
-/// different layers. `Ok(None)` when not even one layer fits.
+/// different layers. `Ok(None)` when not even one layer fits; else the range, the coverage it
+/// was placed by, the claim, and how many live shards of the model computing otherwise
+/// (another [`ShardRecord::arithmetic`]) it saw, which never chain with it.
 pub async fn place_and_claim(
     connect: &Connect,
     prefix: &str,
@@ -281,7 +283,7 @@ pub async fn place_and_claim(
     ttl: Duration,
     settle: Duration,
     fits: impl Fn(usize, usize) -> bool,
-) -> Result<Option<(Range<usize>, Vec<u32>, Claim)>, Error> {
+) -> Result<Option<(Range<usize>, Vec<u32>, Claim, usize)>, Error> {
     let channel = channel(connect)?;
     channel.login().await?;
     let mut lease = LeaseClient::new(channel.svc());
@@ -304,6 +306,10 @@ pub async fn place_and_claim(
     for _ in 0..16 {
         let (shards, claims) = read_swarm(&channel, prefix, &me.address).await?;
         let cover = coverage(shards.iter().chain(claims.iter().map(|(r, _)| r)), me);
+        let apart = shards
+            .iter()
+            .filter(|r| r.digest == me.digest && !r.same_swarm(me))
+            .count();
         let Some(range) = place(&cover, &fits) else {
             claim.release().await;
             return Ok(None);
@@ -331,7 +337,7 @@ pub async fn place_and_claim(
             .iter()
             .find(|(r, rev)| *rev < my_revision && overlaps(r))
         {
-            None => return Ok(Some((range, cover, claim))),
+            None => return Ok(Some((range, cover, claim, apart))),
             Some((earlier, _)) => tracing::info!(
                 layers = ?range,
                 earlier = %earlier.address,

@@ -360,7 +360,7 @@ async fn place_itself(
     )
     .await
     .map_err(|e| anyhow!("--layers auto: {e}"))?;
-    let Some((range, cover, claim)) = placed else {
+    let Some((range, cover, claim, apart)) = placed else {
         let smallest = (0..n_layers)
             .map(|i| sizes.range(i, i + 1))
             .min()
@@ -374,16 +374,10 @@ async fn place_itself(
     };
     // Shards of this model computing otherwise never chain with this one, and a tracker
     // serves a model under one KV type and contract (a swarm changing its type passes here).
-    if let Ok((records, _)) = registry::placement::read_live(connect, prefix).await {
-        let apart = records
-            .iter()
-            .filter(|r| r.digest == me.digest && !r.same_swarm(&me))
-            .count();
-        if apart > 0 {
-            eprintln!(
-                "strata shard: warning: {apart} live shards of this model store K and V as another type or compute under another numeric contract: this shard never chains with them, and a tracker serving their routes refuses routes of this one's kind until theirs are gone"
-            );
-        }
+    if apart > 0 {
+        eprintln!(
+            "strata shard: warning: {apart} live shards of this model store K and V as another type or compute under another numeric contract: this shard never chains with them, and a tracker serving their routes refuses routes of this one's kind until theirs are gone"
+        );
     }
     let served = cover.iter().filter(|&&c| c > 0).count();
     eprintln!(

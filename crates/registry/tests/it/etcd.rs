@@ -237,11 +237,11 @@ async fn shards_placing_themselves_together_claim_disjoint_ranges() {
     for t in tasks {
         placed.push(t.await.unwrap());
     }
-    let mut ranges: Vec<_> = placed.iter().map(|(r, _, _)| r.clone()).collect();
+    let mut ranges: Vec<_> = placed.iter().map(|(r, _, _, _)| r.clone()).collect();
     ranges.sort_by_key(|r| r.start);
     assert_eq!(ranges, [0..6, 6..12, 12..18, 18..24]);
     assert_eq!(etcd.keys("/strata/placing/").len(), 4);
-    for (_, _, claim) in placed {
+    for (_, _, claim, _) in placed {
         claim.release().await;
     }
     assert!(etcd.keys("/strata/placing/").is_empty());
